@@ -1,0 +1,61 @@
+"""Architecture tables: which GGUF metadata keys and tensor names each MoE family uses.
+
+Adding an architecture means adding one `ArchSpec` entry here (and one model module in the
+decoder); nothing else should need to know the family by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Per-layer tensors every supported family has (llama.cpp names, without "blk.N." and ".weight").
+_ATTN = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate_inp")
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What one GGUF `general.architecture` looks like on disk."""
+
+    name: str
+    layer_tensors: tuple[str, ...]  # required dense weights per layer (".weight" implied)
+    layer_biases: tuple[str, ...] = ()  # required ".bias" tensors per layer
+    shared_expert: bool = False  # ffn_{gate,up,down}_shexp + ffn_gate_inp_shexp
+    qk_norm: str = "none"  # "none" | "head" (RMSNorm over head_dim) | "full" (over n_embd)
+    head_dim_key: bool = False  # head dim read from attention.key_length when present
+    norm_topk_prob: bool = True  # renormalize the top-k router weights
+    expert_ff_key: str | None = "expert_feed_forward_length"
+
+
+ARCHS: dict[str, ArchSpec] = {
+    spec.name: spec
+    for spec in (
+        ArchSpec("qwen3moe", _ATTN + ("attn_q_norm", "attn_k_norm"), qk_norm="head", head_dim_key=True),
+        ArchSpec(
+            "qwen2moe",
+            _ATTN,
+            layer_biases=("attn_q", "attn_k", "attn_v"),
+            shared_expert=True,
+            norm_topk_prob=False,
+        ),
+        # Mixtral is stored as "llama" with expert_count > 0; its expert width is the FFN width.
+        ArchSpec("llama", _ATTN, expert_ff_key=None),
+        ArchSpec("olmoe", _ATTN + ("attn_q_norm", "attn_k_norm"), qk_norm="full", norm_topk_prob=False),
+    )
+}
+
+# Expert tensors: blk.L.ffn_<part>_exps.<kind>; parts in the order a blob stores them.
+EXPERT_PARTS: tuple[str, ...] = ("gate_up", "gate", "up", "down")
+SHARED_EXPERT_TENSORS: tuple[str, ...] = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp")
+
+
+def arch_key(arch: str, key: str) -> str:
+    """Full metadata key, e.g. arch_key("qwen3moe", "block_count") -> "qwen3moe.block_count"."""
+    return f"{arch}.{key}"
+
+
+def get_arch(name: str) -> ArchSpec:
+    try:
+        return ARCHS[name]
+    except KeyError:
+        known = ", ".join(sorted(ARCHS))
+        raise ValueError(f"unsupported architecture {name!r} (supported: {known})") from None

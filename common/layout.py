@@ -1,0 +1,337 @@
+"""GGUF model layout: hyper-parameters, dense tensors and the expert index.
+
+Parsed with the `gguf` package's reader. An expert of tensor `blk.L.ffn_<part>_exps.weight`
+(ggml ne = [n_in, n_out, n_expert]) is `ne1` rows of `row_bytes = ne0 // block * type_size`
+bytes each, so expert e lives at `[off + e*stride, off + (e+1)*stride)` with
+`stride = row_bytes * ne1`. A blob is the list of an expert's parts, in `EXPERT_PARTS` order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+from .arch import EXPERT_PARTS, SHARED_EXPERT_TENSORS, ArchSpec, arch_key, get_arch
+
+PAGE = 4096
+
+# Quant types the decoder can dequantize (checked here so both processes agree up front).
+SUPPORTED_QTYPES: frozenset[GGMLQuantizationType] = frozenset(
+    GGMLQuantizationType[n]
+    for n in "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS MXFP4".split()
+)
+
+_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(\w+?)_exps\.(weight|bias|scale)$")
+
+
+class ModelFormatError(ValueError):
+    """The file is not a GGUF MoE model moestream can serve; the message says why."""
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor as stored: ggml shape order (ne0 first), absolute file offset."""
+
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def row_bytes(self) -> int:
+        block, type_size = GGML_QUANT_SIZES[self.qtype]
+        return self.shape[0] // block * type_size
+
+
+@dataclass(frozen=True)
+class ExpertPart:
+    """One expert's slice of a `*_exps` tensor: `shape` is (n_in, n_out) in ggml order."""
+
+    name: str  # "gate" | "up" | "down" | "gate_up" | e.g. "down.bias"
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]
+    offset: int  # absolute offset in the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class HParams:
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_ff_shexp: int
+    n_vocab: int
+    rope_base: float
+    rms_eps: float
+    context_length: int
+    norm_topk_prob: bool
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    path: str
+    size: int
+    mtime_ns: int
+    header_sha256: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns, "header_sha256": self.header_sha256}
+
+
+@dataclass
+class ExpertIndex:
+    """Byte ranges of every (layer, expert) blob."""
+
+    n_layer: int
+    n_expert: int
+    # parts[layer] = list of (part name, tensor) for that layer's expert tensors, in blob order
+    tensors: list[list[tuple[str, TensorInfo]]] = field(default_factory=list)
+
+    def parts(self, layer: int, expert: int) -> list[ExpertPart]:
+        if not (0 <= layer < self.n_layer and 0 <= expert < self.n_expert):
+            raise IndexError(f"expert ({layer}, {expert}) out of range [0,{self.n_layer}) x [0,{self.n_expert})")
+        out = []
+        for name, t in self.tensors[layer]:
+            stride = t.nbytes // self.n_expert
+            out.append(ExpertPart(name, t.qtype, t.shape[:-1], t.offset + expert * stride, stride))
+        return out
+
+    def blob_bytes(self, layer: int) -> int:
+        return sum(t.nbytes // self.n_expert for _, t in self.tensors[layer])
+
+    @cached_property
+    def max_blob_bytes(self) -> int:
+        return max(self.blob_bytes(layer) for layer in range(self.n_layer))
+
+    def slot_bytes(self, direct_io: bool = False) -> int:
+        """Arena slot size: the largest blob, each part padded for aligned (O_DIRECT) reads."""
+        worst = 0
+        for layer in range(self.n_layer):
+            size = 0
+            for _, t in self.tensors[layer]:
+                stride = t.nbytes // self.n_expert
+                size += round_up(stride, PAGE) + (PAGE if direct_io else 0)
+            worst = max(worst, size)
+        return round_up(worst, PAGE)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.blob_bytes(layer) * self.n_expert for layer in range(self.n_layer))
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "n_layer": self.n_layer,
+            "n_expert": self.n_expert,
+            "max_blob_bytes": self.max_blob_bytes,
+            "total_bytes": self.total_bytes,
+            "parts": [name for name, _ in self.tensors[0]] if self.tensors else [],
+        }
+
+
+class ModelLayout:
+    """Everything both processes need to know about a GGUF MoE file, parsed once."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path).resolve()
+        self.reader = _open_reader(self.path)
+        self.file_size = self.path.stat().st_size
+        self.arch_name = str(self._kv("general.architecture"))
+        self.spec: ArchSpec = _wrap(get_arch, self.arch_name)
+        self.tensors = self._tensor_table()
+        self.hparams = self._hparams()
+        self.experts = self._expert_index()
+        self.dense = {n: t for n, t in self.tensors.items() if not _EXPERT_RE.match(n)}
+        self._check_dense()
+
+    # -- metadata -------------------------------------------------------------------------
+    def _kv(self, key: str, default: Any = ...) -> Any:
+        f = self.reader.get_field(key)
+        if f is None:
+            if default is ...:
+                raise ModelFormatError(f"{self.path.name}: missing metadata key {key!r}")
+            return default
+        return f.contents()
+
+    def kv(self, key: str, default: Any = None) -> Any:
+        """A metadata value as a Python object (strings, numbers, lists), or `default`."""
+        return self._kv(key, default)
+
+    def _akv(self, key: str, default: Any = ...) -> Any:
+        return self._kv(arch_key(self.arch_name, key), default)
+
+    def _hparams(self) -> HParams:
+        n_embd, n_head = int(self._akv("embedding_length")), int(self._akv("attention.head_count"))
+        spec = self.spec
+        ff_key = spec.expert_ff_key or "feed_forward_length"
+        head_dim = int(self._akv("attention.key_length", n_embd // n_head)) if spec.head_dim_key else n_embd // n_head
+        vocab = self.tensors.get("token_embd.weight")
+        if vocab is None:
+            raise ModelFormatError(f"{self.path.name}: missing tensor 'token_embd.weight'")
+        return HParams(
+            arch=self.arch_name,
+            n_layer=int(self._akv("block_count")),
+            n_embd=n_embd,
+            n_head=n_head,
+            n_head_kv=int(self._akv("attention.head_count_kv", n_head)),
+            head_dim=head_dim,
+            n_expert=int(self._akv("expert_count", 0)),
+            n_expert_used=int(self._akv("expert_used_count", 0)),
+            n_ff_exp=int(self._akv(ff_key)),
+            n_ff_shexp=int(self._akv("expert_shared_feed_forward_length", 0)),
+            n_vocab=int(vocab.shape[1]),
+            rope_base=float(self._akv("rope.freq_base", 10000.0)),
+            rms_eps=float(self._akv("attention.layer_norm_rms_epsilon", 1e-6)),
+            context_length=int(self._akv("context_length", 4096)),
+            norm_topk_prob=bool(self._akv("expert_weights_norm", spec.norm_topk_prob)),
+        )
+
+    # -- tensors --------------------------------------------------------------------------
+    def _tensor_table(self) -> dict[str, TensorInfo]:
+        out: dict[str, TensorInfo] = {}
+        for t in self.reader.tensors:
+            qtype = GGMLQuantizationType(t.tensor_type)
+            info = TensorInfo(t.name, qtype, tuple(int(x) for x in t.shape), int(t.data_offset), int(t.n_bytes))
+            if info.offset + info.nbytes > self.file_size:
+                raise ModelFormatError(
+                    f"{self.path.name}: truncated: tensor {t.name!r} ends at byte {info.offset + info.nbytes} "
+                    f"but the file has {self.file_size} bytes"
+                )
+            if qtype not in SUPPORTED_QTYPES:
+                raise ModelFormatError(f"{self.path.name}: tensor {t.name!r} has unsupported quant type {qtype.name}")
+            out[t.name] = info
+        return out
+
+    def _expert_index(self) -> ExpertIndex:
+        hp = self.hparams
+        if hp.n_expert <= 0 or hp.n_expert_used <= 0:
+            raise ModelFormatError(f"{self.path.name}: not a MoE model (expert_count={hp.n_expert}, "
+                                   f"expert_used_count={hp.n_expert_used})")
+        if hp.n_expert_used > hp.n_expert:
+            raise ModelFormatError(f"{self.path.name}: expert_used_count={hp.n_expert_used} > expert_count={hp.n_expert}")
+        by_layer: list[dict[str, TensorInfo]] = [{} for _ in range(hp.n_layer)]
+        for name, t in self.tensors.items():
+            m = _EXPERT_RE.match(name)
+            if not m:
+                continue
+            layer, part, kind = int(m.group(1)), m.group(2), m.group(3)
+            if layer >= hp.n_layer:
+                raise ModelFormatError(f"{self.path.name}: tensor {name!r} names layer {layer} but block_count={hp.n_layer}")
+            by_layer[layer][part if kind == "weight" else f"{part}.{kind}"] = t
+        index = ExpertIndex(hp.n_layer, hp.n_expert)
+        for layer, parts in enumerate(by_layer):
+            index.tensors.append(self._layer_parts(layer, parts))
+        return index
+
+    def _layer_parts(self, layer: int, parts: dict[str, TensorInfo]) -> list[tuple[str, TensorInfo]]:
+        hp, name = self.hparams, self.path.name
+        fused = "gate_up" in parts
+        needed = ("gate_up", "down") if fused else ("gate", "up", "down")
+        for part in needed:
+            if part not in parts:
+                raise ModelFormatError(f"{name}: missing expert tensor 'blk.{layer}.ffn_{part}_exps.weight'")
+        n_ff = hp.n_ff_exp * (2 if fused else 1)
+        want = {"gate": (hp.n_embd, n_ff), "up": (hp.n_embd, n_ff), "gate_up": (hp.n_embd, n_ff), "down": (hp.n_ff_exp, hp.n_embd)}
+        for part, t in parts.items():
+            if t.shape[-1] != hp.n_expert:
+                raise ModelFormatError(f"{name}: inconsistent expert count: tensor {t.name!r} has {t.shape[-1]} experts "
+                                       f"but expert_count={hp.n_expert}")
+            if part in want and t.shape != (*want[part], hp.n_expert):
+                raise ModelFormatError(f"{name}: mis-shaped expert tensor {t.name!r}: shape {list(t.shape)}, "
+                                       f"expected {[*want[part], hp.n_expert]}")
+            block = GGML_QUANT_SIZES[t.qtype][0]
+            if t.shape[0] % block:
+                raise ModelFormatError(f"{name}: tensor {t.name!r}: row length {t.shape[0]} is not a multiple "
+                                       f"of the {t.qtype.name} block size {block}")
+        order = [p for p in EXPERT_PARTS if p in parts] + sorted(p for p in parts if p not in EXPERT_PARTS)
+        return [(p, parts[p]) for p in order]
+
+    def _check_dense(self) -> None:
+        hp, spec, name = self.hparams, self.spec, self.path.name
+        for key in ("token_embd.weight", "output_norm.weight"):
+            if key not in self.dense:
+                raise ModelFormatError(f"{name}: missing tensor {key!r}")
+        for layer in range(hp.n_layer):
+            for t in spec.layer_tensors:
+                self._require(f"blk.{layer}.{t}.weight")
+            for t in spec.layer_biases:
+                self._require(f"blk.{layer}.{t}.bias")
+            if spec.shared_expert:
+                for t in SHARED_EXPERT_TENSORS:
+                    self._require(f"blk.{layer}.{t}.weight")
+            router = self.dense[f"blk.{layer}.ffn_gate_inp.weight"]
+            if router.shape != (hp.n_embd, hp.n_expert):
+                raise ModelFormatError(f"{name}: mis-shaped router tensor {router.name!r}: shape {list(router.shape)}, "
+                                       f"expected {[hp.n_embd, hp.n_expert]}")
+
+    def _require(self, tensor: str) -> TensorInfo:
+        if tensor not in self.dense:
+            raise ModelFormatError(f"{self.path.name}: missing tensor {tensor!r} required by {self.arch_name}")
+        return self.dense[tensor]
+
+    # -- views ----------------------------------------------------------------------------
+    def tensor_bytes(self, name: str) -> np.ndarray:
+        """The raw bytes of a tensor (a read-only view of the file's memory map)."""
+        t = self.tensors[name]
+        return self.reader.data[t.offset : t.offset + t.nbytes]
+
+    @property
+    def dense_bytes(self) -> int:
+        return sum(t.nbytes for t in self.dense.values())
+
+    @cached_property
+    def fingerprint(self) -> Fingerprint:
+        st = self.path.stat()
+        with open(self.path, "rb") as f:
+            header = f.read(self.reader.data_offset)
+        return Fingerprint(str(self.path), st.st_size, st.st_mtime_ns, hashlib.sha256(header).hexdigest())
+
+    def quant_types(self) -> dict[str, int]:
+        """Quant type name -> number of tensors of that type."""
+        out: dict[str, int] = {}
+        for t in self.tensors.values():
+            out[t.qtype.name] = out.get(t.qtype.name, 0) + 1
+        return out
+
+
+def _open_reader(path: Path) -> GGUFReader:
+    if not path.is_file():
+        raise ModelFormatError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelFormatError(f"{path.name}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    try:
+        return GGUFReader(path, "r")
+    except (ValueError, KeyError, IndexError, OSError) as e:
+        # The reader fails deep inside on truncated headers or unknown enum values.
+        raise ModelFormatError(f"{path.name}: unreadable GGUF header or tensor table: {e}") from None
+
+
+def _wrap(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise ModelFormatError(str(e)) from None
+
+
+def load_layout(path: str | os.PathLike[str]) -> ModelLayout:
+    return ModelLayout(path)

@@ -1,0 +1,1 @@
+"""moestream-iod: the per-host daemon that reads expert blocks into a shared-memory arena."""

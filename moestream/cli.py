@@ -1,0 +1,49 @@
+"""The `moestream` command: a thin dispatcher from subcommand to the owning package's main.
+
+Each subcommand's module is imported only when it runs, so `moestream status` never imports
+torch and the daemon and decoder packages never import each other.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("moestream.decoder.demo", "make a tiny model, start a daemon, generate streamed text"),
+    "generate": ("moestream.decoder.cli", "generate text from a GGUF MoE (resident or streamed from moestream-iod)"),
+    "make-model": ("moestream.common.make_model", "write a tiny GGUF MoE with random weights"),
+    "inspect": ("moestream.common.inspect", "print a GGUF MoE's architecture and expert index"),
+    "status": ("moestream.common.status_cli", "show a running moestream-iod's status"),
+    "iod": ("moestream.iod.main", "run the I/O daemon (same as moestream-iod)"),
+    "bench": ("moestream.bench", "benchmarks: `bench io` (daemon delivery), `bench decode` (tok/s)"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: moestream COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`moestream COMMAND --help` explains each command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from moestream import __version__
+
+        print(f"moestream {__version__}")
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"moestream: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return int(module.main(argv[1:]) or 0)
+
+
+def main_entry() -> None:
+    sys.exit(main())
