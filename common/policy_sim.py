@@ -1,0 +1,254 @@
+"""Compare cache policies on an expert-access trace: decayed LFU, LRU and Belady's optimum.
+
+A trace is a list of steps; a step is the keys needed together (in practice the routed
+`(layer, expert)` pairs of one token). Every policy follows the rule the real caches follow:
+all keys of the current step are selected (pinned) before any miss is filled, so a step's
+own keys are never evicted while it runs, a key counts as a hit when it is resident at the
+start of its step, and a key repeated inside one step counts once. The capacity must hold
+one step's distinct keys. "lfu" runs the real `SlotPolicy`, with one `step()` per step.
+
+Trace files (written by `write_trace`, read by `load_trace`):
+- JSON: `{"n_layer": L, "n_expert": E, "steps": [[[layer, expert], ...], ...]}`
+  with 0 <= layer < L and 0 <= expert < E.
+- .npy: an integer array of shape [tokens, layers, k] holding expert ids; step t is
+  `{(layer, ids[t, layer, j])}` over all layers and j.
+
+`--per-layer` splits every step into one step per layer (the cache then only has to hold
+one layer's experts, and decay ticks per layer instead of per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import sys
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .policy import SlotPolicy
+
+POLICIES = ("lfu", "lru", "belady")
+Trace = Sequence[Sequence[Hashable]]
+
+
+@dataclass(frozen=True)
+class SimResult:
+    hits: int
+    misses: int
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+def _dedup(trace: Trace) -> list[list[Hashable]]:
+    return [list(dict.fromkeys(step)) for step in trace]
+
+
+def simulate(trace: Trace, capacity: int, policy: str = "lfu", decay: float = 0.9) -> SimResult:
+    """Replay `trace` on a cache of `capacity` slots under `policy` ("lfu", "lru", "belady")."""
+    steps = _dedup(trace)
+    widest = max((len(s) for s in steps), default=0)
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < max(1, widest):
+        raise ValueError(
+            f"capacity {capacity!r} cannot hold one step: need an int >= {max(1, widest)}"
+        )
+    if policy == "lfu":
+        return _sim_lfu(steps, capacity, decay)
+    if policy == "lru":
+        return _sim_lru(steps, capacity)
+    if policy == "belady":
+        return _sim_belady(steps, capacity)
+    raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+def _sim_lfu(steps: list[list[Hashable]], capacity: int, decay: float) -> SimResult:
+    cache = SlotPolicy(capacity, decay)
+    for keys in steps:
+        missed = []
+        for key in keys:  # select the hits first, as the caches do
+            if cache.lookup(key) is None:
+                missed.append(key)
+            else:
+                cache.pin(key)
+        for key in missed:
+            cache.insert(key, pin=True)
+        for key in keys:
+            cache.unpin(key)
+        cache.step()
+    return SimResult(cache.hits, cache.misses)
+
+
+def _sim_lru(steps: list[list[Hashable]], capacity: int) -> SimResult:
+    cache: OrderedDict[Hashable, None] = OrderedDict()  # least recent first
+    hits = misses = 0
+    for keys in steps:
+        missed = []
+        for key in keys:
+            if key in cache:
+                hits += 1
+                cache.move_to_end(key)
+            else:
+                missed.append(key)
+        for key in missed:
+            misses += 1
+            if len(cache) >= capacity:
+                # The step's keys sit at the recent end, so the oldest is never one of them.
+                cache.popitem(last=False)
+            cache[key] = None
+    return SimResult(hits, misses)
+
+
+def _next_uses(steps: list[list[Hashable]]) -> list[list[float]]:
+    """For step s and its j-th key, the index of the next step using that key (inf: never)."""
+    later: dict[Hashable, float] = {}
+    out: list[list[float]] = [[]] * len(steps)
+    for s in range(len(steps) - 1, -1, -1):
+        out[s] = [later.get(key, float("inf")) for key in steps[s]]
+        for key in steps[s]:
+            later[key] = s
+    return out
+
+
+def _sim_belady(steps: list[list[Hashable]], capacity: int) -> SimResult:
+    """Evict the resident key, outside the current step, whose next use is farthest away."""
+    next_use: dict[Hashable, float] = {}  # resident key -> its next use after the last access
+    heap: list[tuple[float, int, Hashable]] = []  # (-next use, seq, key); stale ones skipped
+    hits = misses = seq = 0
+    for s, (keys, nexts) in enumerate(zip(steps, _next_uses(steps))):
+        missed = [k for k in keys if k not in next_use]
+        hits += len(keys) - len(missed)
+        misses += len(missed)
+        for _ in range(len(next_use) + len(missed) - capacity):
+            _pop_farthest(heap, next_use, s)
+        for key, nxt in zip(keys, nexts):
+            next_use[key] = nxt
+            seq += 1  # keeps keys out of comparisons: they need not be orderable
+            heapq.heappush(heap, (-nxt, seq, key))
+    return SimResult(hits, misses)
+
+
+def _pop_farthest(heap: list, next_use: dict[Hashable, float], s: int) -> None:
+    # Resident keys of step s still carry next use == s (set when last accessed) and every
+    # other resident key a later one, so they come out last. A key's next uses only grow,
+    # so a stale item never matches the key's current value.
+    while True:
+        neg, _, key = heapq.heappop(heap)
+        if next_use.get(key) == -neg:
+            assert -neg != s, "a key of the current step was chosen"
+            del next_use[key]
+            return
+
+
+# -- trace files -----------------------------------------------------------------------------
+def write_trace(path: str | Path, steps: Sequence[Sequence[tuple[int, int]]],
+                n_layer: int, n_expert: int) -> None:
+    """Write a JSON trace (see the module docstring)."""
+    doc = {"n_layer": n_layer, "n_expert": n_expert,
+           "steps": [[[int(l), int(e)] for l, e in step] for step in steps]}
+    Path(path).write_text(json.dumps(doc, separators=(",", ":")))
+
+
+def load_trace(path: str | Path) -> list[list[tuple[int, int]]]:
+    """Read a .json or .npy trace; raises ValueError naming what is wrong."""
+    path = Path(path)
+    if path.suffix == ".npy":
+        return _load_npy(path)
+    if path.suffix == ".json":
+        return _load_json(path)
+    raise ValueError(f"{path}: trace must be .json or .npy, got {path.suffix!r}")
+
+
+def _load_npy(path: Path) -> list[list[tuple[int, int]]]:
+    import numpy as np  # only the .npy format needs it
+
+    ids = np.load(path, allow_pickle=False)
+    if ids.ndim != 3 or ids.dtype.kind not in "iu":
+        raise ValueError(f"{path}: need an integer array [tokens, layers, k], "
+                         f"got dtype {ids.dtype} shape {ids.shape}")
+    if ids.size and ids.min() < 0:
+        raise ValueError(f"{path}: negative expert id {int(ids.min())}")
+    return [[(layer, int(e)) for layer, row in enumerate(tok) for e in row] for tok in ids]
+
+
+def _load_json(path: Path) -> list[list[tuple[int, int]]]:
+    doc = json.loads(path.read_text())
+    if not isinstance(doc, dict) or not {"n_layer", "n_expert", "steps"} <= doc.keys():
+        raise ValueError(f"{path}: need an object with n_layer, n_expert and steps")
+    n_layer, n_expert = doc["n_layer"], doc["n_expert"]
+    steps = []
+    for t, step in enumerate(doc["steps"]):
+        keys = []
+        for pair in step:
+            if (not isinstance(pair, list) or len(pair) != 2
+                    or not all(isinstance(x, int) for x in pair)
+                    or not (0 <= pair[0] < n_layer and 0 <= pair[1] < n_expert)):
+                raise ValueError(f"{path}: step {t}: bad key {pair!r} for "
+                                 f"n_layer={n_layer}, n_expert={n_expert}")
+            keys.append((pair[0], pair[1]))
+        steps.append(keys)
+    return steps
+
+
+def split_per_layer(steps: Trace) -> list[list[tuple[int, int]]]:
+    """One step per (token, layer), in layer order within each token."""
+    out = []
+    for step in steps:
+        by_layer: dict[int, list[tuple[int, int]]] = {}
+        for key in step:
+            by_layer.setdefault(key[0], []).append(key)
+        out.extend(by_layer[layer] for layer in sorted(by_layer))
+    return out
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m moestream.common.policy_sim",
+        description="Hit rates of decayed LFU, LRU and Belady's optimum on an expert trace "
+                    "(.json or .npy; formats in the module docstring), with lfu/belady and "
+                    "lru/belady ratios.")
+    p.add_argument("trace", help="trace file, .json or .npy [tokens, layers, k]")
+    p.add_argument("--capacity", type=int, nargs="+", required=True,
+                   help="cache size(s) in slots; must hold one step's keys")
+    p.add_argument("--decay", type=float, default=0.9, help="LFU score decay per step (0, 1]")
+    p.add_argument("--per-layer", action="store_true",
+                   help="one step per (token, layer) instead of per token")
+    return p
+
+
+def _report(steps: list, capacity: int, decay: float) -> str:
+    res = {name: simulate(steps, capacity, name, decay) for name in ("belady", "lfu", "lru")}
+    best = res["belady"].hit_rate
+
+    def ratio(name: str) -> str:
+        return f"{res[name].hit_rate / best:.3f}" if best else "n/a"
+
+    return (f"capacity {capacity}: belady {best:.4f}  lfu {res['lfu'].hit_rate:.4f}  "
+            f"lru {res['lru'].hit_rate:.4f}  lfu/belady {ratio('lfu')}  lru/belady {ratio('lru')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        steps = load_trace(args.trace)
+        if args.per_layer:
+            steps = split_per_layer(steps)
+        n_access = sum(len(set(s)) for s in steps)
+        n_keys = len({k for s in steps for k in s})
+        print(f"{args.trace}: {len(steps)} steps, {n_access} accesses, {n_keys} distinct keys, "
+              f"lfu decay {args.decay}")
+        for capacity in args.capacity:
+            print(_report(steps, capacity, args.decay))
+    except (OSError, ValueError) as exc:
+        print(f"policy_sim: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

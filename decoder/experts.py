@@ -1,0 +1,163 @@
+"""Expert sources: where the MoE block gets an expert's weights from.
+
+The model never knows whether experts are resident or streamed: it asks an `ExpertSource`
+to `acquire` the experts a layer routed to, computes, then `release`s them. Both sources
+turn the same raw GGUF bytes into weights with `blob_to_weights` (one code path, so
+streamed and resident decoding are bit-identical).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ..common.layout import ExpertPart, ModelLayout
+from .dequant import dequantize
+
+
+@dataclass
+class ExpertWeights:
+    """One expert, ready for compute on the model's device, in the model's float dtype."""
+
+    gate: torch.Tensor  # [ff, d]
+    up: torch.Tensor  # [ff, d]
+    down: torch.Tensor  # [d, ff]
+    # Per-expert extras some architectures store next to the weights (e.g. "down.bias"); empty for qwen3moe.
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.gate, self.up, self.down, *self.extras.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def blob_to_weights(
+    parts: list[ExpertPart],
+    blob: torch.Tensor,
+    ranges: dict[str, tuple[int, int]],
+    dtype: torch.dtype = torch.float32,
+) -> ExpertWeights:
+    """Dequantize one expert blob (uint8 bytes on the compute device) into `ExpertWeights`.
+
+    `ranges[part.name] = (offset inside blob, nbytes)`. A fused `gate_up` part holds the gate
+    rows first, then the up rows.
+    """
+    mats: dict[str, torch.Tensor] = {}
+    for part in parts:
+        if part.name not in ranges:
+            raise ValueError(f"expert blob has no byte range for part {part.name!r} (has {sorted(ranges)})")
+        off, n = ranges[part.name]
+        if n != part.nbytes or off < 0 or off + n > blob.numel():
+            raise ValueError(f"expert part {part.name!r}: range ({off}, {n}) does not fit a {part.nbytes}-byte part "
+                             f"inside a {blob.numel()}-byte blob")
+        w = dequantize(blob[off:off + n], part.qtype, part.shape, name=part.name)  # [n_out, n_in]
+        mats[part.name] = w.to(dtype)
+    if "gate_up" in mats:
+        gate, up = mats.pop("gate_up").chunk(2, dim=0)  # [2ff, d] -> 2 x [ff, d]
+    else:
+        gate, up = mats.pop("gate"), mats.pop("up")
+    return ExpertWeights(gate=gate, up=up, down=mats.pop("down"), extras=mats)
+
+
+class ExpertSource(ABC):
+    """Where the MoE block gets expert weights. Calls come from the compute thread."""
+
+    def begin_step(self) -> None:
+        """One decode step starts (policy decay tick)."""
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        """Hint that `experts` of `layer` will probably be needed soon."""
+
+    @abstractmethod
+    def acquire(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
+        """Block until every listed expert is present; pin them until `release`."""
+
+    def release(self, layer: int, experts: Sequence[int]) -> None:
+        """Unpin after the layer's compute."""
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "ExpertSource":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_blob(layout: ModelLayout, layer: int, expert: int) -> tuple[list[ExpertPart], bytes, dict[str, tuple[int, int]]]:
+    """An expert's parts read straight from the file's memory map, packed back to back."""
+    parts = layout.experts.parts(layer, expert)
+    data = layout.reader.data  # np.memmap of the whole file, uint8
+    chunks, ranges, off = [], {}, 0
+    for p in parts:
+        chunks.append(bytes(data[p.offset:p.offset + p.nbytes]))
+        ranges[p.name] = (off, p.nbytes)
+        off += p.nbytes
+    return parts, b"".join(chunks), ranges
+
+
+class ResidentExperts(ExpertSource):
+    """Every expert in process, no daemon: the reference streamed decoding must match.
+
+    `slot_format="dequant"` dequantizes every expert once at start (fast compute, float
+    memory); `"raw"` keeps the quantized bytes on the device and dequantizes on each acquire
+    (as a raw-slot streamed cache does; cheap on a GPU, slow on a CPU).
+    """
+
+    def __init__(self, layout: ModelLayout, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, slot_format: str = "dequant", progress: bool = False):
+        if slot_format not in ("raw", "dequant"):
+            raise ValueError(f"slot_format must be 'raw' or 'dequant', got {slot_format!r}")
+        self.layout, self.device, self.dtype = layout, torch.device(device), dtype
+        self.slot_format = slot_format
+        self._raw: dict[tuple[int, int], tuple[list[ExpertPart], torch.Tensor, dict[str, tuple[int, int]]]] = {}
+        self._weights: dict[tuple[int, int], ExpertWeights] = {}
+        self._acquired = 0
+        self._load(progress)
+
+    def _load(self, progress: bool) -> None:
+        hp = self.layout.hparams
+        keys = [(layer, e) for layer in range(hp.n_layer) for e in range(hp.n_expert)]
+        if progress:
+            from tqdm import tqdm
+
+            keys = tqdm(keys, desc="experts", unit="expert", leave=False)
+        for key in keys:
+            parts, raw, ranges = read_blob(self.layout, *key)
+            blob = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device)  # [blob bytes]
+            if self.slot_format == "raw":
+                self._raw[key] = (parts, blob, ranges)
+            else:
+                self._weights[key] = blob_to_weights(parts, blob, ranges, self.dtype)
+
+    def acquire(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
+        out = {}
+        for e in experts:
+            key = (layer, int(e))
+            if self.slot_format == "raw":
+                if key not in self._raw:
+                    raise KeyError(f"no expert {key} in this model")
+                out[int(e)] = blob_to_weights(*self._raw[key], self.dtype)
+            else:
+                if key not in self._weights:
+                    raise KeyError(f"no expert {key} in this model")
+                out[int(e)] = self._weights[key]
+        self._acquired += len(out)
+        return out
+
+    def stats(self) -> dict:
+        held = self._raw.values() if self.slot_format == "raw" else self._weights.values()
+        nbytes = sum(v[1].numel() for v in held) if self.slot_format == "raw" else sum(w.nbytes for w in held)
+        return {"source": "resident", "slot_format": self.slot_format, "experts": len(held),
+                "bytes": nbytes, "acquired": self._acquired}
+
+    def close(self) -> None:
+        self._raw.clear()
+        self._weights.clear()

@@ -1,0 +1,247 @@
+"""Reader backends: batched reads of exact file ranges straight into arena slots.
+
+Two backends behind one small interface (`Reader`): `threads` (a pool of `os.preadv` workers)
+and `uring` (io_uring through raw syscalls, see `reader_uring.py`). Both read through their
+own file descriptor, never the model's mmap, opened with `POSIX_FADV_RANDOM` (or `O_DIRECT`)
+so kernel readahead does not inflate what the disk reads.
+
+Ops submitted together, or pending at the same time, whose file ranges touch are coalesced
+into one vectored read (one iovec per op), so a layer's worth of adjacent experts costs a
+few large reads instead of many small ones.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from moestream.common.layout import PAGE, ExpertPart, round_up
+
+OnDone = Callable[[BaseException | None], None]
+BACKENDS = ("auto", "uring", "threads")
+MAX_RUN_BYTES = 8 << 20  # a coalesced read stops growing here, so depth still spreads the work
+MAX_RUN_IOVECS = 64  # well under IOV_MAX (1024)
+
+
+class ReadError(OSError):
+    """A read could not deliver the bytes asked for (past end of file, I/O error, ...)."""
+
+
+@dataclass
+class ReadOp:
+    """Read `length` bytes at file `offset` into `dest` (writable, `len(dest) == length`).
+
+    With O_DIRECT the offset, length and the address of `dest` are 4096-aligned. `required`
+    (default: `length`) is how many leading bytes must arrive: an aligned read may run past
+    the end of the file, which is fine as long as the bytes wanted are inside it.
+    """
+
+    offset: int
+    length: int
+    dest: memoryview
+    required: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.length <= 0:
+            raise ValueError(f"ReadOp: bad range offset={self.offset} length={self.length}")
+        if len(self.dest) != self.length:
+            raise ValueError(f"ReadOp: dest has {len(self.dest)} bytes but length={self.length}")
+        if self.required is None:
+            self.required = self.length
+        elif not 0 < self.required <= self.length:
+            raise ValueError(f"ReadOp: required={self.required} not in (0, {self.length}]")
+
+
+class Reader(Protocol):
+    name: str  # "uring" | "threads"
+    note: str  # why `auto` fell back, "" if it did not
+
+    def submit(self, ops: list[ReadOp], on_done: OnDone) -> None: ...
+    def stats(self) -> dict: ...
+    def close(self) -> None: ...
+
+
+# -- planning -------------------------------------------------------------------------------
+def plan_reads(parts: Sequence[ExpertPart], slot: memoryview, *, direct: bool) -> tuple[list[ReadOp], dict[str, tuple[int, int]]]:
+    """Where each part of an expert goes in `slot`, and the reads that put it there.
+
+    Parts start at 4096-aligned slot offsets. With `direct`, the enclosing 4096-aligned file
+    range is read and the reported offset points at the part's first byte inside it.
+    Returns (ops, {part name: (offset inside slot, nbytes)}).
+    """
+    ops: list[ReadOp] = []
+    where: dict[str, tuple[int, int]] = {}
+    pos = 0
+    for p in parts:
+        start = p.offset - p.offset % PAGE if direct else p.offset
+        lead = p.offset - start
+        length = round_up(lead + p.nbytes, PAGE) if direct else p.nbytes
+        if pos + length > len(slot):
+            raise ValueError(f"plan_reads: parts need more than the slot's {len(slot)} bytes (part {p.name!r})")
+        ops.append(ReadOp(start, length, slot[pos : pos + length], required=lead + p.nbytes))
+        where[p.name] = (pos + lead, p.nbytes)
+        pos = round_up(pos + length, PAGE)
+    return ops, where
+
+
+# -- shared machinery -----------------------------------------------------------------------
+class Batch:
+    """One `submit` call: calls `on_done` once, after its last chunk finished or was skipped."""
+
+    __slots__ = ("on_done", "remaining", "error", "lock")
+
+    def __init__(self, n: int, on_done: OnDone):
+        self.on_done, self.remaining, self.error = on_done, n, None
+        self.lock = threading.Lock()
+
+    def finish(self, n: int, error: BaseException | None) -> None:
+        with self.lock:
+            if error is not None and self.error is None:
+                self.error = error
+            self.remaining -= n
+            last = self.remaining == 0
+        if last:
+            try:
+                self.on_done(self.error)
+            except Exception:  # a broken callback must not kill a reader thread
+                import logging
+
+                logging.getLogger("moestream.iod").exception("reader on_done callback failed")
+
+
+class Chunk:
+    __slots__ = ("offset", "length", "dest", "required", "batch", "taken")
+
+    def __init__(self, op: ReadOp, batch: Batch):
+        self.offset, self.length, self.dest, self.required = op.offset, op.length, op.dest, op.required
+        self.batch, self.taken = batch, False
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+class PendingQueue:
+    """Chunks waiting to be read, FIFO, indexed by start and end so a taker can merge neighbours."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.fifo: deque[Chunk] = deque()
+        self.by_start: dict[int, Chunk] = {}
+        self.by_end: dict[int, Chunk] = {}
+        self.closed = False
+
+    def put(self, chunks: list[Chunk]) -> None:
+        with self.cond:
+            if self.closed:
+                raise RuntimeError("reader is closed")
+            for c in chunks:
+                self.fifo.append(c)
+                self.by_start.setdefault(c.offset, c)
+                self.by_end.setdefault(c.end, c)
+            self.cond.notify(len(chunks))
+
+    def take(self, block: bool = True) -> list[Chunk] | None:
+        """The oldest pending chunk grown with adjacent pending ones; None when closed (or empty and not blocking)."""
+        with self.cond:
+            while True:
+                while self.fifo and self.fifo[0].taken:
+                    self.fifo.popleft()
+                if self.fifo:
+                    return self._grow(self.fifo.popleft())
+                if self.closed or not block:
+                    return None
+                self.cond.wait()
+
+    def _grow(self, first: Chunk) -> list[Chunk]:
+        self._unindex(first)
+        run, size = deque([first]), first.length
+        for forward in (True, False):
+            while len(run) < MAX_RUN_IOVECS:
+                nxt = self.by_start.get(run[-1].end) if forward else self.by_end.get(run[0].offset)
+                if nxt is None or size + nxt.length > MAX_RUN_BYTES:
+                    break
+                self._unindex(nxt)
+                run.append(nxt) if forward else run.appendleft(nxt)
+                size += nxt.length
+        return list(run)
+
+    def _unindex(self, c: Chunk) -> None:
+        c.taken = True
+        if self.by_start.get(c.offset) is c:
+            del self.by_start[c.offset]
+        if self.by_end.get(c.end) is c:
+            del self.by_end[c.end]
+
+    def close(self) -> list[Chunk]:
+        """Stop accepting work; returns the chunks never taken (their batches must be failed)."""
+        with self.cond:
+            self.closed = True
+            left = [c for c in self.fifo if not c.taken]
+            for c in left:
+                self._unindex(c)
+            self.fifo.clear()
+            self.cond.notify_all()
+            return left
+
+
+def proc_read_bytes() -> int:
+    """Bytes this process caused to be fetched from storage (`/proc/self/io` read_bytes), -1 if unknown."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
+def open_fd(path: str, direct: bool) -> int:
+    """A read-only descriptor for exact-range reads: O_DIRECT, or buffered with readahead off."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        raise ReadError(e.errno, f"cannot open {path} for reading{' with O_DIRECT' if direct else ''}: {e.strerror}") from None
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: read what was asked, nothing more
+    return fd
+
+
+def run_shortfall(run: list[Chunk], got: int) -> ReadError | None:
+    """The error for a run whose vectored read stopped after `got` bytes, or None if every chunk has what it needs."""
+    base = run[0].offset
+    for c in run:
+        need_end = c.offset - base + c.required
+        if got < need_end:
+            return ReadError(5, f"short read: wanted bytes [{c.offset}, {c.offset + c.required}) of the file "
+                                f"but the read stopped at byte {base + got} (end of file?)")
+    return None
+
+
+# -- factory --------------------------------------------------------------------------------
+def open_reader(path: str | os.PathLike[str], *, backend: str = "auto", depth: int = 32, direct: bool = False) -> Reader:
+    """A reader over `path`: `uring`, `threads`, or `auto` (uring if it works here, else threads with a note)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown reader backend {backend!r} (choose from {', '.join(BACKENDS)})")
+    if not 1 <= depth <= 4096:
+        raise ValueError(f"reader depth must be in [1, 4096], got {depth}")
+    path = os.fspath(path)
+    from .reader_threads import ThreadsReader
+
+    if backend == "threads":
+        return ThreadsReader(path, depth=depth, direct=direct)
+    from .reader_uring import UringReader, UringUnavailable
+
+    try:
+        return UringReader(path, depth=depth, direct=direct)
+    except UringUnavailable as e:
+        if backend == "uring":
+            raise
+        reader = ThreadsReader(path, depth=depth, direct=direct)
+        reader.note = f"io_uring unavailable: {e}; using threads"
+        return reader
