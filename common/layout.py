@@ -312,6 +312,26 @@ class ModelLayout:
         return out
 
 
+class _CheckedReader(GGUFReader):
+    """GGUFReader that names the tensor when the table points past the end of the file or
+    holds an unknown type (the stock reader fails later with a bare numpy reshape error)."""
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        size = len(self.data)
+        for field in fields:
+            _, name_data, _, dims, raw_type, offset = field.parts
+            name = bytes(name_data).decode("utf-8", errors="replace")
+            try:
+                qtype = GGMLQuantizationType(int(raw_type[0]))
+            except ValueError:
+                raise ModelFormatError(f"tensor {name!r} has unknown quant type {int(raw_type[0])}") from None
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            end = int(start_offs) + int(offset[0]) + int(np.prod(dims)) * type_size // block
+            if end > size:
+                raise ModelFormatError(f"truncated: tensor {name!r} ends at byte {end} but the file has {size} bytes")
+        super()._build_tensors(start_offs, fields)
+
+
 def _open_reader(path: Path) -> GGUFReader:
     if not path.is_file():
         raise ModelFormatError(f"{path}: no such file")
@@ -320,7 +340,9 @@ def _open_reader(path: Path) -> GGUFReader:
     if magic != b"GGUF":
         raise ModelFormatError(f"{path.name}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
-        return GGUFReader(path, "r")
+        return _CheckedReader(path, "r")
+    except ModelFormatError as e:
+        raise ModelFormatError(f"{path.name}: {e}") from None
     except (ValueError, KeyError, IndexError, OSError) as e:
         # The reader fails deep inside on truncated headers or unknown enum values.
         raise ModelFormatError(f"{path.name}: unreadable GGUF header or tensor table: {e}") from None

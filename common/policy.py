@@ -34,7 +34,10 @@ class SlotPolicy:
     Policy:
     - Each access (`lookup` hit, `insert`, `touch`) adds 1 to the key's score; each `step()`
       multiplies every score by `decay` (0 < decay <= 1; 1 is plain LFU, a tiny decay is
-      close to LRU). A key's score is forgotten when it leaves the cache.
+      close to LRU). Scores belong to keys, not slots: an evicted or removed key keeps its
+      score and resumes it when inserted again (else a hot key, once evicted, would lose to
+      every newcomer). Forgotten scores are dropped once they decay below `FORGET_BELOW`,
+      so memory is bounded by the keys seen recently (with decay 1: all keys ever seen).
     - The eviction victim is the unpinned entry with the lowest current score; ties go to
       the least recently accessed entry.
     - Pins are counted (pin twice, unpin twice). A pinned entry (in flight, or selected for
@@ -48,11 +51,14 @@ class SlotPolicy:
     same factor, so the order of stored scores is the eviction order and a heap keyed by
     `(stored, last access)` finds the victim. Heap items go stale when an entry changes
     (lazy invalidation through a token); the heap is rebuilt when stale items outnumber
-    live ones, and stored scores are renormalized when `scale` exceeds `RENORM_AT`.
-    Every operation is O(log n) amortized.
+    live ones, and stored scores are renormalized (and faded history dropped) when `scale`
+    exceeds `RENORM_AT`: O(n) once every log(RENORM_AT) / log(1/decay) steps (658 steps at
+    decay 0.9). Every other operation is O(log n) amortized. Not thread-safe: the owner
+    serializes calls.
     """
 
     RENORM_AT = 2.0**100  # far from float overflow even after ~2**900 accesses
+    FORGET_BELOW = 1e-4  # history scores at or below this carry no useful information
 
     def __init__(self, capacity: int, decay: float = 0.9) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
@@ -62,6 +68,7 @@ class SlotPolicy:
         self.capacity = capacity
         self.decay = float(decay)
         self._entries: dict[Hashable, _Entry] = {}
+        self._history: dict[Hashable, float] = {}  # stored scores of keys not resident
         self._free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
         self._heap: list[tuple[float, int, int, Hashable]] = []
         self._t = 0  # steps since the last renormalization
@@ -89,16 +96,17 @@ class SlotPolicy:
         return list(self._entries)
 
     def score(self, key: Hashable) -> float:
-        """The key's current decayed score; 0.0 when it is not resident."""
+        """The key's current decayed score, resident or not (0.0 for a key never seen)."""
         entry = self._entries.get(key)
-        return 0.0 if entry is None else entry.stored / self._scale
+        stored = self._history.get(key, 0.0) if entry is None else entry.stored
+        return stored / self._scale
 
     def pin_count(self, key: Hashable) -> int:
         """How many pins the key holds; raises KeyError when it is not resident."""
         return self._get(key).pins
 
     def victim(self) -> Hashable | None:
-        """The key the next eviction would take, or None when every entry is pinned."""
+        """The key an eviction would take now, or None when every entry is pinned."""
         heap, entries = self._heap, self._entries
         while heap:
             _, _, token, key = heap[0]
@@ -121,6 +129,7 @@ class SlotPolicy:
             "evictions": self.evictions,
             "removes": self.removes,
             "steps": self.steps,
+            "history": len(self._history),
         }
 
     # -- accesses --------------------------------------------------------------------------
@@ -155,9 +164,9 @@ class SlotPolicy:
                     f"all {self.capacity} slots are pinned; cannot insert {key!r}"
                 )
             heapq.heappop(self._heap)
-            self._free.append(self._entries.pop(evicted).slot)
+            self._forget_slot(evicted)
             self.evictions += 1
-        entry = _Entry(self._free.pop(), 0.0, 0, 0)
+        entry = _Entry(self._free.pop(), self._history.pop(key, 0.0), 0, 0)
         self._entries[key] = entry
         self.inserts += 1
         if pin:
@@ -175,12 +184,10 @@ class SlotPolicy:
 
     def remove(self, key: Hashable) -> int:
         """Free the key's slot even if pinned (e.g. an aborted read); returns the slot."""
-        entry = self._entries.pop(key)  # KeyError when not resident
-        if entry.pins:
-            self._pinned -= 1
-        self._free.append(entry.slot)
+        self._get(key)  # KeyError when not resident
+        slot = self._forget_slot(key)
         self.removes += 1
-        return entry.slot
+        return slot
 
     # -- pins and time ---------------------------------------------------------------------
     def pin(self, key: Hashable) -> None:
@@ -217,6 +224,14 @@ class SlotPolicy:
             raise KeyError(f"{key!r} is not resident")
         return entry
 
+    def _forget_slot(self, key: Hashable) -> int:
+        entry = self._entries.pop(key)
+        if entry.pins:
+            self._pinned -= 1
+        self._free.append(entry.slot)
+        self._history[key] = entry.stored
+        return entry.slot
+
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq
@@ -245,6 +260,8 @@ class SlotPolicy:
         # Dividing every stored score by one number keeps their order (and exact ties).
         for entry in self._entries.values():
             entry.stored /= self._scale
+        self._history = {k: v / self._scale for k, v in self._history.items()
+                         if v / self._scale > self.FORGET_BELOW}
         self._t = 0
         self._scale = 1.0
         self._rebuild_heap()

@@ -211,7 +211,12 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m moestream.common.policy_sim",
         description="Hit rates of decayed LFU, LRU and Belady's optimum on an expert trace "
                     "(.json or .npy; formats in the module docstring), with lfu/belady and "
-                    "lru/belady ratios.")
+                    "lru/belady ratios.",
+        epilog="trace formats:\n"
+               '  .json  {"n_layer": L, "n_expert": E, "steps": [[[layer, expert], ...], ...]}\n'
+               "  .npy   integer expert ids, shape [tokens, layers, k]; one step per token\n"
+               "A step's keys are pinned while it runs, so capacity must hold one step.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="trace file, .json or .npy [tokens, layers, k]")
     p.add_argument("--capacity", type=int, nargs="+", required=True,
                    help="cache size(s) in slots; must hold one step's keys")

@@ -137,8 +137,7 @@ def random_blocks(n_blocks: int, qtype: Q, std: float, rng: np.random.Generator)
     """`n_blocks` random blocks ([n_blocks, type_size] uint8) decoding to ~U(-a, a), std ~ `std`."""
     block, type_size = GGML_QUANT_SIZES[qtype]
     if qtype in (Q.F32, Q.F16, Q.BF16):
-        x = (rng.random(n_blocks * block, dtype=np.float32) * 2 - 1) * np.float32(std * _UNIFORM)
-        return encode(x.reshape(n_blocks, block), qtype).reshape(n_blocks, type_size)
+        return _random_floats(n_blocks * block, qtype, std * _UNIFORM, rng).view(np.uint8).reshape(n_blocks, type_size)
     raw = _random_bytes(rng, n_blocks * type_size).reshape(n_blocks, type_size)
     gen = _RANDOM.get(qtype)
     if gen is None:
@@ -151,6 +150,17 @@ def _random_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
     # raw 64-bit draws are ~10x faster than Generator.bytes; speed matters for multi-GiB files
     words = rng.bit_generator.random_raw(-(-n // 8))
     return np.asarray(words, dtype=np.uint64).view(np.uint8)[:n]
+
+
+def _random_floats(n: int, qtype: Q, a: float, rng: np.random.Generator) -> np.ndarray:
+    # uniform on [-a, a] from raw int32 draws (Generator.random + float16 casts are slow)
+    x = _random_bytes(rng, 4 * n).view(np.int32).astype(np.float32)
+    x *= np.float32(a / 2**31)
+    if qtype == Q.F32:
+        return x
+    if qtype == Q.BF16:
+        return (x.view(np.uint32) >> 16).astype(np.uint16)  # truncation: fine for random values
+    return x.astype(np.float16)
 
 
 def _fill_f16(raw: np.ndarray, start: int, value: float) -> None:

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("moestream.common.status_cli", "show a running moestream-iod's status"),
     "iod": ("moestream.iod.main", "run the I/O daemon (same as moestream-iod)"),
     "bench": ("moestream.bench", "benchmarks: `bench io` (daemon delivery), `bench decode` (tok/s)"),
+    "simulate": ("moestream.common.policy_sim", "replay a routing trace through LFU, LRU and Belady caches"),
 }
 
 
