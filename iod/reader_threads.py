@@ -35,16 +35,25 @@ class ThreadsReader:
         self.queue.put([Chunk(op, batch) for op in ops])
 
     def _worker(self) -> None:
-        while (run := self.queue.take()) is not None:
-            live = [c for c in run if c.batch.error is None]  # a failed batch's other reads are skipped
-            error = self._read(live) if live else None
-            with self._lock:
-                self._stats["ops"] += len(live)
-                self._stats["bytes"] += sum(c.length for c in live) if error is None else 0
-                self._stats["preadv_calls"] += 1 if live else 0
-                self._stats["errors"] += error is not None
-            for c in run:
-                c.batch.finish(1, error if c in live else None)
+        while True:
+            run = self.queue.take()
+            if run is None:
+                return
+            self._serve(run)
+            del run  # hold no slot memory while waiting: the arena must be closable
+
+    def _serve(self, run: list[Chunk]) -> None:
+        live = [c for c in run if c.batch.error is None]  # a failed batch's other reads are skipped
+        error = self._read(live) if live else None
+        with self._lock:
+            self._stats["ops"] += len(live)
+            self._stats["bytes"] += sum(c.length for c in live) if error is None else 0
+            self._stats["preadv_calls"] += 1 if live else 0
+            self._stats["errors"] += error is not None
+        ids = {id(c) for c in live}
+        for c in run:
+            c.dest = None
+            c.batch.finish(1, error if id(c) in ids else None)
 
     def _read(self, run: list[Chunk]) -> BaseException | None:
         """One vectored read of adjacent chunks (retrying short reads); the error, if any."""
@@ -75,6 +84,7 @@ class ThreadsReader:
             t.join()
         closed = ReadError(125, "reader closed before this read started")
         for c in left:
+            c.dest = None
             c.batch.finish(1, closed)
         if self.fd >= 0:
             os.close(self.fd)

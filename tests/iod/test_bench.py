@@ -1,0 +1,50 @@
+"""`moestream bench io` smoke run on a tiny model: every phase runs and the byte counts add up."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from moestream import bench as dispatcher
+from moestream.common.layout import ModelLayout
+from moestream.iod import bench
+
+
+def test_bench_io_tiny_model(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    layout = ModelLayout(tiny_model)
+    n = 6
+    assert dispatcher.main(["io", "--model", str(tiny_model), "--experts", str(n), "--hits", "50", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    keys = bench.pick_keys(layout, n, 0)
+    assert len(set(keys)) == n
+    expected = sum(p.nbytes for k in keys for p in layout.experts.parts(*k))  # the experts' bytes, from the index
+    assert r["experts"] == n and r["bytes"] == expected
+    raws = ["cold_raw_fio", "cold_raw_preadv"] if shutil.which("fio") else ["cold_raw_preadv"]
+    for name in raws + ["cold", "warm_raw", "warm"]:
+        assert r[name]["bytes"] == expected and r[name]["gb_s"] > 0, name
+    assert r["cold"]["served_bytes"] == expected  # the daemon served exactly these bytes, once
+    assert r["cold_raw"]["gb_s"] == max(r[k]["gb_s"] for k in raws)  # the limit is the faster raw method
+    assert r["cold_ratio"] == pytest.approx(r["cold"]["gb_s"] / r["cold_raw"]["gb_s"])
+    hit = r["hit"]
+    assert hit["requests"] == 50 and hit["hit_rate"] == 1.0  # repeats are served from the arena
+    assert 0 < hit["p50_us"] <= hit["p99_us"]
+
+
+def test_raw_preadv_reads_the_ranges(tiny_model: Path) -> None:
+    layout = ModelLayout(tiny_model)
+    keys = bench.pick_keys(layout, None, 1)
+    ph = bench.raw_cold_preadv(layout, keys, depth=4, direct=False)
+    assert ph["bytes"] == layout.experts.total_bytes and ph["tool"] == "preadv x4"
+
+
+def test_bench_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"nope" * 100)
+    assert bench.main(["--model", str(bad)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "not a GGUF file" in err
+    assert dispatcher.main(["nosuch"]) == 2
+    assert dispatcher.main([]) == 0 and "bench {io,decode}" in capsys.readouterr().out

@@ -1,0 +1,276 @@
+"""Reader backends: exact bytes into an mmap'd stand-in for the arena, coalescing, errors, cleanup."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moestream.common.layout import PAGE, ModelLayout
+from moestream.iod import reader_uring, readers
+from moestream.iod.readers import PendingQueue, ReadError, ReadOp, open_reader, plan_reads
+
+
+def _uring_ok() -> str:
+    try:
+        with reader_uring.UringReader(__file__, depth=2):
+            return ""
+    except reader_uring.UringUnavailable as e:
+        return str(e)
+
+
+URING_WHY = _uring_ok()
+BACKENDS = [
+    "threads",
+    pytest.param("uring", marks=pytest.mark.skipif(bool(URING_WHY), reason=f"io_uring unavailable: {URING_WHY}")),
+]
+
+
+@pytest.fixture(scope="module")
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    try:
+        make = request.getfixturevalue("make_tiny_model")
+    except pytest.FixtureLookupError:  # before the shared factory existed
+        return _write_tiny(tmp_path_factory.mktemp("model") / "tiny.gguf")
+    return make(layers=2, experts=8, quant="Q8_0")
+
+
+class Waiter:
+    """Collects on_done calls; `wait()` returns the errors once `n` batches finished."""
+
+    def __init__(self, n: int):
+        self.n, self.errors, self.calls = n, [], 0
+        self.cond = threading.Condition()
+
+    def __call__(self, err: BaseException | None) -> None:
+        with self.cond:
+            self.calls += 1
+            if err is not None:
+                self.errors.append(err)
+            self.cond.notify_all()
+
+    def wait(self, timeout: float = 10.0) -> list[BaseException]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: self.calls >= self.n, timeout), f"only {self.calls}/{self.n} batches finished"
+        return self.errors
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reads_every_expert_exactly(model: Path, backend: str, direct: bool) -> None:
+    layout = ModelLayout(model)
+    ex = layout.experts
+    keys = [(lay, e) for lay in range(ex.n_layer) for e in range(ex.n_expert)]
+    slot_bytes = ex.slot_bytes(direct)
+    arena = mmap.mmap(-1, slot_bytes * len(keys))  # page-aligned, like the shared-memory arena
+    view = memoryview(arena)
+    file_bytes = model.read_bytes()  # independent reference: a plain read of the file
+    placed, done = [], Waiter(len(keys))
+    with open_reader(model, backend=backend, depth=4, direct=direct) as r:
+        assert r.name == backend and r.note == ""
+        for i, key in enumerate(keys):  # one submit per expert, all pending at once, like the daemon
+            ops, where = plan_reads(ex.parts(*key), view[i * slot_bytes : (i + 1) * slot_bytes], direct=direct)
+            placed.append(where)
+            r.submit(ops, done)
+        assert done.wait() == []
+        stats = r.stats()
+    for i, key in enumerate(keys):
+        for part in ex.parts(*key):
+            off, n = placed[i][part.name]
+            got = view[i * slot_bytes + off : i * slot_bytes + off + n]
+            assert got == file_bytes[part.offset : part.offset + n], f"expert {key} part {part.name} differs"
+    assert stats["errors"] == 0 and stats["ops"] == sum(len(ex.parts(*k)) for k in keys)
+    del ops, got
+    view.release()
+    arena.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_adjacent_experts_coalesce(model: Path, backend: str) -> None:
+    layout = ModelLayout(model)
+    ex = layout.experts
+    slot = ex.slot_bytes(False)
+    arena = mmap.mmap(-1, slot * ex.n_expert)
+    ops = []
+    for e in range(ex.n_expert):  # expert e and e+1 of one tensor are neighbours in the file
+        ops += plan_reads(ex.parts(0, e), memoryview(arena)[e * slot : (e + 1) * slot], direct=False)[0]
+    done = Waiter(1)
+    with open_reader(model, backend=backend, depth=2) as r:
+        r.submit(ops, done)
+        assert done.wait() == []
+        st = r.stats()
+    assert st["ops"] == len(ops)
+    assert st["preadv_calls"] <= len(ex.parts(0, 0)) < len(ops), st  # one vectored read per expert tensor
+    del ops
+    arena.close()
+
+
+def test_queue_merges_neighbours_from_separate_submits() -> None:
+    q, buf = PendingQueue(), bytearray(4 * PAGE)
+    batches = [readers.Batch(1, lambda e: None) for _ in range(4)]
+    order = [2, 0, 3, 1]  # submitted out of order, one op per submit
+    for i in order:
+        q.put([readers.Chunk(ReadOp(i * PAGE, PAGE, memoryview(buf)[i * PAGE : (i + 1) * PAGE]), batches[i])])
+    q.put([readers.Chunk(ReadOp(10 * PAGE, PAGE, memoryview(bytearray(PAGE))), batches[0])])
+    run = q.take(block=False)
+    assert [c.offset for c in run] == [0, PAGE, 2 * PAGE, 3 * PAGE]  # oldest first, grown both ways
+    assert [c.offset for c in q.take(block=False)] == [10 * PAGE]
+    assert q.take(block=False) is None
+
+
+def test_plan_reads_layout(model: Path) -> None:
+    ex = ModelLayout(model).experts
+    for direct in (False, True):
+        slot = memoryview(bytearray(ex.slot_bytes(direct)))
+        for key in [(0, 0), (ex.n_layer - 1, ex.n_expert - 1)]:
+            parts = ex.parts(*key)
+            ops, where = plan_reads(parts, slot, direct=direct)
+            assert list(where) == [p.name for p in parts]
+            for op, p in zip(ops, parts):
+                op_start = where[p.name][0] - (p.offset - op.offset)  # slot position of the read
+                assert op_start % PAGE == 0  # every read lands on a page boundary of the slot
+                assert op.offset <= p.offset and p.offset + p.nbytes <= op.offset + op.length
+                if direct:
+                    assert op.offset % PAGE == 0 and op.length % PAGE == 0
+                else:
+                    assert (op.offset, op.length) == (p.offset, p.nbytes)
+    with pytest.raises(ValueError, match="slot"):
+        plan_reads(ex.parts(0, 0), memoryview(bytearray(PAGE)), direct=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_errors_reach_on_done(tmp_path: Path, backend: str) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(3 * PAGE + 100))
+    buf = mmap.mmap(-1, 4 * PAGE)
+    with open_reader(path, backend=backend, depth=2) as r:
+        done = Waiter(1)
+        r.submit([ReadOp(0, PAGE, memoryview(buf)[:PAGE]), ReadOp(3 * PAGE, PAGE, memoryview(buf)[PAGE : 2 * PAGE])], done)
+        (err,) = done.wait()
+        assert isinstance(err, ReadError) and "short read" in str(err)
+        good_fd, r.fd = r.fd, 1 << 20  # a descriptor that is not open
+        done = Waiter(1)
+        r.submit([ReadOp(0, PAGE, memoryview(buf)[:PAGE])], done)
+        (err,) = done.wait()
+        r.fd = good_fd
+        assert isinstance(err, OSError) and err.errno == 9  # EBADF
+        # A callback that raises does not kill the reader; the next batch still works.
+        r.submit([ReadOp(0, PAGE, memoryview(buf)[:PAGE])], lambda e: 1 / 0)
+        done = Waiter(1)
+        r.submit([ReadOp(PAGE, PAGE, memoryview(buf)[PAGE : 2 * PAGE])], done)
+        assert done.wait() == []
+        assert r.stats()["errors"] == 2
+    assert bytes(buf[PAGE : 2 * PAGE]) == path.read_bytes()[PAGE : 2 * PAGE]
+    buf.close()
+
+
+def test_direct_tolerates_aligned_read_past_eof(tmp_path: Path) -> None:
+    path = tmp_path / "f.bin"
+    data = os.urandom(2 * PAGE + 100)
+    path.write_bytes(data)
+    buf = mmap.mmap(-1, PAGE)
+    with open_reader(path, backend="threads", direct=True) as r:
+        done = Waiter(1)
+        r.submit([ReadOp(2 * PAGE, PAGE, memoryview(buf), required=100)], done)  # the file ends 100 bytes in
+        assert done.wait() == []
+    assert bytes(buf[:100]) == data[2 * PAGE :]
+    buf.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_close_joins_threads_and_fails_unstarted(tmp_path: Path, backend: str) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(64 * PAGE))
+    before = {t.ident for t in threading.enumerate()}
+    r = open_reader(path, backend=backend, depth=1)
+    bufs = [bytearray(PAGE) for _ in range(200)]
+    done = Waiter(200)
+    for i in range(200):  # separate non-adjacent batches, most still queued when close() comes
+        r.submit([ReadOp((i * 7 % 64) * PAGE, PAGE, memoryview(bufs[i]))], done)
+    r.close()
+    errors = done.wait(timeout=5)  # every batch got its callback: read, or failed as "closed"
+    assert all(isinstance(e, ReadError) for e in errors)
+    assert {t.ident for t in threading.enumerate()} <= before, "reader threads left running"
+    with pytest.raises(RuntimeError, match="closed"):
+        r.submit([ReadOp(0, PAGE, memoryview(bufs[0]))], done)
+
+
+def test_auto_falls_back_with_note(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * PAGE)
+
+    def refuse(entries: int) -> None:
+        raise reader_uring.RingUnavailable("io_uring_setup failed: Operation not permitted")
+
+    monkeypatch.setattr(reader_uring, "Ring", refuse)
+    with open_reader(path, backend="auto") as r:
+        assert r.name == "threads" and "io_uring unavailable: io_uring_setup failed" in r.note
+    with pytest.raises(reader_uring.UringUnavailable, match="Operation not permitted"):
+        open_reader(path, backend="uring")
+    with pytest.raises(ValueError, match="unknown reader backend"):
+        open_reader(path, backend="aio")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_readahead_inflation(tmp_path: Path, backend: str) -> None:
+    """Cold scattered 4 KiB reads fetch about 4 KiB each from disk, not a readahead window."""
+    path = tmp_path / "big.bin"
+    path.write_bytes(np.random.default_rng(0).integers(0, 255, 16 << 20, dtype=np.uint8).tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # evict: the reads below go to the device
+    os.close(fd)
+    if readers.proc_read_bytes() < 0:
+        pytest.skip("/proc/self/io not readable")
+    buf = bytearray(PAGE)
+    with open_reader(path, backend=backend, depth=4) as r:
+        for i in range(32):  # 4 short sequential runs, one page at a time: what readahead feeds on
+            done = Waiter(1)
+            r.submit([ReadOp((i // 8 * 512 + i % 8) * PAGE, PAGE, memoryview(buf))], done)
+            assert done.wait() == []
+        disk = r.stats()["disk_read_bytes"]
+    if disk == 0:
+        pytest.skip("the file stayed in the page cache (fadvise DONTNEED had no effect here)")
+    assert disk <= 2 * 32 * PAGE, f"read {disk} bytes from disk for 32 pages"
+
+
+def _write_tiny(path: Path) -> Path:
+    """A minimal qwen3moe GGUF (random Q8_0 experts), used only until tests/conftest.py has `make_tiny_model`."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    hidden, ff, n_exp, layers, vocab = 64, 64, 8, 2, 32
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    for k, v in dict(block_count=layers, embedding_length=hidden, expert_count=n_exp, expert_used_count=2,
+                     expert_feed_forward_length=ff, context_length=64).items():
+        getattr(w, "add_uint32")(f"qwen3moe.{k}", v)
+    w.add_uint32("qwen3moe.attention.head_count", 4)
+    w.add_uint32("qwen3moe.attention.head_count_kv", 2)
+
+    def add(name: str, shape: tuple[int, ...], quant: bool = False) -> None:
+        a = rng.standard_normal(shape).astype(np.float32)  # numpy order: reversed ggml shape
+        if quant:
+            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, a)
+
+    add("token_embd.weight", (vocab, hidden))
+    add("output_norm.weight", (hidden,))
+    for i in range(layers):
+        for t, shape in [("attn_norm", (hidden,)), ("attn_q", (hidden, hidden)), ("attn_k", (32, hidden)),
+                         ("attn_v", (32, hidden)), ("attn_output", (hidden, hidden)), ("ffn_norm", (hidden,)),
+                         ("ffn_gate_inp", (n_exp, hidden)), ("attn_q_norm", (16,)), ("attn_k_norm", (16,))]:
+            add(f"blk.{i}.{t}.weight", shape)
+        add(f"blk.{i}.ffn_gate_exps.weight", (n_exp, ff, hidden), quant=True)
+        add(f"blk.{i}.ffn_up_exps.weight", (n_exp, ff, hidden), quant=True)
+        add(f"blk.{i}.ffn_down_exps.weight", (n_exp, hidden, ff), quant=True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
