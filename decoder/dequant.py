@@ -6,42 +6,41 @@ order (scales widened from float16 first, one rounding per operation, no fused m
 `shape` is in ggml order (ne0 = row length first); the result has torch shape
 `tuple(reversed(shape))`, float32, on `data.device`.
 
-Kernels take `blocks: [n, type_size] uint8` and return `[n, block_size] float32`; the block
-kernels for the simple formats live here, the 256-element super-block ("K") formats in
+Kernels take `blocks: [n, type_size] uint8` and fill `out: [n, block_size] float32` in place
+(integer codes are copied in, then scaled in place: no float temporaries); the kernels for
+the simple formats live here, the 256-element super-block ("K") formats in
 `dequant_k.py`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+import operator
+from typing import Sequence
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-from .dequant_k import K_KERNELS, as_dtype, f16_field, lut, nibbles, shifted
-
-Kernel = Callable[[torch.Tensor], torch.Tensor]
+from .dequant_k import K_KERNELS, Kernel, as_dtype, f16_field, lookup, lut, nibbles, shifted
 
 # Decode in chunks of about this many input bytes on CPU, so intermediates stay in cache.
 _CPU_CHUNK_BYTES = 1 << 20
 
 
-def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = f16_field(blocks, 0)  # [n, 1]
-    return blocks[:, 2:].view(torch.int8) * d  # int8 * f32 -> f32, [n, 32]
+def _q8_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(blocks[:, 2:].view(torch.int8))  # [n, 32]
+    out.mul_(f16_field(blocks, 0))  # [n, 32] * [n, 1]
 
 
-def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = f16_field(blocks, 0)  # [n, 1]
-    q = nibbles(blocks[:, 2:]).to(torch.int8) - 8  # [n, 32]
-    return d * q
+def _q4_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(nibbles(blocks[:, 2:]))  # [n, 32]
+    out.sub_(8)  # exact on small integers, so the same as gguf's int8 subtraction
+    out.mul_(f16_field(blocks, 0))
 
 
-def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    d, m = f16_field(blocks, 0), f16_field(blocks, 2)  # [n, 1]
-    q = nibbles(blocks[:, 4:])  # [n, 32]
-    return (d * q) + m
+def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(nibbles(blocks[:, 4:]))  # [n, 32]
+    out.mul_(f16_field(blocks, 0)).add_(f16_field(blocks, 2))
 
 
 def _q5_bits(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
@@ -50,31 +49,28 @@ def _q5_bits(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     return nibbles(low) | (qh.reshape(low.shape[0], 32) << 4)  # [n, 32]
 
 
-def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = f16_field(blocks, 0)  # [n, 1]
-    q = _q5_bits(blocks[:, 6:], blocks[:, 2:6]).to(torch.int8) - 16  # [n, 32]
-    return d * q
+def _q5_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(_q5_bits(blocks[:, 6:], blocks[:, 2:6]))  # [n, 32]
+    out.sub_(16)
+    out.mul_(f16_field(blocks, 0))
 
 
-def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
-    d, m = f16_field(blocks, 0), f16_field(blocks, 2)  # [n, 1]
-    q = _q5_bits(blocks[:, 8:], blocks[:, 4:8])  # [n, 32]
-    return (d * q) + m
+def _q5_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(_q5_bits(blocks[:, 8:], blocks[:, 4:8]))  # [n, 32]
+    out.mul_(f16_field(blocks, 0)).add_(f16_field(blocks, 2))
 
 
-def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
-    d = f16_field(blocks, 0)  # [n, 1]
-    q = nibbles(blocks[:, 2:])  # [n, 32]
-    return d * lut("iq4nl", blocks.device)[q.long()]
+def _iq4_nl(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    lookup(lut("iq4nl", blocks.device), nibbles(blocks[:, 2:]), out)  # [n, 32]
+    out.mul_(f16_field(blocks, 0))
 
 
-def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+def _mxfp4(blocks: torch.Tensor, out: torch.Tensor) -> None:
     e = blocks[:, :1].to(torch.int32)  # [n, 1]
     # e8m0 -> float32 / 2: subnormal 2**(e-128) for e < 2, else exponent field e - 1
     bits = torch.where(e < 2, (e + 1) * 0x00200000, (e - 1) * (1 << 23))
-    d = bits.view(torch.float32)  # [n, 1]
-    q = nibbles(blocks[:, 1:])  # [n, 32]
-    return d * lut("mxfp4", blocks.device)[q.long()]
+    lookup(lut("mxfp4", blocks.device), nibbles(blocks[:, 1:]), out)  # [n, 32]
+    out.mul_(bits.view(torch.float32))  # [n, 32] * [n, 1]
 
 
 # type -> block kernel; F32/F16/BF16 are handled whole, without blocks
@@ -87,37 +83,51 @@ _FLOATS = frozenset({Q.F32, Q.F16, Q.BF16})
 SUPPORTED: frozenset[Q] = frozenset(_KERNELS) | _FLOATS
 
 
-def _qtype_name(qtype: object) -> str:
-    return getattr(qtype, "name", repr(qtype))
+def _as_qtype(qtype: object) -> Q | None:
+    """The enum member for `qtype` (plain ints from a reader are accepted), or None if unknown."""
+    try:
+        return Q(qtype)  # type: ignore[arg-type]
+    except ValueError:
+        return None
+
+
+def _dims(shape: Sequence[int]) -> tuple[int, ...]:
+    try:
+        dims = tuple(operator.index(n) for n in shape)  # numpy ints welcome, floats not
+    except TypeError:
+        dims = ()
+    if not dims or min(dims) < 0:
+        raise ValueError(f"shape must be a non-empty sequence of non-negative ints, got {shape!r}")
+    return dims
 
 
 def byte_size(qtype: Q, shape: Sequence[int]) -> int:
-    """Bytes a tensor of `shape` (ggml order) takes when stored as `qtype`."""
-    if qtype not in GGML_QUANT_SIZES:
-        raise ValueError(f"unknown quant type {_qtype_name(qtype)}")
-    dims = tuple(shape)
-    if not dims or any(not isinstance(n, int) or n < 0 for n in dims):
-        raise ValueError(f"shape must be a non-empty sequence of non-negative ints, got {shape!r}")
-    block, type_size = GGML_QUANT_SIZES[qtype]
+    """Bytes a tensor of `shape` (ggml order) takes when stored as `qtype` (any ggml type)."""
+    q = _as_qtype(qtype)
+    if q is None or q not in GGML_QUANT_SIZES:
+        raise ValueError(f"unknown quant type {qtype!r}")
+    dims = _dims(shape)
+    block, type_size = GGML_QUANT_SIZES[q]
     if dims[0] % block:
-        raise ValueError(f"row length {dims[0]} is not a multiple of the {qtype.name} block size {block}")
+        raise ValueError(f"row length {dims[0]} is not a multiple of the {q.name} block size {block}")
     return math.prod(dims) // block * type_size
 
 
-def _check(data: torch.Tensor, qtype: Q, shape: Sequence[int], name: str) -> int:
-    """Validate the request; return the number of blocks."""
-    if qtype not in SUPPORTED:
-        raise ValueError(f"tensor {name!r}: unsupported quant type {_qtype_name(qtype)}")
+def _check(data: torch.Tensor, qtype: object, shape: Sequence[int], name: str) -> tuple[Q, int]:
+    """Validate the request; return the type and the number of blocks."""
+    q = _as_qtype(qtype)
+    if q not in SUPPORTED:
+        raise ValueError(f"tensor {name!r}: unsupported quant type {getattr(q, 'name', repr(qtype))}")
     if data.dtype != torch.uint8:
         raise ValueError(f"tensor {name!r}: expected raw bytes as torch.uint8, got {data.dtype}")
     try:
-        expected = byte_size(qtype, shape)
+        expected = byte_size(q, shape)
     except ValueError as e:
-        raise ValueError(f"tensor {name!r} ({qtype.name}): {e}") from None
+        raise ValueError(f"tensor {name!r} ({q.name}): {e}") from None
     if data.numel() != expected:
-        raise ValueError(f"tensor {name!r} ({qtype.name}, shape {tuple(shape)}): "
+        raise ValueError(f"tensor {name!r} ({q.name}, shape {tuple(shape)}): "
                          f"expected {expected} bytes, got {data.numel()}")
-    return expected // GGML_QUANT_SIZES[qtype][1]
+    return q, expected // GGML_QUANT_SIZES[q][1]
 
 
 def _floats(flat: torch.Tensor, qtype: Q) -> torch.Tensor:
@@ -136,18 +146,16 @@ def dequantize(data: torch.Tensor, qtype: Q, shape: Sequence[int], *, name: str 
     `tuple(reversed(shape))` on `data.device`. Raises ValueError naming the tensor when the
     type is unsupported or the byte count or row length does not fit the shape.
     """
-    n_blocks = _check(data, qtype, shape, name)
+    qtype, n_blocks = _check(data, qtype, shape, name)
     flat = data.reshape(-1)  # [n_bytes]
-    out_shape = tuple(reversed(tuple(shape)))
+    out_shape = tuple(reversed(_dims(shape)))
     if qtype in _FLOATS:
         return _floats(flat, qtype).reshape(out_shape)
     block, type_size = GGML_QUANT_SIZES[qtype]
     blocks = flat.view(n_blocks, type_size)  # [n, type_size]
     kernel = _KERNELS[qtype]
-    chunk = max(1, _CPU_CHUNK_BYTES // type_size) if flat.device.type == "cpu" else n_blocks
-    if n_blocks <= chunk:
-        return kernel(blocks).reshape(out_shape)
     out = torch.empty(n_blocks, block, dtype=torch.float32, device=flat.device)  # [n, block]
+    chunk = max(1, _CPU_CHUNK_BYTES // type_size) if flat.device.type == "cpu" else max(n_blocks, 1)
     for i in range(0, n_blocks, chunk):  # chunks of many blocks, to bound temporaries
-        out[i:i + chunk] = kernel(blocks[i:i + chunk])
+        kernel(blocks[i:i + chunk], out[i:i + chunk])
     return out.reshape(out_shape)

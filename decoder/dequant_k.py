@@ -12,6 +12,9 @@ from typing import Callable, Iterable
 import torch
 from gguf import GGMLQuantizationType as Q
 
+# A kernel decodes blocks [n, type_size] uint8 into out [n, block_size] float32, in place.
+Kernel = Callable[[torch.Tensor, torch.Tensor], None]
+
 # IQ4_NL / IQ4_XS non-linear code book; MXFP4 e2m1 values doubled (its scale is halved)
 _TABLES = {
     "iq4nl": (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),
@@ -41,6 +44,11 @@ def nibbles(q: torch.Tensor) -> torch.Tensor:
     return torch.cat([q & 0x0F, q >> 4], dim=-1)  # [..., 2L]
 
 
+def lookup(table: torch.Tensor, codes: torch.Tensor, out: torch.Tensor) -> None:
+    """out[...] = table[codes] for uint8 `codes` with as many elements as `out` (contiguous)."""
+    torch.index_select(table, 0, codes.reshape(-1).to(torch.int32), out=out.view(-1))
+
+
 def as_dtype(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Reinterpret 1-D bytes as `dtype`; copies first when the bytes are not aligned for it."""
     if flat.storage_offset() % dtype.itemsize:
@@ -52,32 +60,33 @@ def f16_field(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The float16 at byte `start` of every block, widened to float32: `[n, type_size] -> [n, 1]`."""
     field = blocks[:, start:start + 2]  # [n, 2]
     if field.storage_offset() % 2 or blocks.stride(0) % 2:
-        field = field.contiguous()  # dtype views need 2-byte aligned rows
+        field = field.clone(memory_format=torch.contiguous_format)  # dtype views need aligned rows
     return field.view(torch.float16).float()  # [n, 1]
 
 
-def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q2_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
     scales, qs = blocks[:, :16], blocks[:, 16:80]  # [n, 16], [n, 64]
     d, dmin = f16_field(blocks, 80), f16_field(blocks, 82)  # [n, 1]
-    dl = (d * (scales & 0x0F)).unsqueeze(-1)  # [n, 16, 1]
-    ml = (dmin * (scales >> 4)).unsqueeze(-1)  # [n, 16, 1]
-    q = shifted(qs.reshape(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 16, 16)
-    return (dl * q - ml).reshape(n, 256)
+    o = out.view(n, 16, 16)
+    o.copy_(shifted(qs.reshape(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 16, 16))
+    o.mul_((d * (scales & 0x0F)).unsqueeze(-1))  # * [n, 16, 1]
+    o.sub_((dmin * (scales >> 4)).unsqueeze(-1))  # - [n, 16, 1]
 
 
-def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q3_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
     hmask, qs, scales = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108]
-    d = f16_field(blocks, 108)  # [n, 1]
     # 6-bit scales: low nibbles from bytes 0-7, high 2 bits from bytes 8-11
     low = nibbles(scales[:, :8])  # [n, 16]
     high = shifted(scales[:, 8:], (0, 2, 4, 6), 3).reshape(n, 16)
-    dl = (d * ((low | (high << 4)).to(torch.int8) - 32)).unsqueeze(-1)  # [n, 16, 1]
+    dl = f16_field(blocks, 108) * ((low | (high << 4)).to(torch.int8) - 32)  # [n, 16]
     ql = shifted(qs.reshape(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 16, 16)
     qh = shifted(hmask, range(8), 1).reshape(n, 16, 16)
-    q = (ql | (qh << 2)).to(torch.int8) - 4  # == ql - 4 where the mask bit is 0
-    return (dl * q).reshape(n, 256)
+    o = out.view(n, 16, 16)
+    o.copy_(ql | (qh << 2))
+    o.sub_(4)  # ql - 4 where the mask bit is 0, ql where it is 1
+    o.mul_(dl.unsqueeze(-1))  # * [n, 16, 1]
 
 
 def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,49 +97,51 @@ def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _k4_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    d, dmin = f16_field(blocks, 0), f16_field(blocks, 2)  # [n, 1]
+def _apply_k4_scales(blocks: torch.Tensor, o: torch.Tensor) -> None:
+    """o [n, 8, 32] holds the codes; make it d * sc * q - dmin * m."""
     sc, mn = _scale_min_k4(blocks[:, 4:16])  # [n, 8]
-    return (d * sc).unsqueeze(-1), (dmin * mn).unsqueeze(-1)  # [n, 8, 1]
+    o.mul_((f16_field(blocks, 0) * sc).unsqueeze(-1))  # * [n, 8, 1]
+    o.sub_((f16_field(blocks, 2) * mn).unsqueeze(-1))  # - [n, 8, 1]
 
 
-def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q4_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
-    dl, ml = _k4_scales(blocks)  # [n, 8, 1]
-    q = nibbles(blocks[:, 16:].reshape(n, 4, 32)).reshape(n, 8, 32)
-    return (dl * q - ml).reshape(n, 256)
+    o = out.view(n, 8, 32)
+    o.copy_(nibbles(blocks[:, 16:].reshape(n, 4, 32)).reshape(n, 8, 32))
+    _apply_k4_scales(blocks, o)
 
 
-def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q5_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
-    dl, ml = _k4_scales(blocks)  # [n, 8, 1]
     ql = nibbles(blocks[:, 48:].reshape(n, 4, 32)).reshape(n, 8, 32)
     qh = shifted(blocks[:, 16:48], range(8), 1)  # [n, 8, 32]
-    return (dl * (ql | (qh << 4)) - ml).reshape(n, 256)
+    o = out.view(n, 8, 32)
+    o.copy_(ql | (qh << 4))
+    _apply_k4_scales(blocks, o)
 
 
-def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
     ql, qh = blocks[:, :128], blocks[:, 128:192]
-    d = f16_field(blocks, 208)  # [n, 1]
-    dl = (d * blocks[:, 192:208].view(torch.int8)).unsqueeze(-1)  # [n, 16, 1]
-    low = nibbles(ql.reshape(n, 2, 64)).reshape(n, 8, 32)
-    high = shifted(qh.reshape(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 8, 32)
-    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16)
-    return (dl * q).reshape(n, 256)
+    low = nibbles(ql.reshape(n, 2, 64)).reshape(n, 16, 16)
+    high = shifted(qh.reshape(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 16, 16)
+    dl = f16_field(blocks, 208) * blocks[:, 192:208].view(torch.int8)  # [n, 16]
+    o = out.view(n, 16, 16)
+    o.copy_(low | (high << 4))
+    o.sub_(32)
+    o.mul_(dl.unsqueeze(-1))  # * [n, 16, 1]
 
 
-def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+def _iq4_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     n = blocks.shape[0]
-    d = f16_field(blocks, 0)  # [n, 1]
     # 6-bit scales: a nibble each from bytes 4-7 (low first), 2 bits each from the u16 at 2-3
     low = shifted(blocks[:, 4:8].unsqueeze(-1), (0, 4), 0x0F).reshape(n, 8)
     high = shifted(blocks[:, 2:4].unsqueeze(-1), (0, 2, 4, 6), 3).reshape(n, 8)
-    dl = (d * ((low | (high << 4)).to(torch.int8) - 32)).unsqueeze(-1)  # [n, 8, 1]
-    q = nibbles(blocks[:, 8:].reshape(n, 8, 16))  # [n, 8, 32]
-    return (dl * lut("iq4nl", blocks.device)[q.long()]).reshape(n, 256)
+    dl = f16_field(blocks, 0) * ((low | (high << 4)).to(torch.int8) - 32)  # [n, 8]
+    lookup(lut("iq4nl", blocks.device), nibbles(blocks[:, 8:].reshape(n, 8, 16)), out)
+    out.view(n, 8, 32).mul_(dl.unsqueeze(-1))  # * [n, 8, 1]
 
 
-K_KERNELS: dict[Q, Callable[[torch.Tensor], torch.Tensor]] = {
+K_KERNELS: dict[Q, Kernel] = {
     Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.IQ4_XS: _iq4_xs,
 }
