@@ -1,1 +1,36 @@
-"""One module per architecture."""
+"""One module per architecture; `get_model_module(arch)` finds it by GGUF `general.architecture`.
+
+Every module exposes the same names: `ARCH`, `Model(hparams, dense)` (with `forward`,
+`new_cache`, `router_logits`, `hparams`), `TENSOR_NAMES` (GGUF -> Hugging Face names) and
+`HF_FUSED`. Adding a family = one module + one line in `_REGISTRY`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# GGUF architecture name -> module under decoder.models (imported on first use)
+_REGISTRY: dict[str, str] = {
+    "qwen3moe": "qwen3moe",
+}
+
+
+def architectures() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_model_module(arch: str) -> ModuleType:
+    if arch not in _REGISTRY:
+        raise ValueError(f"no decoder model for architecture {arch!r} (have: {', '.join(architectures())})")
+    return importlib.import_module(f"{__name__}.{_REGISTRY[arch]}")
+
+
+def load_model(layout, device="cpu", dtype=None, progress: bool = False):
+    """The architecture's `Model` with every dense weight of `layout` materialized on `device`."""
+    import torch
+
+    from ..weights import load_dense
+
+    dense = load_dense(layout, device, dtype or torch.float32, progress)
+    return get_model_module(layout.hparams.arch).Model(layout.hparams, dense)

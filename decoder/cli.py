@@ -1,0 +1,186 @@
+"""`moestream generate`: text from a GGUF MoE, experts resident or streamed from moestream-iod."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, Callable
+
+from .config import ConfigError, DecoderConfig
+
+DESCRIPTION = """\
+Generate text from a GGUF Mixture-of-Experts model. Dense weights are loaded onto the device
+at start; experts are either all resident in this process (--resident, the reference) or
+streamed from a moestream-iod daemon (--iod ENDPOINT) into a device slot cache.
+
+Slot format (--slot-format): 'raw' keeps the quantized blocks in the slots and dequantizes
+them on every use, 'dequant' dequantizes once on insert. 'auto' picks raw on CUDA (dequantize
+on use is cheap there, and more experts fit) and dequant on CPU (a vectorized torch Q8_0
+dequantizer runs at ~0.3 GB/s on a CPU, slower per token than the matmuls and the reads).
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="moestream generate", description=DESCRIPTION,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="GGUF MoE file")
+    ap.add_argument("--config", help="TOML file with DecoderConfig fields; options given here win")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--iod", metavar="ENDPOINT", help="stream experts from this moestream-iod (e.g. ipc:///run/moestream/iod.sock)")
+    src.add_argument("--resident", action="store_true", default=None, help="load every expert in process (no daemon)")
+    ap.add_argument("--prompt", action="append", dest="prompts", metavar="TEXT",
+                    help="prompt text; repeat for several prompts decoded together as a batch")
+    ap.add_argument("-n", "--max-new-tokens", type=int, dest="max_new_tokens", help="tokens to generate per prompt (default 32)")
+    ap.add_argument("--chat", action="store_true", default=None, help="wrap each prompt in the model's chat template")
+    ap.add_argument("--temperature", type=float, help="0 = greedy (default)")
+    ap.add_argument("--top-k", type=int, dest="top_k", help="sample from the k most likely tokens (0 = off)")
+    ap.add_argument("--top-p", type=float, dest="top_p", help="nucleus sampling mass (1 = off)")
+    ap.add_argument("--seed", type=int, help="sampling seed (default 0)")
+    ap.add_argument("--device", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
+    ap.add_argument("--dtype", help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16")
+    cache = ap.add_mutually_exclusive_group()
+    cache.add_argument("--slots", type=int, help="device slot cache size in experts (streamed)")
+    cache.add_argument("--cache-bytes", dest="cache_bytes", help="device slot cache size in bytes, e.g. 512M (streamed)")
+    ap.add_argument("--slot-format", dest="slot_format", choices=["auto", "raw", "dequant"], help="see above (default auto)")
+    ap.add_argument("--prefetch", type=int, help="layers of router look-ahead for prefetching (default 1, 0 = off)")
+    ap.add_argument("--stats", action="store_true", default=None, help="print tok/s and the expert source's counters")
+    ap.add_argument("--no-progress", action="store_false", dest="progress", default=None, help="no loading progress bars")
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> DecoderConfig:
+    values = {k: v for k, v in vars(args).items() if k != "config"}
+    if values.get("cache_bytes") is not None:
+        from ..common.make_model import parse_size
+
+        values["cache_bytes"] = parse_size(values["cache_bytes"])
+    return DecoderConfig.build(args.config, **values)
+
+
+def open_resident(cfg: DecoderConfig, layout: Any, model: Any) -> tuple[Any, Callable | None]:
+    from .experts import ResidentExperts
+
+    source = ResidentExperts(layout, cfg.torch_device, cfg.torch_dtype, cfg.resolved_slot_format, progress=cfg.progress)
+    return source, None
+
+
+def default_slots(hp: Any) -> int:
+    """Without --slots/--cache-bytes: room for 4 steps' worth of routed experts, at most all of them."""
+    return min(hp.n_layer * hp.n_expert, 4 * hp.n_layer * hp.n_expert_used)
+
+
+def open_streamed(cfg: DecoderConfig, layout: Any, model: Any) -> tuple[Any, Callable | None]:
+    try:
+        from ..common.client import IodClient
+        from .prefetch import Prefetcher
+        from .slot_cache import DeviceSlotCache, slots_for_bytes
+        from .streamed import StreamedExperts
+    except ImportError as e:
+        raise ConfigError(f"streamed mode not available ({e}); use --resident") from None
+    fmt, dtype = cfg.resolved_slot_format, cfg.torch_dtype
+    n_slots = cfg.slots or (slots_for_bytes(layout.experts, cfg.cache_bytes, fmt, dtype) if cfg.cache_bytes
+                            else default_slots(layout.hparams))
+    client = IodClient(cfg.iod, expect_fingerprint=layout.fingerprint.as_dict(), name="moestream-generate")
+    try:
+        cache = DeviceSlotCache(layout.experts, n_slots, cfg.torch_device, slot_format=fmt, dtype=dtype)
+        source = StreamedExperts(client, layout, cache, fetch_timeout_s=cfg.fetch_timeout_s, owns_client=True)
+    except BaseException:
+        client.close()
+        raise
+    return source, (Prefetcher(model, source, cfg.prefetch) if cfg.prefetch > 0 else None)
+
+
+def prompt_ids(cfg: DecoderConfig, tok: Any) -> list[list[int]]:
+    texts = [tok.render_chat([{"role": "user", "content": p}]) if cfg.chat else p for p in cfg.prompts]
+    return [tok.encode(t) for t in texts]
+
+
+def run(cfg: DecoderConfig) -> int:
+    from ..common.layout import ModelLayout
+    from .generate import TextStream, generate
+    from .models import load_model
+    from .tokenizer import GGUFTokenizer
+
+    layout = ModelLayout(cfg.model)
+    tok = GGUFTokenizer.from_layout(layout)
+    ids = prompt_ids(cfg, tok)
+    t0 = time.perf_counter()
+    model = load_model(layout, cfg.torch_device, cfg.torch_dtype, progress=cfg.progress)
+    opener = open_resident if cfg.resident else open_streamed
+    source, hook = opener(cfg, layout, model)
+    load_s = time.perf_counter() - t0
+    single = len(ids) == 1
+    stream = TextStream(tok.decode, lambda _i, text: print(text, end="", flush=True)) if single else None
+    with source:
+        result = generate(model, source, ids, cfg.max_new_tokens, cfg.sampling, tok.stop_ids, tok.pad_id,
+                          on_token=stream, after_layer=hook)
+        stats = source.stats()
+    if stream is not None:
+        stream.flush()
+    print_results(result, tok, single)
+    if cfg.stats:
+        print_stats(result, load_s, stats, hook.stats() if hook is not None else None)
+    return 0
+
+
+def print_results(result: Any, tok: Any, streamed: bool) -> None:
+    if streamed:
+        print()
+        return
+    for i, ids in enumerate(result.tokens):
+        print(f"--- [{i}] ({result.finish[i]}, {len(ids)} tokens)")
+        print(tok.decode(ids))
+
+
+def print_stats(result: Any, load_s: float, source_stats: dict, prefetch_stats: dict | None) -> None:
+    print(f"stats: decode {result.decode_tok_s():.1f} tok/s ({result.new_tokens} tokens, {result.steps} decode steps), "
+          f"prefill {result.prefill_s * 1e3:.1f} ms, load {load_s:.2f} s")
+    for line in stats_lines("experts", source_stats):
+        print(line)
+    if prefetch_stats is not None:
+        for line in stats_lines("prefetch", prefetch_stats):
+            print(line)
+
+
+def stats_lines(title: str, stats: dict) -> list[str]:
+    """`stats: title: k=v ...`, one line per nested dict."""
+    flat = " ".join(f"{k}={_fmt(v)}" for k, v in stats.items() if not isinstance(v, dict))
+    lines = [f"stats: {title}: {flat}"]
+    for k, v in stats.items():
+        if isinstance(v, dict):
+            lines += stats_lines(f"{title}.{k}", v)
+    return lines
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(config_from_args(args))
+    except KeyboardInterrupt:
+        print("\nmoestream generate: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # one clear line, not a traceback, for every expected failure
+        if not _expected(e):
+            raise
+        print(f"moestream generate: {e}", file=sys.stderr)
+        return 1
+
+
+def _expected(e: Exception) -> bool:
+    """Errors of the input or the environment (bad file, bad option, daemon gone)."""
+    if isinstance(e, (ValueError, OSError, KeyError)):
+        return True
+    try:
+        from ..common.client import IodError
+    except ImportError:
+        return False
+    return isinstance(e, IodError)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

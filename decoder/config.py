@@ -1,0 +1,128 @@
+"""`DecoderConfig`: everything one decoder process is told, validated once on construction.
+
+Built from the command line (`moestream generate`), optionally over a TOML file whose keys are
+the field names; command-line values win.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .sampling import SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SLOT_FORMATS = ("auto", "raw", "dequant")
+
+
+class ConfigError(ValueError):
+    """A decoder setting is invalid; the message names it."""
+
+
+@dataclass
+class DecoderConfig:
+    model: str = ""  # GGUF file (required; a default so a TOML file may supply it)
+    prompts: list[str] = field(default_factory=list)
+    iod: str | None = None  # moestream-iod endpoint (streamed experts)
+    resident: bool = False  # every expert in process, no daemon
+    device: str = "auto"  # auto -> cuda if available, else cpu
+    dtype: str = "auto"  # auto -> bfloat16 on cuda, float32 on cpu
+    slots: int | None = None  # device slot cache size, in experts (streamed)
+    cache_bytes: int | None = None  # ... or in bytes
+    slot_format: str = "auto"  # auto -> raw on cuda, dequant on cpu
+    prefetch: int = 1  # layers of router look-ahead (0 = off)
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    chat: bool = False
+    stats: bool = False
+    progress: bool = True
+    fetch_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        self._check_source()
+        self._check_numbers()
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.slot_format not in SLOT_FORMATS:
+            raise ConfigError(f"slot_format must be one of {', '.join(SLOT_FORMATS)}, got {self.slot_format!r}")
+        _ = self.torch_device  # validates the device name (and that CUDA exists when asked for)
+        try:
+            self.sampling
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def _check_source(self) -> None:
+        if not self.model:
+            raise ConfigError("no model given (--model PATH)")
+        if bool(self.iod) == bool(self.resident):
+            raise ConfigError("choose exactly one expert source: --iod ENDPOINT (streamed) or --resident")
+        if self.slots is not None and self.cache_bytes is not None:
+            raise ConfigError("give --slots or --cache-bytes, not both")
+        if not self.prompts:
+            raise ConfigError("no prompt given (--prompt TEXT, repeatable)")
+
+    def _check_numbers(self) -> None:
+        for name, low in (("slots", 1), ("cache_bytes", 1), ("prefetch", 0), ("max_new_tokens", 1)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.fetch_timeout_s <= 0:
+            raise ConfigError(f"fetch_timeout_s must be > 0, got {self.fetch_timeout_s}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError:
+            raise ConfigError(f"unknown device {self.device!r} (use auto, cpu, cuda or cuda:N)") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {self.device!r} asked for but CUDA is not available here")
+        return dev
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+    @property
+    def resolved_slot_format(self) -> str:
+        """raw on CUDA (dequantize on use is cheap there); dequantized once on insert on CPU."""
+        if self.slot_format != "auto":
+            return self.slot_format
+        return "raw" if self.torch_device.type == "cuda" else "dequant"
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
+
+    @classmethod
+    def build(cls, toml_path: str | Path | None = None, **overrides: Any) -> "DecoderConfig":
+        """Fields from a TOML file (if given), then `overrides` that are not None."""
+        values: dict[str, Any] = {}
+        if toml_path is not None:
+            values.update(load_toml(toml_path))
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+    known = {f.name for f in fields(DecoderConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown keys {unknown} (known: {', '.join(sorted(known))})")
+    return data

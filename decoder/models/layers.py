@@ -1,0 +1,205 @@
+"""Layers every MoE architecture shares: RMSNorm, rope, GQA attention with a KV cache, MoE block.
+
+Functions take plain tensors and one layer's weights as a dict keyed by the GGUF short name
+(`attn_q`, `attn_q.bias`, `attn_q_norm`, ...), so an architecture module only says which of
+them it has. Tokens of a batch are flattened to rows `[N, d]` (N = B*T) outside attention.
+
+Batching: sequences are left-padded to one length; `valid[B, S]` marks real tokens, each
+sequence counts its own positions (a pad never advances them), and attention never looks at
+a pad key. Pad rows skip the MoE block entirely, so they never fetch an expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..experts import ExpertSource
+
+Weights = dict[str, torch.Tensor]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32 (as llama.cpp and HF do)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+# -- rope ----------------------------------------------------------------------------------
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables for NEOX-style rope (dims i and i + head_dim/2 rotate together)."""
+    dev = positions.device
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=dev, dtype=torch.int64).float() / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, hd]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, T, hd]; cos/sin: [B, T, hd]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [B, H, T, hd]
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)  # [B, 1, T, hd]
+    return x * cos + rotated * sin
+
+
+# -- KV cache ------------------------------------------------------------------------------
+@dataclass
+class KVCache:
+    """Keys and values of every layer for a left-padded batch, preallocated to `capacity`."""
+
+    k: list[torch.Tensor]  # per layer [B, n_kv, capacity, hd]
+    v: list[torch.Tensor]  # per layer [B, n_kv, capacity, hd]
+    valid: torch.Tensor  # [B, capacity] bool: a real token (not padding) sits there
+    next_pos: torch.Tensor  # [B] int64: rope position of each sequence's next real token
+    length: int = 0  # cache entries filled (same for every sequence)
+
+    @classmethod
+    def empty(cls, n_layer: int, batch: int, n_kv: int, head_dim: int, capacity: int,
+              device: torch.device, dtype: torch.dtype) -> "KVCache":
+        shape = (batch, n_kv, capacity, head_dim)
+        return cls(
+            k=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)],
+            v=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)],
+            valid=torch.zeros(batch, capacity, dtype=torch.bool, device=device),
+            next_pos=torch.zeros(batch, dtype=torch.int64, device=device),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.valid.shape[1]
+
+    def advance(self, valid: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Reserve T entries for tokens with mask `valid` [B, T]; return their positions [B, T] and start."""
+        T = valid.shape[1]
+        if self.length + T > self.capacity:
+            raise ValueError(f"KV cache full: {self.length} + {T} tokens > capacity {self.capacity}")
+        start = self.length
+        positions = self.next_pos[:, None] + valid.long().cumsum(1) - 1  # [B, T]
+        self.valid[:, start:start + T] = valid
+        self.next_pos += valid.long().sum(1)
+        self.length += T
+        return positions.clamp(min=0), start
+
+
+def attention_mask(cache: KVCache, start: int, T: int) -> torch.Tensor:
+    """[B, 1, T, S] bool: query t may see key s if s is real and not in its future.
+
+    A pad query may also see itself, so no row is empty (its output is discarded anyway).
+    """
+    S = start + T
+    s = torch.arange(S, device=cache.valid.device)  # [S]
+    t = torch.arange(start, S, device=cache.valid.device)  # [T]
+    causal = s[None, :] <= t[:, None]  # [T, S]
+    self_ = s[None, :] == t[:, None]  # [T, S]
+    real = cache.valid[:, None, :S]  # [B, 1, S]
+    return ((real & causal) | self_)[:, None]  # [B, 1, T, S]
+
+
+# -- attention -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttnShape:
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    rope_base: float
+    eps: float
+    qk_norm: str = "none"  # "none" | "head" (per-head RMSNorm) | "full" (over all heads)
+
+
+def _proj(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
+    return F.linear(x, w[name], w.get(f"{name}.bias"))
+
+
+def _qkv(x: torch.Tensor, w: Weights, a: AttnShape, B: int, T: int) -> tuple[torch.Tensor, ...]:
+    q, k, v = _proj(x, w, "attn_q"), _proj(x, w, "attn_k"), _proj(x, w, "attn_v")  # [N, H*hd], [N, Hkv*hd] x2
+    if a.qk_norm == "full":
+        q, k = rms_norm(q, w["attn_q_norm"], a.eps), rms_norm(k, w["attn_k_norm"], a.eps)
+    q = q.view(B, T, a.n_head, a.head_dim)  # [B, T, H, hd]
+    k = k.view(B, T, a.n_head_kv, a.head_dim)  # [B, T, Hkv, hd]
+    v = v.view(B, T, a.n_head_kv, a.head_dim)  # [B, T, Hkv, hd]
+    if a.qk_norm == "head":
+        q, k = rms_norm(q, w["attn_q_norm"], a.eps), rms_norm(k, w["attn_k_norm"], a.eps)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(kv), T, hd]
+
+
+def attention(x: torch.Tensor, w: Weights, a: AttnShape, layer: int, cache: KVCache,
+              positions: torch.Tensor, start: int) -> torch.Tensor:
+    """Self-attention of rows x [B*T, d] (already normed); writes this step's K/V into the cache."""
+    B, T = positions.shape
+    q, k, v = _qkv(x, w, a, B, T)
+    cos, sin = rope_cos_sin(positions, a.head_dim, a.rope_base)  # [B, T, hd]
+    q, k = apply_rope_neox(q, cos, sin), apply_rope_neox(k, cos, sin)
+    cache.k[layer][:, :, start:start + T] = k
+    cache.v[layer][:, :, start:start + T] = v
+    keys = cache.k[layer][:, :, :start + T]  # [B, Hkv, S, hd]
+    vals = cache.v[layer][:, :, :start + T]  # [B, Hkv, S, hd]
+    rep = a.n_head // a.n_head_kv  # query heads per kv head (GQA)
+    keys, vals = keys.repeat_interleave(rep, dim=1), vals.repeat_interleave(rep, dim=1)  # [B, H, S, hd]
+    mask = attention_mask(cache, start, T)  # [B, 1, T, S]
+    out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)  # [B, H, T, hd]
+    out = out.transpose(1, 2).reshape(B * T, a.n_head * a.head_dim)  # [N, H*hd]
+    return _proj(out, w, "attn_output")  # [N, d]
+
+
+# -- MoE -----------------------------------------------------------------------------------
+def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax router then top-k: weights [N, k] (in logits' dtype) and expert ids [N, k]."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [N, k], [N, k]
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)  # [N, k]
+    return weights.to(logits.dtype), ids
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate x) * up x): x [n, d], gate/up [ff, d], down [d, ff] -> [n, d]."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def group_by_expert(ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """ids [N, k] -> {expert: (rows [n_e], slots [n_e])}, experts ascending, rows ascending.
+
+    One stable sort and one host sync for the whole layer (not one per expert on a GPU).
+    """
+    k = ids.shape[1]
+    flat = ids.flatten()  # [N*k]
+    order = torch.argsort(flat, stable=True)  # [N*k] grouped by expert, token order kept
+    counts = torch.bincount(flat).tolist()  # the one sync
+    out, start = {}, 0
+    for e, n in enumerate(counts):
+        if n:
+            pick = order[start:start + n]  # [n_e]
+            out[e] = (pick // k, pick % k)
+            start += n
+    return out
+
+
+def moe(x: torch.Tensor, router_w: torch.Tensor, experts: ExpertSource, layer: int,
+        top_k: int, norm_topk_prob: bool) -> torch.Tensor:
+    """Sparse MoE of rows x [N, d] (already normed), experts acquired from `experts`.
+
+    Experts are visited in ascending id order and accumulated into `out`, so the result does
+    not depend on where the weights came from or in which order they arrived. (index_put_
+    with accumulate, not index_add_: the latter's OpenMP path costs ~0.7 ms per call on a
+    busy 2-core CPU; each call's rows are distinct, so both are exact and deterministic.)
+    """
+    out = torch.zeros_like(x)  # [N, d]
+    if x.shape[0] == 0:
+        return out  # no real token in this step: nothing to fetch
+    weights, ids = route(F.linear(x, router_w), top_k, norm_topk_prob)  # [N, k], [N, k]
+    groups = group_by_expert(ids)
+    wanted: Sequence[int] = list(groups)
+    got = experts.acquire(layer, wanted)
+    try:
+        for e, (rows, slot) in groups.items():
+            w = got[e]
+            y = swiglu(x[rows], w.gate, w.up, w.down)  # [n_e, d]
+            out.index_put_((rows,), y * weights[rows, slot, None], accumulate=True)
+    finally:
+        experts.release(layer, wanted)
+    return out

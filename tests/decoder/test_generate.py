@@ -1,0 +1,158 @@
+"""Generation: batch == one prompt at a time (greedy), stopping, sampling, streaming text, CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestream.common.layout import ModelLayout
+from moestream.decoder import cli
+from moestream.decoder.experts import ResidentExperts
+from moestream.decoder.generate import TextStream, generate
+from moestream.decoder.models import load_model
+from moestream.decoder.sampling import Sampler, SamplingParams, filter_top_k, filter_top_p
+from moestream.decoder.tokenizer import GGUFTokenizer
+
+PROMPTS = [[5, 17, 200, 33, 41, 9, 300, 12], [77, 3], [450, 451, 452, 1, 2]]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model):
+    layout = ModelLayout(tiny_model)
+    return load_model(layout), ResidentExperts(layout), GGUFTokenizer.from_layout(layout)
+
+
+def test_batch_equals_one_prompt_at_a_time(setup):
+    model, experts, _ = setup
+    batch = generate(model, experts, PROMPTS, 10, keep_logits=True)
+    for i, p in enumerate(PROMPTS):
+        alone = generate(model, experts, [p], 10, keep_logits=True)
+        assert batch.tokens[i] == alone.tokens[0], f"prompt {i}"
+        for step, logits in enumerate(alone.logits):
+            assert (batch.logits[step][i] - logits[0]).abs().max().item() < 1e-4
+    assert batch.finish == ["length"] * 3 and all(len(t) == 10 for t in batch.tokens)
+    assert batch.steps == 9  # one token from the prefill, nine decode steps
+
+
+def test_stop_token_ends_that_sequence_only(setup):
+    model, experts, _ = setup
+    free = generate(model, experts, PROMPTS, 8)
+    stop = free.tokens[0][3]  # the 4th token prompt 0 generates becomes a stop id
+    out = generate(model, experts, PROMPTS, 8, stop_ids=frozenset({stop}))
+    first = free.tokens[0].index(stop)
+    assert out.tokens[0] == free.tokens[0][:first] and out.finish[0] == "stop"
+    for i in (1, 2):  # the others continue exactly as before, up to their own stop
+        cut = free.tokens[i].index(stop) if stop in free.tokens[i] else 8
+        assert out.tokens[i] == free.tokens[i][:cut]
+
+
+def test_sampling_is_seeded(setup):
+    model, experts, _ = setup
+    hot = SamplingParams(temperature=1.5, seed=3)
+    a = generate(model, experts, PROMPTS[:2], 12, sampling=hot)
+    b = generate(model, experts, PROMPTS[:2], 12, sampling=hot)
+    c = generate(model, experts, PROMPTS[:2], 12, sampling=SamplingParams(temperature=1.5, seed=4))
+    greedy = generate(model, experts, PROMPTS[:2], 12)
+    assert a.tokens == b.tokens and a.tokens != c.tokens and a.tokens != greedy.tokens
+    top1 = generate(model, experts, PROMPTS[:2], 12, sampling=SamplingParams(temperature=1.5, top_k=1, seed=5))
+    assert top1.tokens == greedy.tokens
+
+
+def test_filters():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    assert torch.isinf(filter_top_k(logits, 2)).tolist() == [[True, False, False, True]]
+    probs = torch.softmax(logits, -1)[0]  # ~[0.09, 0.64, 0.24, 0.03]
+    kept = ~torch.isinf(filter_top_p(logits, float(probs[1]) + 0.01))
+    assert kept.tolist() == [[False, True, True, False]]
+    assert (~torch.isinf(filter_top_p(logits, 0.01))).sum() == 1  # the best token always survives
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    assert Sampler(SamplingParams())(logits).tolist() == [1]
+
+
+def test_raw_and_dequant_resident_are_bit_identical(tiny_model, setup):
+    model, experts, _ = setup
+    raw = ResidentExperts(ModelLayout(tiny_model), slot_format="raw")
+    a = generate(model, experts, PROMPTS, 4, keep_logits=True)
+    b = generate(model, raw, PROMPTS, 4, keep_logits=True)
+    assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+def test_text_stream_reassembles_text(setup):
+    _, _, tok = setup
+    ids = tok.encode("héllo wörld ✓ 12 — ok\n")
+    pieces = []
+    stream = TextStream(tok.decode, lambda i, t: pieces.append(t))
+    for t in ids:
+        stream(0, t)
+    stream.flush()
+    assert "".join(pieces) == tok.decode(ids) == "héllo wörld ✓ 12 — ok\n"
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_empty_prompt_is_an_error(setup):
+    model, experts, _ = setup
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate(model, experts, [[1], []], 2)
+
+
+def test_cli_resident(tiny_model, capsys):
+    rc = cli.main(["--model", str(tiny_model), "--resident", "--prompt", "def f(x):", "-n", "6", "--stats",
+                   "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "tok/s" in out and "stats: experts: source=resident" in out
+    rc = cli.main(["--model", str(tiny_model), "--resident", "--prompt", "a", "--prompt", "b", "-n", "3",
+                   "--chat", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "--- [0]" in out and "--- [1]" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "x", "--resident"], "no model given"),
+    (["--model", "MODEL", "--prompt", "x"], "choose exactly one expert source"),
+    (["--model", "/nonexistent.gguf", "--resident", "--prompt", "x"], "no such file"),
+    (["--model", "MODEL", "--resident"], "no prompt given"),
+    (["--model", "MODEL", "--resident", "--prompt", "x", "--top-p", "2"], "top_p"),
+    (["--model", "MODEL", "--resident", "--prompt", "x", "--device", "cuda:7"], "cuda"),
+])
+def test_cli_errors_are_one_line(tiny_model, capsys, args, message):
+    if "cuda" in message and torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    rc = cli.main([str(tiny_model) if a == "MODEL" else a for a in args])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_cli_streamed_matches_resident(tiny_model, capsys):
+    from moestream.common.spawn import spawn_daemon
+
+    args = ["--model", str(tiny_model), "--prompt", "import os", "-n", "8", "--no-progress"]
+    assert cli.main([*args, "--resident"]) == 0
+    resident = capsys.readouterr().out
+    with spawn_daemon(tiny_model) as daemon:
+        assert cli.main([*args, "--iod", daemon.endpoint, "--slots", "4", "--stats"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(resident) and "stats: experts: source=streamed" in out
+
+
+def test_cli_without_streamed_module(tiny_model, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "moestream.decoder.streamed", None)  # import now fails
+    rc = cli.main(["--model", str(tiny_model), "--iod", "ipc:///nonexistent", "--prompt", "x", "--no-progress"])
+    assert rc == 1 and "streamed mode not available" in capsys.readouterr().err
+
+
+def test_config_toml_then_cli(tmp_path, tiny_model):
+    from moestream.decoder.config import ConfigError, DecoderConfig
+
+    toml = tmp_path / "decoder.toml"
+    toml.write_text(f'model = "{tiny_model}"\nresident = true\nprompts = ["a"]\ntemperature = 0.7\nseed = 9\n')
+    cfg = cli.config_from_args(cli.build_parser().parse_args(["--config", str(toml), "--seed", "3"]))
+    assert (cfg.resident, cfg.prompts, cfg.temperature, cfg.seed) == (True, ["a"], 0.7, 3)
+    assert cfg.torch_device.type in ("cpu", "cuda") and cfg.resolved_slot_format in ("raw", "dequant")
+    toml.write_text('model = "x"\nslotz = 3\n')
+    with pytest.raises(ConfigError, match="unknown keys \\['slotz'\\]"):
+        DecoderConfig.build(toml)
+    with pytest.raises(ConfigError, match="slots must be an integer >= 1"):
+        DecoderConfig(model="m", resident=True, prompts=["a"], slots=0)

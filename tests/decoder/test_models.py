@@ -1,0 +1,121 @@
+"""One tiny-model runner for every architecture in the decoder's registry.
+
+Each architecture gets, for free: output shape and dtype, the KV-cache path (incremental
+decode == one full forward), a left-padded batch == each sequence alone, the `after_layer`
+hook and `router_logits`, and the MoE block's contract with its `ExpertSource` (sorted ids,
+every acquire released, pads never routed).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestream.common.layout import ModelLayout
+from moestream.decoder.experts import ExpertSource, ResidentExperts
+from moestream.decoder.models import architectures, load_model
+
+T = 12
+
+
+class Recording(ExpertSource):
+    """Wraps a source and records the calls the model makes."""
+
+    def __init__(self, inner: ExpertSource):
+        self.inner, self.calls, self.held = inner, [], set()
+
+    def begin_step(self):
+        self.calls.append(("step",))
+
+    def acquire(self, layer, experts):
+        experts = list(experts)
+        assert experts == sorted(set(experts)), f"acquire ids not sorted/unique: {experts}"
+        self.calls.append(("acquire", layer, tuple(experts)))
+        self.held |= {(layer, e) for e in experts}
+        return self.inner.acquire(layer, experts)
+
+    def release(self, layer, experts):
+        self.calls.append(("release", layer, tuple(experts)))
+        self.held -= {(layer, e) for e in experts}
+
+
+@pytest.fixture(scope="module", params=architectures())
+def arch_model(request, make_tiny_model):
+    path = make_tiny_model(arch=request.param, quant="F32")
+    layout = ModelLayout(path)
+    return layout, load_model(layout), ResidentExperts(layout)
+
+
+def tokens(layout, batch, length, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, layout.hparams.n_vocab, (batch, length), generator=g)  # [B, T]
+
+
+@torch.inference_mode()
+def test_shape_dtype_and_source_contract(arch_model):
+    layout, model, experts = arch_model
+    hp, rec = layout.hparams, Recording(experts)
+    seen = []
+    logits = model.forward(tokens(layout, 2, T), model.new_cache(2, T), rec,
+                           after_layer=lambda i, h: seen.append((i, tuple(h.shape))))
+    assert logits.shape == (2, T, hp.n_vocab) and logits.dtype == torch.float32
+    assert torch.isfinite(logits).all()
+    assert seen == [(i, (2 * T, hp.n_embd)) for i in range(hp.n_layer)]
+    acquires = [c for c in rec.calls if c[0] == "acquire"]
+    assert [c[1] for c in acquires] == list(range(hp.n_layer)) and not rec.held
+    assert rec.calls[0] == ("step",)
+    h = torch.randn(3, hp.n_embd)
+    assert model.router_logits(0, h).shape == (3, hp.n_expert)
+
+
+@torch.inference_mode()
+def test_cache_path_matches_full_forward(arch_model):
+    layout, model, experts = arch_model
+    seq = tokens(layout, 2, T, seed=1)
+    full = model.forward(seq, model.new_cache(2, T), experts)  # [2, T, V]
+    cache = model.new_cache(2, T)
+    parts = [model.forward(seq[:, :5], cache, experts)]
+    parts += [model.forward(seq[:, t:t + 1], cache, experts) for t in range(5, T)]
+    inc = torch.cat(parts, dim=1)  # [2, T, V]
+    assert (inc - full).abs().max().item() < 1e-4
+    assert torch.equal(inc.argmax(-1), full.argmax(-1))
+
+
+@torch.inference_mode()
+def test_padded_batch_matches_each_sequence_alone(arch_model):
+    layout, model, experts = arch_model
+    a, b = tokens(layout, 1, T, seed=2), tokens(layout, 1, 5, seed=3)
+    batch = torch.zeros(2, T, dtype=torch.int64)
+    batch[0], batch[1, T - 5:] = a[0], b[0]
+    valid = torch.ones(2, T, dtype=torch.bool)
+    valid[1, :T - 5] = False
+    rec = Recording(experts)
+    out = model.forward(batch, model.new_cache(2, T + 1), rec, valid=valid)  # [2, T, V]
+    alone_a = model.forward(a, model.new_cache(1, T), experts)
+    alone_b = model.forward(b, model.new_cache(1, 5), experts)
+    assert (out[0] - alone_a[0]).abs().max().item() < 1e-4
+    assert (out[1, T - 5:] - alone_b[0]).abs().max().item() < 1e-4
+    assert not rec.held
+
+
+@torch.inference_mode()
+def test_pads_are_not_routed(arch_model):
+    layout, model, experts = arch_model
+    hp = layout.hparams
+    rec = Recording(experts)
+    valid = torch.zeros(1, 4, dtype=torch.bool)
+    valid[0, -1] = True  # one real token: each layer routes exactly top_k experts
+    model.forward(tokens(layout, 1, 4), model.new_cache(1, 4), rec, valid=valid)
+    for c in rec.calls:
+        if c[0] == "acquire":
+            assert len(c[2]) == hp.n_expert_used
+
+
+@torch.inference_mode()
+def test_bfloat16_runs(arch_model):
+    layout, _, _ = arch_model
+    model = load_model(layout, dtype=torch.bfloat16)
+    experts = ResidentExperts(layout, dtype=torch.bfloat16)
+    logits = model.forward(tokens(layout, 2, 4), model.new_cache(2, 4), experts)
+    assert logits.dtype == torch.bfloat16 and logits.shape == (2, 4, layout.hparams.n_vocab)
+    assert torch.isfinite(logits.float()).all()
