@@ -20,7 +20,7 @@ class ArchSpec:
     layer_tensors: tuple[str, ...]  # required dense weights per layer (".weight" implied)
     layer_biases: tuple[str, ...] = ()  # required ".bias" tensors per layer
     shared_expert: bool = False  # ffn_{gate,up,down}_shexp + ffn_gate_inp_shexp
-    qk_norm: str = "none"  # "none" | "head" (RMSNorm over head_dim) | "full" (over n_embd)
+    qk_norm: str = "none"  # "none" | "head" (RMSNorm over head_dim) | "full" (over all heads: n_head*head_dim for q, n_head_kv*head_dim for k)
     head_dim_key: bool = False  # head dim read from attention.key_length when present
     norm_topk_prob: bool = True  # renormalize the top-k router weights
     expert_ff_key: str | None = "expert_feed_forward_length"
@@ -39,7 +39,10 @@ ARCHS: dict[str, ArchSpec] = {
         ),
         # Mixtral is stored as "llama" with expert_count > 0; its expert width is the FFN width.
         ArchSpec("llama", _ATTN, expert_ff_key=None),
-        ArchSpec("olmoe", _ATTN + ("attn_q_norm", "attn_k_norm"), qk_norm="full", norm_topk_prob=False),
+        # OLMoE's converter writes no expert_feed_forward_length: llama.cpp sizes its experts by
+        # feed_forward_length (HF intermediate_size), as for Mixtral.
+        ArchSpec("olmoe", _ATTN + ("attn_q_norm", "attn_k_norm"), qk_norm="full", norm_topk_prob=False,
+                 expert_ff_key=None),
     )
 }
 

@@ -13,6 +13,9 @@ from types import ModuleType
 # GGUF architecture name -> module under decoder.models (imported on first use)
 _REGISTRY: dict[str, str] = {
     "qwen3moe": "qwen3moe",
+    "qwen2moe": "qwen2moe",
+    "llama": "mixtral",  # Mixtral: llama.cpp stores it as "llama" with experts
+    "olmoe": "olmoe",
 }
 
 

@@ -30,12 +30,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # -- rope ----------------------------------------------------------------------------------
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables for NEOX-style rope (dims i and i + head_dim/2 rotate together)."""
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float,
+                 style: str = "neox") -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [B, T, hd] laid out for `style`: "neox" (dims i and i + hd/2 rotate
+    together) or "norm" (llama.cpp's normal rope: dims 2i and 2i+1 rotate together)."""
     dev = positions.device
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=dev, dtype=torch.int64).float() / head_dim))
     freqs = positions.float()[..., None] * inv_freq  # [B, T, hd/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, hd]
+    if style == "norm":
+        emb = freqs.repeat_interleave(2, dim=-1)  # [B, T, hd] f0 f0 f1 f1 ...
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, hd] f0 f1 ... f0 f1 ...
     return emb.cos(), emb.sin()
 
 
@@ -45,6 +50,20 @@ def apply_rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [B, H, T, hd]
     cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)  # [B, 1, T, hd]
     return x * cos + rotated * sin
+
+
+def apply_rope_norm(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved rope, x: [B, H, T, hd]; cos/sin from `rope_cos_sin(..., style="norm")`.
+
+    Llama-family GGUFs had q/k rows permuted by llama.cpp's converter so that this rotation
+    of adjacent pairs equals Hugging Face's rotate-half on the original weights.
+    """
+    rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)  # [B, H, T, hd]
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)  # [B, 1, T, hd]
+    return x * cos + rotated * sin
+
+
+_APPLY_ROPE = {"neox": apply_rope_neox, "norm": apply_rope_norm}
 
 
 # -- KV cache ------------------------------------------------------------------------------
@@ -109,6 +128,11 @@ class AttnShape:
     rope_base: float
     eps: float
     qk_norm: str = "none"  # "none" | "head" (per-head RMSNorm) | "full" (over all heads)
+    rope: str = "neox"  # "neox" | "norm" (interleaved pairs, llama.cpp's LLAMA_ROPE_TYPE_NORM)
+
+    def __post_init__(self) -> None:
+        if self.rope not in _APPLY_ROPE:
+            raise ValueError(f"unknown rope style {self.rope!r} (have: {', '.join(_APPLY_ROPE)})")
 
 
 def _proj(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
@@ -132,8 +156,9 @@ def attention(x: torch.Tensor, w: Weights, a: AttnShape, layer: int, cache: KVCa
     """Self-attention of rows x [B*T, d] (already normed); writes this step's K/V into the cache."""
     B, T = positions.shape
     q, k, v = _qkv(x, w, a, B, T)
-    cos, sin = rope_cos_sin(positions, a.head_dim, a.rope_base)  # [B, T, hd]
-    q, k = apply_rope_neox(q, cos, sin), apply_rope_neox(k, cos, sin)
+    cos, sin = rope_cos_sin(positions, a.head_dim, a.rope_base, a.rope)  # [B, T, hd]
+    rope = _APPLY_ROPE[a.rope]
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
     cache.k[layer][:, :, start:start + T] = k
     cache.v[layer][:, :, start:start + T] = v
     keys = cache.k[layer][:, :, :start + T]  # [B, Hkv, S, hd]
@@ -203,3 +228,12 @@ def moe(x: torch.Tensor, router_w: torch.Tensor, experts: ExpertSource, layer: i
     finally:
         experts.release(layer, wanted)
     return out
+
+
+def shared_expert(x: torch.Tensor, w: Weights) -> torch.Tensor:
+    """Qwen2-MoE's always-on expert, scaled per row by sigmoid(gate_inp_shexp . x): x [N, d] -> [N, d].
+
+    GGUF stores the shared gate as a [d] vector (HF's [1, d] Linear, squeezed).
+    """
+    gate = torch.sigmoid(x @ w["ffn_gate_inp_shexp"])[:, None]  # [N, 1]
+    return gate * swiglu(x, w["ffn_gate_shexp"], w["ffn_up_shexp"], w["ffn_down_shexp"])  # [N, d]

@@ -1,0 +1,146 @@
+"""Our mixtral ("llama"), qwen2moe and olmoe forward passes against Hugging Face's models.
+
+Each HF model is built from its own config class with the GGUF's hyper-parameters and the
+GGUF tensors copied in by name, dequantized with gguf-py's numpy reference (not our
+dequantizer). The routing renormalization is left at each HF config's default, so the test
+also checks that `common.arch` picked the family's behaviour. Mixtral's q/k are un-permuted
+(llama.cpp's converter permuted them for its interleaved rope) before HF sees them, so the
+test also covers the rope style. Logits are compared over a 16-token prompt and at each of 4
+greedy decode steps (ours through the KV cache, HF on the whole sequence).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
+
+from moestream.common.layout import ModelLayout
+from moestream.decoder.experts import ResidentExperts
+from moestream.decoder.models import get_model_module, load_model
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT_LEN, DECODE_STEPS, TOL = 16, 4, 1e-4
+
+
+def gguf_tensors(path) -> dict[str, torch.Tensor]:
+    """Every tensor as float32 in numpy (= HF) shape order, via gguf-py alone."""
+    out = {}
+    for t in GGUFReader(path).tensors:
+        arr = gguf_dequantize(np.asarray(t.data), t.tensor_type)
+        out[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist()))))
+    return out
+
+
+def _common(hp, tied: bool) -> dict:
+    return dict(
+        vocab_size=hp.n_vocab, hidden_size=hp.n_embd, num_hidden_layers=hp.n_layer, num_attention_heads=hp.n_head,
+        num_key_value_heads=hp.n_head_kv, num_experts_per_tok=hp.n_expert_used, rms_norm_eps=hp.rms_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": hp.rope_base},
+        max_position_embeddings=hp.context_length, tie_word_embeddings=tied,
+    )
+
+
+def hf_model(hp, tied: bool):
+    """An HF model of hp's family with default (random) weights; norm_topk_prob left at HF's default."""
+    c = _common(hp, tied)
+    if hp.arch == "llama":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **c, intermediate_size=hp.n_ff_exp, num_local_experts=hp.n_expert, sliding_window=None))
+    if hp.arch == "qwen2moe":
+        return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **c, intermediate_size=hp.n_ff_shexp, moe_intermediate_size=hp.n_ff_exp,
+            shared_expert_intermediate_size=hp.n_ff_shexp, num_experts=hp.n_expert, qkv_bias=True,
+            decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False))
+    if hp.arch == "olmoe":
+        return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+            **c, intermediate_size=hp.n_ff_exp, num_experts=hp.n_expert, clip_qkv=None))
+    raise AssertionError(hp.arch)
+
+
+def hf_state_dict(mod, tensors: dict[str, torch.Tensor], hp) -> dict[str, torch.Tensor]:
+    """GGUF tensors renamed (and fused / un-permuted / reshaped) into HF's state dict."""
+    unpermute = getattr(mod, "HF_UNPERMUTE", {})
+    sd = {}
+    for i in range(hp.n_layer):
+        for gguf_name, hf_name in mod.TENSOR_NAMES.items():
+            src = gguf_name.format(i=i)
+            if src in tensors:
+                t = tensors[src]
+                if gguf_name in unpermute:
+                    t = mod.unpermute_qk(t, getattr(hp, unpermute[gguf_name]))
+                sd[hf_name.format(i=i)] = t
+        for hf_name, parts in mod.HF_FUSED.items():
+            sd[hf_name.format(i=i)] = torch.cat([tensors[p.format(i=i)] for p in parts], dim=1)  # [E, 2ff, d]
+    return sd
+
+
+def build_hf(path):
+    layout = ModelLayout(path)
+    hp, mod, tensors = layout.hparams, get_model_module(layout.hparams.arch), gguf_tensors(path)
+    tied = "output.weight" not in tensors
+    model = hf_model(hp, tied).eval()
+    model.config._attn_implementation = "eager"
+    ref = model.state_dict()
+    sd = hf_state_dict(mod, tensors, hp)
+    for name, t in sd.items():  # only a squeezed [1, d] (qwen2moe's shared gate) may differ in shape
+        assert name in ref, f"no HF tensor {name}"
+        assert t.shape == ref[name].shape or (t.dim() == 1 and ref[name].shape == (1, t.shape[0])), name
+        sd[name] = t.reshape(ref[name].shape)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected, unexpected
+    assert set(missing) <= ({"lm_head.weight"} if tied else set()), missing  # every weight was copied
+    if tied:
+        model.tie_weights()
+    return model
+
+
+def compare(path) -> float:
+    """Max |ours - HF| over the prompt's logits and each greedy decode step."""
+    layout = ModelLayout(path)
+    ours, experts, hf = load_model(layout), ResidentExperts(layout), build_hf(path)
+    seq = torch.randint(0, layout.hparams.n_vocab, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(7))
+    cache = ours.new_cache(1, PROMPT_LEN + DECODE_STEPS)
+    worst = 0.0
+    with torch.inference_mode():
+        logits = ours.forward(seq, cache, experts)  # [1, T, V]
+        for step in range(DECODE_STEPS + 1):
+            ref = hf(input_ids=seq).logits  # [1, T, V]
+            mine = logits if step == 0 else logits[:, -1:]
+            worst = max(worst, (mine - ref[:, -mine.shape[1]:]).abs().max().item())
+            if step == DECODE_STEPS:
+                break
+            nxt = ref[:, -1].argmax(-1, keepdim=True)  # [1, 1] HF's greedy choice drives both
+            assert nxt.item() == mine[:, -1].argmax(-1).item(), f"greedy token differs at step {step}"
+            seq = torch.cat([seq, nxt], dim=1)
+            logits = ours.forward(nxt, cache, experts)  # [1, 1, V]
+    return worst
+
+
+@pytest.mark.parametrize("arch,quant", [("llama", "F32"), ("qwen2moe", "F32"), ("olmoe", "F32"), ("llama", "Q8_0"),
+                                        ("qwen2moe", "Q8_0")])
+def test_logits_match_hf(make_tiny_model, arch, quant):
+    diff = compare(make_tiny_model(arch=arch, quant=quant))
+    print(f"{arch} {quant}: max abs logit diff vs HF = {diff:.3g}")
+    assert diff <= TOL, f"{arch} {quant}: max abs logit diff {diff} > {TOL}"
+
+
+def test_mixtral_wider_gqa(make_tiny_model):
+    """Mixtral with 8 query heads on 2 kv heads, 3 layers, top-3 of 6: un-permute per head count."""
+    path = make_tiny_model(arch="llama", quant="F32", layers=3, experts=6, top_k=3, heads=8, kv_heads=2)
+    assert compare(path) <= TOL
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    """`unpermute_qk` undoes convert_hf_to_gguf's `permute` (written out here from its definition)."""
+    from moestream.decoder.models.mixtral import unpermute_qk
+
+    def permute(w, n_head):  # llama.cpp: reshape(n_head, 2, hd/2, ...).swapaxes(1, 2)
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = torch.randn(4 * 8, 5)  # 4 heads of dim 8
+    assert torch.equal(unpermute_qk(permute(w, 4), 4), w)
+    assert not torch.equal(permute(w, 4), w)
