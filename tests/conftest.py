@@ -127,3 +127,43 @@ def make_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
 def tiny_model(make_tiny_model) -> Path:
     """qwen3moe, Q8_0, 2 layers x 8 experts, hidden 64: the default tiny model."""
     return make_tiny_model(arch="qwen3moe", quant="Q8_0")
+
+
+# -- daemons (moestream-iod) ----------------------------------------------------------------
+@pytest.fixture
+def start_daemon(tmp_path: Path):
+    """`start_daemon(model, **spawn_daemon_kwargs)`: a real daemon on ipc endpoints under tmp_path,
+    stopped after the test."""
+    from moestream.common.spawn import spawn_daemon
+
+    started: list = []
+
+    def start(model: Path, **kwargs):
+        d = spawn_daemon(model, run_dir=tmp_path / f"run{len(started)}", **kwargs)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.stop()
+
+
+@pytest.fixture
+def wait_status() -> Callable[..., dict]:
+    """`wait_status(status_endpoint, pred, timeout_s=10)`: poll a daemon's status until `pred(status)` holds."""
+    import time
+
+    from moestream.common.client import get_status
+
+    def wait(endpoint: str, pred: Callable[[dict], bool], timeout_s: float = 10.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            s = get_status(endpoint)
+            if pred(s):
+                return s
+            if time.monotonic() > deadline:
+                keys = ("requests", "reads", "arena", "queues", "clients")
+                pytest.fail(f"daemon status never satisfied the condition; last: { {k: s[k] for k in keys} }")
+            time.sleep(0.05)
+
+    return wait

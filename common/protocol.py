@@ -1,0 +1,280 @@
+"""Wire messages between moestream-iod and its clients, defined once, validated when decoded.
+
+Every message is one ZeroMQ frame holding a msgpack map with an `op` key (the daemon's
+ROUTER adds the peer identity frame). No pickle, no extension types, size limits on frames
+and lists. `decode` turns bytes into a typed message or raises `ProtocolError` carrying the
+`ErrorCode` for the `error` reply, so a bad message never reaches the daemon's logic.
+
+    client -> daemon: hello, fetch, release, cancel, ping, bye      (status socket: status)
+    daemon -> client: welcome, ready (one per expert), error, pong  (status socket: status_reply)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields
+from functools import cache
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 256 << 10  # requests are small; anything bigger is refused unparsed
+MAX_REPLY_BYTES = 16 << 20  # status replies and welcomes can carry tables
+MAX_KEYS = 4096  # experts per fetch
+MAX_NAME = 256  # client names, error messages are cut here
+PRIORITIES = ("now", "ahead")
+
+
+class ErrorCode(str, enum.Enum):
+    BAD_MSGPACK = "bad_msgpack"  # frame is not a msgpack map
+    BAD_MESSAGE = "bad_message"  # missing/mistyped field, wrong frame count
+    UNKNOWN_OP = "unknown_op"
+    BAD_VERSION = "bad_version"  # hello with another protocol version
+    TOO_LARGE = "too_large"  # frame or list over the limits
+    OUT_OF_RANGE = "out_of_range"  # (layer, expert) not in the model
+    NOT_LEASED = "not_leased"  # release of a (slot, generation) this client does not hold
+    NO_HELLO = "no_hello"  # request before hello (or the daemon restarted and forgot us)
+    DUPLICATE_ID = "duplicate_id"  # fetch id already in use by this client
+    BUSY = "busy"  # queue full: retry later
+    DROPPED = "dropped"  # stale `ahead` work dropped
+    IO_ERROR = "io_error"  # the read failed
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class ProtocolError(ValueError):
+    def __init__(self, code: ErrorCode, message: str, rid: int | None = None):
+        super().__init__(f"{code.value}: {message}")
+        self.code, self.message, self.rid = code, message[:MAX_NAME * 4], rid
+
+
+# -- field checks (explicit: msgpack gives us whatever the peer sent) ----------------------
+def _int(v: Any, name: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{name} must be an int, got {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{name}={v} not in [{lo}, {hi}]")
+    return v
+
+
+def _num(v: Any, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{name} must be a number, got {type(v).__name__}")
+    return float(v)
+
+
+def _str(v: Any, name: str, limit: int = MAX_NAME) -> str:
+    if not isinstance(v, str):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{name} must be a string, got {type(v).__name__}")
+    if len(v) > limit:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{name} longer than {limit} characters")
+    return v
+
+
+def _keys(v: Any) -> list[tuple[int, int]]:
+    if not isinstance(v, list) or not v:
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "keys must be a non-empty list of [layer, expert]")
+    if len(v) > MAX_KEYS:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(v)} keys in one fetch (limit {MAX_KEYS})")
+    out = []
+    for k in v:
+        if not isinstance(k, list) or len(k) != 2:
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"key {k!r:.40} is not [layer, expert]")
+        out.append((_int(k[0], "layer", 0, 2**31), _int(k[1], "expert", 0, 2**31)))
+    if len(set(out)) != len(out):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "duplicate keys in one fetch")
+    return out
+
+
+@cache
+def _names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+# -- messages -------------------------------------------------------------------------------
+@dataclass
+class Message:
+    op: ClassVar[str] = ""
+
+    def encode(self) -> bytes:
+        # shallow on purpose (asdict deep-copies): this is on the per-expert hot path
+        d = {name: getattr(self, name) for name in _names(type(self))}
+        d["op"] = self.op
+        return msgpack.packb(d, use_bin_type=True)
+
+    @classmethod
+    def from_map(cls, m: dict[str, Any]) -> Message:
+        return cls(**{f.name: m[f.name] for f in fields(cls) if f.name in m})
+
+
+@dataclass
+class Hello(Message):
+    op: ClassVar[str] = "hello"
+    version: int
+    name: str = ""
+    pid: int = 0
+
+    @classmethod
+    def from_map(cls, m: dict[str, Any]) -> Hello:
+        return cls(_int(m.get("version"), "version"), _str(m.get("name", ""), "name"), _int(m.get("pid", 0), "pid"))
+
+
+@dataclass
+class Welcome(Message):
+    op: ClassVar[str] = "welcome"
+    version: int
+    fingerprint: dict
+    arena_name: str
+    n_slots: int
+    slot_bytes: int
+    index: dict
+    heartbeat_s: float
+    lease_timeout_s: float
+
+
+@dataclass
+class Fetch(Message):
+    op: ClassVar[str] = "fetch"
+    rid: int
+    keys: list
+    priority: str = "now"
+
+    @classmethod
+    def from_map(cls, m: dict[str, Any]) -> Fetch:
+        rid = _int(m.get("rid"), "rid")
+        try:
+            prio = _str(m.get("priority", "now"), "priority")
+            if prio not in PRIORITIES:
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"priority {prio!r:.20} is not one of {PRIORITIES}")
+            return cls(rid, _keys(m.get("keys")), prio)
+        except ProtocolError as e:
+            e.rid = rid  # so the client can fail the right futures
+            raise
+
+
+@dataclass
+class Ready(Message):
+    op: ClassVar[str] = "ready"
+    rid: int
+    layer: int
+    expert: int
+    slot: int
+    generation: int
+    parts: dict  # part name -> [offset inside the slot, nbytes]
+
+
+@dataclass
+class Release(Message):
+    op: ClassVar[str] = "release"
+    slot: int
+    generation: int
+
+    @classmethod
+    def from_map(cls, m: dict[str, Any]) -> Release:
+        return cls(_int(m.get("slot"), "slot", 0, 2**31), _int(m.get("generation"), "generation"))
+
+
+@dataclass
+class Cancel(Message):
+    op: ClassVar[str] = "cancel"
+    rid: int
+    keys: list | None = None  # only these [layer, expert] of the request; None = all
+
+    @classmethod
+    def from_map(cls, m: dict[str, Any]) -> Cancel:
+        keys = m.get("keys")
+        return cls(_int(m.get("rid"), "rid"), None if keys is None else _keys(keys))
+
+
+@dataclass
+class Ping(Message):
+    op: ClassVar[str] = "ping"
+    t: float = 0.0
+
+    @classmethod
+    def from_map(cls, m: dict[str, Any]) -> Ping:
+        return cls(_num(m.get("t", 0.0), "t"))
+
+
+@dataclass
+class Pong(Message):
+    op: ClassVar[str] = "pong"
+    t: float = 0.0
+
+
+@dataclass
+class Bye(Message):
+    op: ClassVar[str] = "bye"
+
+    @classmethod
+    def from_map(cls, m: dict[str, Any]) -> Bye:
+        return cls()
+
+
+@dataclass
+class Error(Message):
+    op: ClassVar[str] = "error"
+    code: str
+    message: str
+    rid: int | None = None
+    keys: list | None = None  # the [layer, expert] of `rid` that failed; None = all of them
+
+
+@dataclass
+class Status(Message):
+    op: ClassVar[str] = "status"
+
+    @classmethod
+    def from_map(cls, m: dict[str, Any]) -> Status:
+        return cls()
+
+
+@dataclass
+class StatusReply(Message):
+    op: ClassVar[str] = "status_reply"
+    status: dict = field(default_factory=dict)
+
+
+REQUESTS: dict[str, type[Message]] = {c.op: c for c in (Hello, Fetch, Release, Cancel, Ping, Bye, Status)}
+REPLIES: dict[str, type[Message]] = {c.op: c for c in (Welcome, Ready, Error, Pong, StatusReply)}
+
+
+def _unpack(frame: bytes, limit: int) -> dict[str, Any]:
+    if len(frame) > limit:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"frame of {len(frame)} bytes (limit {limit})")
+    try:
+        m = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises many types (ExtraData, ValueError, UnicodeDecodeError...)
+        raise ProtocolError(ErrorCode.BAD_MSGPACK, f"cannot decode msgpack: {type(e).__name__}") from None
+    if not isinstance(m, dict):
+        raise ProtocolError(ErrorCode.BAD_MSGPACK, f"message must be a msgpack map, got {type(m).__name__}")
+    return m
+
+
+def _decode(frame: bytes, table: dict[str, type[Message]], limit: int) -> Message:
+    m = _unpack(frame, limit)
+    op = m.get("op")
+    cls = table.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r:.40}")
+    try:
+        return cls.from_map(m)
+    except ProtocolError:
+        raise
+    except (TypeError, KeyError, ValueError) as e:  # only reachable for replies (trusted peer)
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"bad {op}: {e}") from None
+
+
+def decode_request(frame: bytes) -> Message:
+    """A client's request, validated; raises ProtocolError with the code for the error reply."""
+    return _decode(frame, REQUESTS, MAX_FRAME_BYTES)
+
+
+def decode_reply(frame: bytes) -> Message:
+    """A daemon's reply (checked for shape only: the daemon is trusted)."""
+    return _decode(frame, REPLIES, MAX_REPLY_BYTES)
+
+
+def error_reply(e: ProtocolError) -> bytes:
+    return Error(e.code.value, e.message, e.rid).encode()

@@ -1,0 +1,77 @@
+"""`moestream status`: show a running moestream-iod's status (a table for people, --json for scripts)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from .client import IodError, get_status
+
+DEFAULT_STATUS_ENDPOINT = "ipc:///run/moestream/status.sock"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moestream status", description="Show a running moestream-iod's status.")
+    p.add_argument("--endpoint", default=DEFAULT_STATUS_ENDPOINT,
+                   help=f"the daemon's status endpoint (default {DEFAULT_STATUS_ENDPOINT})")
+    p.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    p.add_argument("--watch", type=float, metavar="N", help="refresh every N seconds until Ctrl-C")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer (default 3)")
+    return p
+
+
+def _mib(n: float | None) -> str:
+    return "?" if n is None else f"{n / (1 << 20):,.1f} MiB"
+
+
+def format_status(s: dict[str, Any]) -> str:
+    a, q, lat = s["arena"], s["queues"], s["latency"]
+    b = s["backend"]
+    rows = [
+        ("model", f"{s['model']} ({s['arch']}, {s['index']['n_layer']} layers x {s['index']['n_expert']} experts)"),
+        ("pid / uptime", f"{s['pid']} / {s['uptime_s']:.0f} s"),
+        ("backend", f"{b['name']} depth {b['queue_depth']}{' O_DIRECT' if b['direct'] else ''}"
+                    + (f"  ({b['note']})" if b["note"] else "")),
+        ("arena", f"{a['name']}: {a['n_slots']} slots x {_mib(a['slot_bytes'])} = {_mib(a['arena_bytes'])}; "
+                  f"{a['resident']} resident, {a['loading']} loading, {a['leased_slots']} leased"),
+        ("requests", f"{s['requests']:,}: {s['hits']:,} hits, {s['joined']:,} joined, {s['misses']:,} misses "
+                     f"(hit rate {s['hit_rate']:.1%})"),
+        ("bytes", f"served {_mib(s['bytes_served'])}, read {_mib(s['bytes_read'])} in {s['reads']:,} reads, "
+                  f"disk {_mib(s['disk_read_bytes'])}; {s['read_mb_s']:.1f} MB/s (last 10 s)"),
+        ("queues", f"now {q['queued_now']}, ahead {q['queued_ahead']}, reading {q['reading']}/{q['max_inflight']}; "
+                   f"dropped {q['dropped']}, busy {q['refused_busy']}"),
+        ("latency", f"all p50 {lat['all']['p50_ms']:.3f} ms p99 {lat['all']['p99_ms']:.3f} ms; "
+                    f"miss p50 {lat['miss']['p50_ms']:.3f} ms p99 {lat['miss']['p99_ms']:.3f} ms"),
+        ("errors", f"{s['errors']:,} " + (json.dumps(s["errors_by_code"]) if s["errors_by_code"] else "")),
+        ("hottest", ", ".join(f"({layer},{e})x{n}" for layer, e, n in s["hottest"][:8]) or "-"),
+    ]
+    lines = [f"{k:<14} {v}" for k, v in rows]
+    lines.append(f"clients ({len(s['clients'])})")
+    if s["clients"]:
+        lines.append(f"  {'name':<20} {'pid':>7} {'leases':>6} {'requests':>9} {'hits':>8} {'misses':>7} {'served':>12} {'idle':>6}")
+        for c in s["clients"]:
+            lines.append(f"  {c['name'][:20]:<20} {c['pid']:>7} {c['leases']:>6} {c['requests']:>9,} "
+                         f"{c['hits'] + c['joined']:>8,} {c['misses']:>7,} {_mib(c['bytes_served']):>12} {c['idle_s']:>5.1f}s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    while True:
+        try:
+            s = get_status(args.endpoint, args.timeout)
+        except IodError as e:
+            print(f"moestream status: {e}", file=sys.stderr)
+            return 1
+        print(json.dumps(s, indent=2, sort_keys=True) if args.json else format_status(s), flush=True)
+        if not args.watch:
+            return 0
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return 0
+        if not args.json:
+            print("\033[2J\033[H", end="")  # clear the screen between refreshes

@@ -1,0 +1,171 @@
+"""moestream-iod's configuration: one validated dataclass from a TOML file plus CLI overrides."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG = Path("/etc/moestream/iod.toml")
+DEFAULT_ENDPOINT = "ipc:///run/moestream/iod.sock"
+DEFAULT_STATUS_ENDPOINT = "ipc:///run/moestream/status.sock"
+DEFAULT_ARENA_BYTES = 1 << 30
+BACKENDS = ("auto", "uring", "threads")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1000, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def parse_size(text: str | int) -> int:
+    """'4GiB' -> 4294967296; plain ints pass through."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"bad size {text!r} (examples: 4GiB, 512MiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_mode(text: str | int) -> int:
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    try:
+        return int(str(text), 8)
+    except ValueError:
+        raise ConfigError(f"bad file mode {text!r} (octal, e.g. 0660)") from None
+
+
+@dataclass(frozen=True)
+class IodConfig:
+    model: Path
+    endpoint: str = DEFAULT_ENDPOINT
+    status_endpoint: str = DEFAULT_STATUS_ENDPOINT
+    arena_bytes: int | None = None  # arena size; or arena_slots; default 1 GiB capped at the model's experts
+    arena_slots: int | None = None
+    backend: str = "auto"
+    queue_depth: int = 32
+    direct: bool = False
+    lease_timeout_s: float = 30.0
+    socket_group: str | None = None
+    socket_mode: int = 0o660  # ipc socket files and the shm arena
+    log_level: str = "info"
+    max_queued: int = 65536  # queued expert loads (now + ahead) before `busy`/`dropped`
+    ahead_max_age_s: float = 5.0  # queued `ahead` work older than this is dropped as stale
+
+    def __post_init__(self) -> None:
+        for name in ("endpoint", "status_endpoint"):
+            ep = getattr(self, name)
+            if not re.match(r"^(ipc|tcp)://.+", ep):
+                raise ConfigError(f"{name} {ep!r} must look like ipc:///path or tcp://127.0.0.1:PORT")
+        if self.endpoint == self.status_endpoint:
+            raise ConfigError("endpoint and status_endpoint must differ")
+        if self.arena_bytes is not None and self.arena_slots is not None:
+            raise ConfigError("give arena_bytes or arena_slots, not both")
+        _positive(self, "arena_bytes", "arena_slots", "queue_depth", "lease_timeout_s", "max_queued", "ahead_max_age_s")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend {self.backend!r} not one of {', '.join(BACKENDS)}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level {self.log_level!r} not one of {', '.join(LOG_LEVELS)}")
+        if not 0 <= self.socket_mode <= 0o777 or self.socket_mode & 0o007:
+            raise ConfigError(f"socket_mode {oct(self.socket_mode)} must not grant access to others (e.g. 0660)")
+
+    def ipc_paths(self) -> list[Path]:
+        return [Path(ep[len("ipc://"):]) for ep in (self.endpoint, self.status_endpoint) if ep.startswith("ipc://")]
+
+
+def _positive(cfg: IodConfig, *names: str) -> None:
+    for name in names:
+        v = getattr(cfg, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+            raise ConfigError(f"{name} must be a positive number, got {v!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="moestream-iod",
+        description="The moestream I/O daemon: owns a GGUF MoE file and serves its experts to decoders "
+        "through a shared-memory arena (ZeroMQ + msgpack). Options override the TOML config file.",
+        epilog="Config-file-only keys: max_queued (queued expert reads before `busy`, default 65536), "
+        "ahead_max_age_s (queued prefetches older than this are dropped, default 5). "
+        "Exit codes: 0 clean stop (SIGTERM/SIGINT), 1 fatal error, 2 bad configuration.")
+    a = p.add_argument
+    a("--config", type=Path, metavar="PATH", help=f"TOML file with the same keys as these options (underscores), default {DEFAULT_CONFIG} if it exists")
+    a("--model", metavar="PATH", help="the GGUF MoE file to serve (required here or in the config)")
+    a("--endpoint", metavar="URL", help=f"ZeroMQ endpoint for requests (default {DEFAULT_ENDPOINT})")
+    a("--status-endpoint", metavar="URL", help=f"ZeroMQ endpoint answering `status` (default {DEFAULT_STATUS_ENDPOINT})")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--arena-bytes", metavar="SIZE", help="shared-memory arena (host cache tier) size, e.g. 4GiB (default 1GiB, capped at all experts)")
+    g.add_argument("--arena-slots", type=int, metavar="N", help="arena size in slots of one expert blob each")
+    a("--backend", choices=BACKENDS, help="reader: io_uring, a preadv thread pool, or auto (uring, else threads with a note)")
+    a("--queue-depth", type=int, metavar="N", help="reads in flight at the device (default 32)")
+    a("--direct", action=argparse.BooleanOptionalAction, default=None, help="O_DIRECT reads (bypass the page cache)")
+    a("--lease-timeout", type=float, dest="lease_timeout_s", metavar="SECONDS", help="seconds without a message before a client's leases are freed (default 30)")
+    a("--socket-group", metavar="GROUP", help="group owning the ipc sockets and the arena (default: the daemon's group)")
+    a("--socket-mode", metavar="MODE", help="octal mode of the ipc sockets and the arena (default 0660; never world-accessible)")
+    a("--log-level", choices=LOG_LEVELS, help="default info")
+    return p
+
+
+def load_config(argv: list[str] | None = None) -> IodConfig:
+    """Config from TOML (if any) and CLI overrides; raises ConfigError naming what is wrong."""
+    args = build_parser().parse_args(argv)
+    values = _read_toml(args.config)
+    cli = {k: v for k, v in vars(args).items() if v is not None and k != "config"}
+    values.update(cli)
+    return make_config(values)
+
+
+def make_config(values: dict[str, Any]) -> IodConfig:
+    known = {f.name for f in dataclasses.fields(IodConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown config keys: {', '.join(unknown)}")
+    if not values.get("model"):
+        raise ConfigError("no model: pass --model PATH or set model in the config file")
+    v = dict(values)
+    v["model"] = Path(v["model"])
+    for key, conv in (("arena_bytes", parse_size), ("socket_mode", parse_mode)):
+        if key in v and v[key] is not None:
+            v[key] = conv(v[key])
+    try:
+        return IodConfig(**v)
+    except TypeError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _read_toml(path: Path | None) -> dict[str, Any]:
+    if path is None:
+        if not DEFAULT_CONFIG.is_file():
+            return {}
+        path = DEFAULT_CONFIG
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config {path}: {e}") from None
+    out = {k.replace("-", "_"): v for k, v in data.items()}
+    if "lease_timeout" in out:  # the CLI spelling
+        out["lease_timeout_s"] = out.pop("lease_timeout")
+    return out
+
+
+def resolve_slots(cfg: IodConfig, slot_bytes: int, n_experts_total: int) -> int:
+    """How many arena slots to create: as configured, never more than there are experts."""
+    if cfg.arena_slots is not None:
+        n = cfg.arena_slots
+    else:
+        n = (cfg.arena_bytes or DEFAULT_ARENA_BYTES) // slot_bytes
+        if n < 1:
+            raise ConfigError(f"arena of {cfg.arena_bytes} bytes cannot hold one {slot_bytes}-byte expert slot")
+    return max(1, min(n, n_experts_total))
+

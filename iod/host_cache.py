@@ -1,0 +1,105 @@
+"""The host cache tier: which expert lives in which arena slot, and who leases it.
+
+Slots are chosen by `common.policy.SlotPolicy` (hotness-decayed LFU, pins). A slot is pinned
+in the policy while it is being read (one pin) and once per outstanding lease, so a leased
+or loading slot is never chosen for eviction and its bytes never change under a reader.
+Each (re)load of a slot bumps its generation: a lease names (slot, generation), so a stale
+release can never unpin someone else's data.
+
+Runs on the daemon's event loop only (no locks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moestream.common.arena import Arena
+from moestream.common.policy import CacheFull, SlotPolicy
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+@dataclass
+class SlotInfo:
+    key: Key | None = None
+    generation: int = 0
+    ready: bool = False  # bytes complete for `key` at `generation`
+    parts: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (offset in slot, nbytes)
+    nbytes: int = 0  # blob bytes (sum of parts)
+    leases: int = 0
+
+
+class HostCache:
+    def __init__(self, arena: Arena, decay: float = 0.9):
+        self.arena = arena
+        self.policy = SlotPolicy(arena.n_slots, decay)
+        self.slots = [SlotInfo() for _ in range(arena.n_slots)]
+        self.leased_slots = 0  # slots with leases > 0
+
+    def lookup_ready(self, key: Key) -> int | None:
+        """The slot holding `key` complete (counted as a policy access), else None."""
+        slot = self.policy.slot_of(key)
+        if slot is None or not self.slots[slot].ready:
+            return None
+        self.policy.touch(key)
+        return slot
+
+    def begin_load(self, key: Key) -> int | None:
+        """A pinned slot to read `key` into (evicting an unleased one), or None if all are pinned."""
+        try:
+            slot, _evicted = self.policy.insert(key, pin=True)
+        except CacheFull:
+            return None
+        info = self.slots[slot]
+        assert info.leases == 0, "policy evicted a leased slot"
+        info.key, info.ready, info.parts, info.nbytes = key, False, {}, 0
+        info.generation += 1
+        return slot
+
+    def finish_load(self, slot: int, parts: dict[str, tuple[int, int]]) -> None:
+        """The read landed: the slot serves `parts`; the caller leases it, then calls `unpin_load`."""
+        info = self.slots[slot]
+        info.ready, info.parts = True, parts
+        info.nbytes = sum(n for _, n in parts.values())
+
+    def unpin_load(self, slot: int) -> None:
+        key = self.slots[slot].key
+        self.policy.unpin(key)
+
+    def abort_load(self, slot: int) -> None:
+        """The read failed: forget the key so the next request tries again."""
+        info = self.slots[slot]
+        self.policy.remove(info.key)
+        info.key, info.ready, info.parts, info.nbytes = None, False, {}, 0
+
+    def lease(self, slot: int) -> int:
+        """Pin a ready slot for one client lease; returns its generation."""
+        info = self.slots[slot]
+        assert info.ready and info.key is not None
+        self.policy.pin(info.key)
+        info.leases += 1
+        self.leased_slots += info.leases == 1
+        return info.generation
+
+    def release(self, slot: int, generation: int) -> None:
+        """Undo one `lease` (the caller checked the client held it)."""
+        info = self.slots[slot]
+        assert info.leases > 0 and info.generation == generation
+        info.leases -= 1
+        self.leased_slots -= info.leases == 0
+        self.policy.unpin(info.key)
+
+    def step(self) -> None:
+        self.policy.step()
+
+    def stats(self) -> dict:
+        ready = sum(1 for s in self.slots if s.ready)
+        return {
+            "n_slots": self.arena.n_slots,
+            "slot_bytes": self.arena.slot_bytes,
+            "arena_bytes": self.arena.n_slots * self.arena.slot_bytes,
+            "resident": ready,
+            "loading": len(self.policy) - ready,
+            "leased_slots": self.leased_slots,
+            "leases": sum(s.leases for s in self.slots),
+        }

@@ -1,0 +1,169 @@
+"""`moestream-iod`: load the model index, create the arena, bind the sockets, serve until SIGTERM.
+
+Exit codes: 0 after a clean SIGTERM/SIGINT drain; 1 fatal runtime error (bad model file,
+arena or socket trouble), one clear line on stderr; 2 bad configuration. Nothing is left in
+/dev/shm or on disk either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import zmq
+
+from moestream.common.arena import Arena, ArenaError
+from moestream.common.layout import ModelFormatError, ModelLayout
+
+from .config import ConfigError, IodConfig, load_config, resolve_slots
+from .notify import notify
+from .readers import ReadError, open_reader
+from .server import Server
+
+log = logging.getLogger("moestream.iod")
+
+
+class FatalError(RuntimeError):
+    pass
+
+
+class Terminated(BaseException):
+    """SIGTERM/SIGINT outside the event loop (start-up, clean-up): unwind so the arena is unlinked."""
+
+
+def _exit_on_signals() -> None:
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = load_config(argv)
+    except ConfigError as e:
+        print(f"moestream-iod: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
+                        format="moestream-iod: %(levelname)s %(message)s")
+    _exit_on_signals()
+    try:
+        return run(cfg)
+    except Terminated:
+        log.info("terminated before serving; cleaned up")
+        return 0
+    except (ModelFormatError, ArenaError, ConfigError, ReadError, FatalError, OSError, zmq.ZMQError) as e:
+        print(f"moestream-iod: error: {e}", file=sys.stderr)
+        notify(f"STATUS=failed: {e}")
+        return 1
+
+
+def run(cfg: IodConfig) -> int:
+    layout = ModelLayout(cfg.model)
+    slot_bytes = layout.experts.slot_bytes(cfg.direct)
+    n_slots = resolve_slots(cfg, slot_bytes, layout.experts.n_layer * layout.experts.n_expert)
+    with contextlib.ExitStack() as stack:
+        # Arena before reader: the reader (closed first) must stop writing before the arena goes.
+        for name in Arena.remove_stale():
+            log.warning("removed /dev/shm/%s left by a daemon that died without cleaning up", name)
+        arena = Arena.create(n_slots, slot_bytes, mode=cfg.socket_mode, group=cfg.socket_group)
+        stack.callback(arena.close)
+        reader = open_reader(cfg.model, backend=cfg.backend, depth=cfg.queue_depth, direct=cfg.direct)
+        stack.callback(reader.close)
+        if reader.note:
+            log.warning("%s", reader.note)
+        ctx = zmq.Context()
+        stack.callback(ctx.destroy, 200)
+        server = Server(cfg, layout, reader, arena, ctx)
+        _clear_stale_sockets(cfg)
+        stack.callback(_remove_socket_files, cfg)  # only now: never delete another daemon's files
+        _bind(server, cfg)
+        log.info("serving %s (%d layers x %d experts) on %s: arena %s, %d slots x %d bytes, reader %s",
+                 layout.path.name, layout.experts.n_layer, layout.experts.n_expert, cfg.endpoint,
+                 arena.name, n_slots, slot_bytes, reader.name)
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(_serve(server))
+        # the loop restored default handlers: a second SIGTERM now must not skip the clean-up
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        log.info("stopped")
+    return 0
+
+
+async def _serve(server: Server) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    notify(f"READY=1\nSTATUS=serving {server.layout.path.name}\nMAINPID={os.getpid()}")
+    waiter = loop.create_task(stop.wait())
+    serving = loop.create_task(server.serve(stop))
+    await waiter
+    notify("STOPPING=1")
+    await serving
+
+
+def _loop_factory():
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop
+    except ImportError:  # uvloop is a dependency on Linux; stay usable without it
+        return asyncio.new_event_loop
+
+
+def _clear_stale_sockets(cfg: IodConfig) -> None:
+    for path in cfg.ipc_paths():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _clear_stale(path)
+
+
+def _bind(server: Server, cfg: IodConfig) -> None:
+    old = os.umask(0o777 & ~cfg.socket_mode)  # the socket files are born with the right mode
+    try:
+        server.bind()
+    except zmq.ZMQError as e:
+        raise FatalError(f"cannot bind {cfg.endpoint} / {cfg.status_endpoint}: {e}") from None
+    finally:
+        os.umask(old)
+    for path in cfg.ipc_paths():
+        os.chmod(path, cfg.socket_mode)
+        if cfg.socket_group:
+            os.chown(path, -1, grp.getgrnam(cfg.socket_group).gr_gid)
+
+
+def _clear_stale(path: Path) -> None:
+    """Remove a socket file left by a crashed daemon; refuse to steal a live one."""
+    if not path.exists():
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            path.unlink(missing_ok=True)
+            return
+        except OSError as e:
+            raise FatalError(f"{path} exists and is not a usable socket: {e.strerror}") from None
+    raise FatalError(f"another daemon is listening on {path}")
+
+
+def _remove_socket_files(cfg: IodConfig) -> None:
+    for path in cfg.ipc_paths():
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def main_entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    main_entry()

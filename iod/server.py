@@ -1,0 +1,308 @@
+"""The daemon's request loop: a ZeroMQ ROUTER driven straight from the uvloop event loop.
+
+The loop only routes small messages. It watches the socket's FD with `loop.add_reader` and
+drains `recv_multipart(NOBLOCK)` (zmq.asyncio costs ~3x the round trip here). Reader threads
+fill arena slots and hand completions back with `loop.call_soon_threadsafe`; each expert's
+`ready` goes out as soon as its bytes are in the arena. Every bad message gets an `error`
+reply; nothing a client sends can stop the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import zmq
+
+from moestream.common import protocol as P
+from moestream.common.arena import Arena
+from moestream.common.layout import ModelLayout
+
+from .clients import ClientState
+from .config import IodConfig
+from .host_cache import HostCache
+from .readers import Reader, plan_reads
+from .scheduler import Load, Scheduler, Waiter
+from .status import Stats, StatusEndpoint, build_status
+
+log = logging.getLogger("moestream.iod")
+DRAIN_BATCH = 256  # messages handled per loop callback before yielding
+
+
+class Server:
+    def __init__(self, cfg: IodConfig, layout: ModelLayout, reader: Reader, arena: Arena, ctx: zmq.Context):
+        self.cfg, self.layout, self.reader, self.arena = cfg, layout, reader, arena
+        self.pid = os.getpid()
+        self.cache = HostCache(arena)
+        n_parts = max(1, len(layout.experts.tensors[0]))
+        self.sched = Scheduler(self.cache, self._start_read, max_inflight=max(2, cfg.queue_depth // n_parts),
+                               max_queued=cfg.max_queued, ahead_max_age_s=cfg.ahead_max_age_s,
+                               on_dropped=self._on_dropped)
+        self.stats = Stats()
+        self.clients: dict[bytes, ClientState] = {}
+        self.closing = False
+        self.sock = _router(ctx)
+        self.status = StatusEndpoint(self, _router(ctx))
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._drain_scheduled = False
+        self.heartbeat_s = min(5.0, cfg.lease_timeout_s / 4)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def bind(self) -> None:
+        self.sock.bind(self.cfg.endpoint)
+        self.status.sock.bind(self.cfg.status_endpoint)
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
+        self.status.start(self.loop)
+        self._drain()
+        tick = self.loop.create_task(self._ticker())
+        try:
+            await stop.wait()
+            await self._shutdown()
+        finally:
+            tick.cancel()
+            self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
+            self.status.stop()
+
+    async def _shutdown(self, grace_s: float = 5.0) -> None:
+        """Refuse new work, let running reads land, tell clients, then return."""
+        self.closing = True
+        for load in list(self.sched.queues["now"].values()) + list(self.sched.queues["ahead"].values()):
+            self._fail_load(load, P.ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
+        self.sched.queues["now"].clear()
+        self.sched.queues["ahead"].clear()
+        deadline = time.monotonic() + grace_s
+        while self.sched.reading and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for ident in list(self.clients):
+            self._send(ident, P.Error(P.ErrorCode.SHUTTING_DOWN.value, "daemon is shutting down").encode())
+
+    async def _ticker(self) -> None:
+        period = min(1.0, self.cfg.lease_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            self._expire_clients()
+            self.sched.drop_stale()
+            self.cache.step()  # hotness decays with time: the daemon does not see tokens
+            self.sched.pump()
+
+    def _expire_clients(self) -> None:
+        cutoff = time.monotonic() - self.cfg.lease_timeout_s
+        for c in [c for c in self.clients.values() if c.last_seen < cutoff]:
+            log.info("client %s (pid %d) silent for %.1fs: freeing %d leases", c.name, c.pid,
+                     time.monotonic() - c.last_seen, sum(c.leases.values()))
+            self.stats.clients_expired += 1
+            self._drop_client(c)
+
+    def _drop_client(self, c: ClientState) -> None:
+        self.clients.pop(c.ident, None)
+        self.sched.remove_waiters(lambda w: w.client == c.ident)
+        for (slot, gen), n in c.leases.items():
+            for _ in range(n):
+                self.cache.release(slot, gen)
+        c.leases.clear()
+        self.sched.pump()
+
+    # -- socket plumbing ----------------------------------------------------------------------
+    def _drain(self) -> None:
+        self._drain_scheduled = False
+        for _ in range(DRAIN_BATCH):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self._handle_frames(frames)
+        self._schedule_drain()  # more waiting: yield to completions first
+
+    def _schedule_drain(self) -> None:
+        # zmq's FD is edge-triggered and a send can consume the edge: look again soon.
+        if not self._drain_scheduled and self.loop is not None:
+            self._drain_scheduled = True
+            self.loop.call_soon(self._drain)
+
+    def _send(self, ident: bytes, body: bytes) -> None:
+        try:
+            self.sock.send_multipart([ident, body], zmq.NOBLOCK, copy=True)
+        except zmq.ZMQError as e:  # peer gone (ROUTER_MANDATORY) or its queue is full
+            log.debug("send to %r failed: %s", ident, e)
+        self._schedule_drain()
+
+    def _handle_frames(self, frames: list[bytes]) -> None:
+        ident = frames[0]
+        try:
+            if len(frames) != 2:
+                raise P.ProtocolError(P.ErrorCode.BAD_MESSAGE, f"expected 1 frame, got {len(frames) - 1}")
+            self._dispatch(ident, P.decode_request(frames[1]))
+        except P.ProtocolError as e:
+            self._error(ident, e.code, e.message, e.rid)
+        except Exception as e:  # noqa: BLE001 — a bug answers `internal`, the loop carries on
+            log.exception("internal error handling a message")
+            self._error(ident, P.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+    def _error(self, ident: bytes, code: P.ErrorCode, message: str, rid: int | None = None,
+               keys: list | None = None) -> None:
+        self.stats.errors_by_code[code.value] += 1
+        self.stats.totals.errors += 1
+        c = self.clients.get(ident)
+        if c is not None:
+            c.n.errors += 1
+        self._send(ident, P.Error(code.value, message, rid, keys).encode())
+
+    # -- requests -----------------------------------------------------------------------------
+    def _dispatch(self, ident: bytes, msg: P.Message) -> None:
+        c = self.clients.get(ident)
+        if c is not None:
+            c.last_seen = time.monotonic()
+        if isinstance(msg, P.Ping):
+            self._send(ident, P.Pong(msg.t).encode())
+        elif isinstance(msg, P.Hello):
+            self._hello(ident, msg)
+        elif isinstance(msg, P.Status):
+            self._send(ident, P.StatusReply(build_status(self)).encode())
+        elif c is None:
+            rid = getattr(msg, "rid", None)
+            raise P.ProtocolError(P.ErrorCode.NO_HELLO, f"send hello before {msg.op}", rid if isinstance(msg, P.Fetch) else None)
+        elif isinstance(msg, P.Fetch):
+            self._fetch(c, msg)
+        elif isinstance(msg, P.Release):
+            self._release(c, msg)
+        elif isinstance(msg, P.Cancel):
+            self._cancel(c, msg)
+        elif isinstance(msg, P.Bye):
+            self._drop_client(c)
+
+    def _hello(self, ident: bytes, msg: P.Hello) -> None:
+        if msg.version != P.PROTOCOL_VERSION:
+            raise P.ProtocolError(P.ErrorCode.BAD_VERSION, f"protocol version {msg.version}, daemon speaks {P.PROTOCOL_VERSION}")
+        if self.closing:
+            raise P.ProtocolError(P.ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
+        if ident not in self.clients:
+            self.clients[ident] = ClientState(ident, msg.name or f"client-{msg.pid}", msg.pid, time.monotonic())
+            self.stats.clients_seen += 1
+        a = self.arena
+        self._send(ident, P.Welcome(P.PROTOCOL_VERSION, self.layout.fingerprint.as_dict(), a.name, a.n_slots,
+                                    a.slot_bytes, self.layout.experts.summary(), self.heartbeat_s,
+                                    self.cfg.lease_timeout_s).encode())
+
+    def _fetch(self, c: ClientState, msg: P.Fetch) -> None:
+        if self.closing:
+            raise P.ProtocolError(P.ErrorCode.SHUTTING_DOWN, "daemon is shutting down", msg.rid)
+        if msg.rid in c.pending:
+            raise P.ProtocolError(P.ErrorCode.DUPLICATE_ID, f"request id {msg.rid} is still pending", msg.rid)
+        n_layer, n_expert = self.layout.experts.n_layer, self.layout.experts.n_expert
+        for layer, expert in msg.keys:
+            if layer >= n_layer or expert >= n_expert:
+                raise P.ProtocolError(P.ErrorCode.OUT_OF_RANGE, f"expert ({layer}, {expert}) not in "
+                                      f"[0,{n_layer}) x [0,{n_expert})", msg.rid)
+        c.pending[msg.rid] = len(msg.keys)
+        t0 = time.monotonic()
+        for key in msg.keys:
+            self._fetch_one(c, Waiter(c.ident, msg.rid, key, t0), msg.priority)
+        self.sched.pump()
+
+    def _fetch_one(self, c: ClientState, w: Waiter, priority: str) -> None:
+        c.n.requests += 1
+        self.stats.totals.requests += 1
+        self.stats.hot[w.key] += 1
+        slot = self.cache.lookup_ready(w.key)
+        if slot is not None:
+            c.n.hits += 1
+            self.stats.totals.hits += 1
+            self._serve(c, w, slot)
+            return
+        load = self.sched.find(w.key)
+        if load is not None:
+            c.n.joined += 1
+            self.stats.totals.joined += 1
+            self.sched.join(load, w, priority)
+            return
+        c.n.misses += 1
+        self.stats.totals.misses += 1
+        if not self.sched.enqueue(w, priority):
+            self._answer_error(w, P.ErrorCode.BUSY, "request queue full")
+
+    def _cancel(self, c: ClientState, msg: P.Cancel) -> None:
+        keys = None if msg.keys is None else set(msg.keys)
+        n = self.sched.remove_waiters(
+            lambda w: w.client == c.ident and w.rid == msg.rid and (keys is None or w.key in keys))
+        c.answered(msg.rid, n)
+
+    def _release(self, c: ClientState, msg: P.Release) -> None:
+        if not c.drop_lease(msg.slot, msg.generation):
+            raise P.ProtocolError(P.ErrorCode.NOT_LEASED, f"slot {msg.slot} generation {msg.generation} is not leased to you")
+        c.n.releases += 1
+        self.stats.totals.releases += 1
+        self.cache.release(msg.slot, msg.generation)
+        self.sched.pump()
+
+    # -- answers ------------------------------------------------------------------------------
+    def _serve(self, c: ClientState, w: Waiter, slot: int) -> None:
+        gen = self.cache.lease(slot)
+        c.leases[(slot, gen)] += 1
+        info = self.cache.slots[slot]
+        self._send(c.ident, P.Ready(w.rid, w.key[0], w.key[1], slot, gen, info.parts).encode())
+        c.n.readies += 1
+        c.n.bytes_served += info.nbytes
+        self.stats.totals.readies += 1
+        self.stats.totals.bytes_served += info.nbytes
+        self.stats.latency_all.append(time.monotonic() - w.t0)
+        c.answered(w.rid)
+
+    def _answer_error(self, w: Waiter, code: P.ErrorCode, message: str) -> None:
+        c = self.clients.get(w.client)
+        if c is None:
+            return
+        self._error(w.client, code, message, w.rid, [list(w.key)])
+        c.answered(w.rid)
+
+    def _fail_load(self, load: Load, code: P.ErrorCode, message: str) -> None:
+        for w in load.waiters:
+            self._answer_error(w, code, message)
+        load.waiters = []
+
+    def _on_dropped(self, load: Load, why: str) -> None:
+        self._fail_load(load, P.ErrorCode.DROPPED, why)
+
+    # -- reads --------------------------------------------------------------------------------
+    def _start_read(self, load: Load) -> None:
+        parts = self.layout.experts.parts(*load.key)
+        ops, load.parts = plan_reads(parts, self.arena.slot(load.slot), direct=self.cfg.direct)
+        loop = self.loop
+        try:
+            self.reader.submit(ops, lambda exc: loop.call_soon_threadsafe(self._read_done, load, exc))
+        except Exception as e:  # noqa: BLE001 — e.g. reader closed: fail this load, not the loop
+            loop.call_soon(self._read_done, load, e)
+
+    def _read_done(self, load: Load, exc: BaseException | None) -> None:
+        self.sched.finished(load)
+        if exc is not None:
+            log.warning("read of expert %s failed: %s", load.key, exc)
+            self.stats.read_errors += 1
+            self.cache.abort_load(load.slot)
+            self._fail_load(load, P.ErrorCode.IO_ERROR, f"read failed: {exc}")
+        else:
+            self.cache.finish_load(load.slot, load.parts)
+            self.stats.read_done(self.cache.slots[load.slot].nbytes)
+            now = time.monotonic()
+            for w in load.waiters:
+                c = self.clients.get(w.client)
+                if c is not None and w.rid in c.pending:
+                    self.stats.latency_miss.append(now - w.t0)
+                    self._serve(c, w, load.slot)
+            self.cache.unpin_load(load.slot)
+        self.sched.pump()
+
+
+def _router(ctx: zmq.Context) -> zmq.Socket:
+    s = ctx.socket(zmq.ROUTER)
+    s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sends to vanished peers fail instead of vanishing
+    s.setsockopt(zmq.LINGER, 200)
+    # Frames over MAX_FRAME_BYTES get a `too_large` reply; absurd ones cost the peer its connection.
+    s.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
+    s.setsockopt(zmq.SNDHWM, 1 << 16)
+    s.setsockopt(zmq.RCVHWM, 1 << 16)
+    return s

@@ -1,0 +1,156 @@
+"""Counters the daemon keeps, and the `status` reply built from them.
+
+`hits + joined + misses == requests`: a hit found the expert complete in the arena, a join
+attached to a read already queued or running (single-flight), a miss queued a new read.
+`bytes_served` is the sum of the blob sizes of every `ready` sent; `bytes_read` the blob bytes
+the readers delivered; `disk_read_bytes` what the kernel says this process read from storage.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from moestream.common import protocol as P
+
+from .readers import proc_read_bytes
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from .server import Server
+
+log = logging.getLogger("moestream.iod")
+
+LATENCY_SAMPLES = 20000
+THROUGHPUT_WINDOW_S = 10.0
+
+
+@dataclass
+class ClientCounters:
+    requests: int = 0
+    hits: int = 0
+    joined: int = 0
+    misses: int = 0
+    readies: int = 0
+    bytes_served: int = 0
+    errors: int = 0
+    releases: int = 0
+
+
+@dataclass
+class Stats:
+    started: float = field(default_factory=time.time)
+    started_mono: float = field(default_factory=time.monotonic)
+    totals: ClientCounters = field(default_factory=ClientCounters)
+    reads: int = 0  # expert reads completed
+    read_errors: int = 0
+    bytes_read: int = 0
+    errors_by_code: Counter = field(default_factory=Counter)
+    hot: Counter = field(default_factory=Counter)  # (layer, expert) -> requests
+    latency_all: deque = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
+    latency_miss: deque = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
+    recent_reads: deque = field(default_factory=deque)  # (t_done, nbytes) in the last window
+    clients_seen: int = 0
+    clients_expired: int = 0
+    io0: int = field(default_factory=proc_read_bytes)
+
+    def read_done(self, nbytes: int) -> None:
+        now = time.monotonic()
+        self.reads += 1
+        self.bytes_read += nbytes
+        self.recent_reads.append((now, nbytes))
+        while self.recent_reads and now - self.recent_reads[0][0] > THROUGHPUT_WINDOW_S:
+            self.recent_reads.popleft()
+
+    def read_mb_s(self) -> float:
+        now = time.monotonic()
+        recent = [n for t, n in self.recent_reads if now - t <= THROUGHPUT_WINDOW_S]
+        window = min(THROUGHPUT_WINDOW_S, max(1e-3, now - self.started_mono))
+        return sum(recent) / window / 1e6
+
+
+def percentiles(samples: deque) -> dict[str, float | int]:
+    if not samples:
+        return {"n": 0, "p50_ms": 0.0, "p99_ms": 0.0}
+    s = sorted(samples)
+    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))] * 1e3  # noqa: E731
+    return {"n": len(s), "p50_ms": round(pick(0.5), 4), "p99_ms": round(pick(0.99), 4)}
+
+
+def build_status(server: Server) -> dict[str, Any]:
+    """The `status` reply: plain msgpack-able types only."""
+    st, cfg, layout = server.stats, server.cfg, server.layout
+    t = st.totals
+    io = proc_read_bytes()
+    return {
+        "pid": server.pid,
+        "uptime_s": round(time.monotonic() - st.started_mono, 3),
+        "started": st.started,
+        "model": str(layout.path),
+        "fingerprint": layout.fingerprint.as_dict(),
+        "arch": layout.hparams.arch,
+        "index": layout.experts.summary(),
+        "endpoint": cfg.endpoint,
+        "backend": {"name": server.reader.name, "note": server.reader.note, "direct": cfg.direct,
+                    "queue_depth": cfg.queue_depth},
+        "arena": {"name": server.arena.name, **server.cache.stats()},
+        "requests": t.requests, "hits": t.hits, "joined": t.joined, "misses": t.misses,
+        "hit_rate": (t.hits + t.joined) / t.requests if t.requests else 0.0,
+        "readies": t.readies, "releases": t.releases, "errors": t.errors,
+        "errors_by_code": dict(st.errors_by_code),
+        "reads": st.reads, "read_errors": st.read_errors, "bytes_read": st.bytes_read,
+        "bytes_served": t.bytes_served,
+        "disk_read_bytes": io - st.io0 if io >= 0 and st.io0 >= 0 else None,
+        "read_mb_s": round(st.read_mb_s(), 3),
+        "reader": server.reader.stats(),
+        "queues": server.sched.stats(),
+        "latency": {"all": percentiles(st.latency_all), "miss": percentiles(st.latency_miss)},
+        "clients": [c.describe() for c in server.clients.values()],
+        "clients_seen": st.clients_seen, "clients_expired": st.clients_expired,
+        "hottest": [[k[0], k[1], n] for k, n in st.hot.most_common(10)],
+    }
+
+
+class StatusEndpoint:
+    """The separate status socket (ROUTER: answers REQ and DEALER peers); always answers."""
+
+    def __init__(self, server: Server, sock: zmq.Socket):
+        self.server, self.sock = server, sock
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
+        self._drain()
+
+    def stop(self) -> None:
+        if self.loop is not None:
+            self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
+
+    def _drain(self) -> None:
+        for _ in range(64):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self.sock.send_multipart([*frames[:-1], self._answer(frames[-1])], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # the asker left
+        self.loop.call_soon(self._drain)
+
+    def _answer(self, frame: bytes) -> bytes:
+        try:
+            P.decode_request(frame)  # any valid request is answered with the status
+            return P.StatusReply(build_status(self.server)).encode()
+        except P.ProtocolError as e:
+            return P.error_reply(e)
+        except Exception as e:  # noqa: BLE001
+            log.exception("status failed")
+            return P.Error(P.ErrorCode.INTERNAL.value, f"status failed: {e}").encode()

@@ -1,0 +1,88 @@
+"""Wire messages: round trips, and every kind of bad input maps to its error code."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from moestream.common import protocol as P
+
+
+def pack(m) -> bytes:
+    return msgpack.packb(m, use_bin_type=True)
+
+
+@pytest.mark.parametrize("msg", [
+    P.Hello(P.PROTOCOL_VERSION, "dec", 42),
+    P.Fetch(7, [[0, 1], [3, 2]], "ahead"),
+    P.Release(3, 9),
+    P.Cancel(7), P.Cancel(7, [[1, 2]]),
+    P.Ping(1.25), P.Bye(), P.Status(),
+])
+def test_requests_round_trip(msg):
+    got = P.decode_request(msg.encode())
+    assert type(got) is type(msg)
+    if isinstance(msg, P.Fetch):
+        assert got.keys == [tuple(k) for k in msg.keys] and got.rid == 7 and got.priority == "ahead"
+    elif isinstance(msg, P.Cancel):
+        assert got.rid == 7 and got.keys == (None if msg.keys is None else [(1, 2)])
+    else:
+        assert got == msg
+
+
+@pytest.mark.parametrize("msg", [
+    P.Welcome(1, {"size": 1}, "moestream-1-" + "0" * 32, 4, 8192, {"n_layer": 2}, 1.0, 4.0),
+    P.Ready(1, 0, 3, 2, 5, {"gate": [0, 100], "up": [4096, 100]}),
+    P.Error("busy", "queue full", 3, [[0, 1]]), P.Error("not_leased", "x"),
+    P.Pong(2.5), P.StatusReply({"uptime_s": 1.0}),
+])
+def test_replies_round_trip(msg):
+    assert P.decode_reply(msg.encode()) == msg
+
+
+def test_requests_and_replies_are_separate():
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode_request(P.Pong(1.0).encode())
+    assert e.value.code is P.ErrorCode.UNKNOWN_OP
+
+
+@pytest.mark.parametrize("frame,code", [
+    (b"\xc1", P.ErrorCode.BAD_MSGPACK),
+    (b"", P.ErrorCode.BAD_MSGPACK),
+    (pack([1, 2]), P.ErrorCode.BAD_MSGPACK),
+    (pack({1: "x"}), P.ErrorCode.BAD_MSGPACK),  # non-string keys refused by the decoder
+    (pack({"op": "fetch"}) + b"trailing", P.ErrorCode.BAD_MSGPACK),
+    (pack({"noop": 1}), P.ErrorCode.UNKNOWN_OP),
+    (pack({"op": "welcome"}), P.ErrorCode.UNKNOWN_OP),
+    (pack({"op": "fetch", "rid": 1.5, "keys": [[0, 0]]}), P.ErrorCode.BAD_MESSAGE),
+    (pack({"op": "fetch", "rid": True, "keys": [[0, 0]]}), P.ErrorCode.BAD_MESSAGE),
+    (pack({"op": "fetch", "rid": 1, "keys": [[0, 0.0]]}), P.ErrorCode.BAD_MESSAGE),
+    (pack({"op": "fetch", "rid": 1, "keys": "0,0"}), P.ErrorCode.BAD_MESSAGE),
+    (pack({"op": "fetch", "rid": 1, "keys": [[0, 0]] * 2}), P.ErrorCode.BAD_MESSAGE),
+    (pack({"op": "fetch", "rid": 1, "keys": [[0, i] for i in range(P.MAX_KEYS + 1)]}), P.ErrorCode.TOO_LARGE),
+    (pack({"op": "fetch", "rid": -1, "keys": [[0, 0]]}), P.ErrorCode.BAD_MESSAGE),
+    (pack({"op": "release", "slot": 1}), P.ErrorCode.BAD_MESSAGE),
+    (pack({"op": "hello", "version": "1"}), P.ErrorCode.BAD_MESSAGE),
+    (pack({"op": "hello", "version": 1, "name": "x" * 1000}), P.ErrorCode.TOO_LARGE),
+    (b"\x00" * (P.MAX_FRAME_BYTES + 1), P.ErrorCode.TOO_LARGE),
+])
+def test_bad_requests(frame, code):
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode_request(frame)
+    assert e.value.code is code
+    reply = P.decode_reply(P.error_reply(e.value))
+    assert isinstance(reply, P.Error) and reply.code == code.value
+
+
+def test_fetch_errors_carry_the_request_id():
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode_request(pack({"op": "fetch", "rid": 12, "keys": [[0, "x"]]}))
+    assert e.value.rid == 12
+
+
+def test_no_pickle_or_extension_types():
+    ext = msgpack.packb(msgpack.ExtType(1, b"evil"))
+    with pytest.raises(P.ProtocolError):
+        P.decode_request(pack({"op": "ping", "t": msgpack.ExtType(1, b"x")}))
+    with pytest.raises(P.ProtocolError):
+        P.decode_request(ext)

@@ -1,0 +1,93 @@
+"""IodConfig: TOML + CLI overrides, sizes, validation; sd_notify; `moestream status`."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from moestream.common import status_cli
+from moestream.common.client import IodClient
+from moestream.iod import notify
+from moestream.iod.config import DEFAULT_ENDPOINT, ConfigError, load_config, parse_size, resolve_slots
+
+
+@pytest.mark.parametrize("text,value", [("4GiB", 4 << 30), ("512MiB", 512 << 20), ("1000", 1000), ("1.5k", 1536),
+                                        ("2 GB", 2 * 10**9), (123, 123)])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["lots", "4XB", "-1", ""])
+def test_parse_size_rejects(text):
+    with pytest.raises(ConfigError, match="bad size"):
+        parse_size(text)
+
+
+def test_toml_then_cli_overrides(tmp_path):
+    toml = tmp_path / "iod.toml"
+    toml.write_text('model = "/m.gguf"\narena-bytes = "2GiB"\nqueue_depth = 8\nlease_timeout = 3.5\nsocket_mode = "0640"\n')
+    cfg = load_config(["--config", str(toml), "--queue-depth", "16", "--direct"])
+    assert cfg.model == Path("/m.gguf") and cfg.arena_bytes == 2 << 30 and cfg.queue_depth == 16
+    assert cfg.lease_timeout_s == 3.5 and cfg.socket_mode == 0o640 and cfg.direct is True
+    assert cfg.endpoint == DEFAULT_ENDPOINT and cfg.backend == "auto"
+    assert load_config(["--config", str(toml), "--no-direct"]).direct is False
+
+
+@pytest.mark.parametrize("args,match", [
+    ([], "no model"),
+    (["--model", "m", "--endpoint", "http://x"], "endpoint"),
+    (["--model", "m", "--socket-mode", "0666"], "others"),
+    (["--model", "m", "--queue-depth", "0"], "positive"),
+    (["--model", "m", "--endpoint", "ipc:///a", "--status-endpoint", "ipc:///a"], "differ"),
+])
+def test_bad_configs(args, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(args)
+
+
+def test_bad_toml(tmp_path):
+    (tmp_path / "a.toml").write_text("model = \n")
+    with pytest.raises(ConfigError, match="a.toml"):
+        load_config(["--config", str(tmp_path / "a.toml")])
+    (tmp_path / "b.toml").write_text('model = "m"\nturbo = true\n')
+    with pytest.raises(ConfigError, match="unknown config keys: turbo"):
+        load_config(["--config", str(tmp_path / "b.toml")])
+
+
+def test_resolve_slots():
+    cfg = load_config(["--model", "m", "--arena-bytes", "1MiB"])
+    assert resolve_slots(cfg, 64 << 10, 1000) == 16
+    assert resolve_slots(cfg, 64 << 10, 10) == 10  # never more slots than experts
+    with pytest.raises(ConfigError, match="cannot hold"):
+        resolve_slots(cfg, 2 << 20, 10)
+
+
+def test_notify(tmp_path, monkeypatch):
+    path = tmp_path / "n.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(str(path))
+    try:
+        monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+        assert notify.notify("READY=1")
+        assert s.recv(100) == b"READY=1"
+        monkeypatch.delenv("NOTIFY_SOCKET")
+        assert not notify.notify("READY=1")
+    finally:
+        s.close()
+
+
+def test_status_cli(tiny_model, start_daemon, capsys):
+    d = start_daemon(tiny_model, arena_slots=2)
+    with IodClient(d.endpoint, name="cli-test") as c:
+        c.release(c.fetch([(0, 1)])[0].result(10))
+        assert status_cli.main(["--endpoint", d.status_endpoint, "--json"]) == 0
+        s = json.loads(capsys.readouterr().out)
+        assert s["requests"] == 1 and s["clients"][0]["name"] == "cli-test"
+        assert status_cli.main(["--endpoint", d.status_endpoint]) == 0
+        table = capsys.readouterr().out
+        assert "hit rate" in table and "cli-test" in table and s["arena"]["name"] in table
+    assert status_cli.main(["--endpoint", f"ipc://{d.run_dir}/none.sock", "--timeout", "0.2"]) == 1
+    assert "no status" in capsys.readouterr().err
