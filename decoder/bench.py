@@ -1,0 +1,273 @@
+"""`moestream bench decode`: decode tok/s with experts streamed vs resident, in one run.
+
+Phases, all on the same prompt, sampling seed and number of tokens, against one daemon:
+  resident     every expert in process (the reference and the compute bound);
+  working set  streamed, a slot cache that holds every expert: the streaming overhead
+               (goal: >= 0.95 of resident);
+  tight        streamed, a cache of --tight (default 25 %) of the experts, prefetch on (and off):
+               tok/s beside the bound min(compute, bandwidth / missed bytes per token);
+  bandwidth    every expert fetched once more and copied into a device slot: expert bytes/s
+               delivered from the daemon to this process, measured in this run, for the bound.
+Every phase first runs once untimed (warm-up; it also fills the slot caches), then the timed
+runs alternate between phases --repeat times; the median tok/s counts (decode steps only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moestream bench decode", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="GGUF MoE file")
+    p.add_argument("--iod", metavar="ENDPOINT", help="use this running daemon instead of starting one")
+    p.add_argument("-n", "--tokens", type=int, default=32, help="tokens decoded per run (default 32)")
+    p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length in tokens (default 16)")
+    p.add_argument("--tight", type=float, default=0.25, help="tight cache, as a share of all experts (default 0.25)")
+    p.add_argument("--prefetch", type=int, default=1, help="prefetch depth in the tight run (default 1)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature (default 1.0: varied routing; 0 = greedy)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed and prompt (default 0)")
+    p.add_argument("--repeat", type=int, default=3, help="timed runs per phase, median reported (default 3)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
+    p.add_argument("--slot-format", default="auto", choices=("auto", "raw", "dequant"),
+                   help="device slot format (auto: raw on cuda, dequant on cpu); resident uses the same")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice); on a small, "
+                   "busy CPU 1 is often fastest, since waiting OMP threads get preempted")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return p
+
+
+class Run:
+    """The model, prompt and sampling shared by every phase."""
+
+    def __init__(self, args: argparse.Namespace, endpoint: str):
+        from ..common.layout import ModelLayout
+        from .config import DecoderConfig
+        from .models import load_model
+
+        self.args, self.endpoint = args, endpoint
+        self.cfg = DecoderConfig(model=args.model, prompts=["bench"], iod=endpoint, device=args.device,
+                                 slot_format=args.slot_format, temperature=args.temperature, seed=args.seed,
+                                 max_new_tokens=args.tokens, progress=False)
+        self.layout = ModelLayout(args.model)
+        self.model = load_model(self.layout, self.cfg.torch_device, self.cfg.torch_dtype)
+        hp = self.layout.hparams
+        self.n_experts = hp.n_layer * hp.n_expert
+        g = torch.Generator().manual_seed(args.seed)
+        self.prompt = torch.randint(0, hp.n_vocab, (args.prompt_tokens,), generator=g).tolist()
+
+    def decode(self, source: Any, hook: Any = None) -> float:
+        """Decode tok/s of one generation (EOS ignored: every run decodes the same count)."""
+        from .generate import generate
+
+        result = generate(self.model, source, [self.prompt], self.args.tokens, self.cfg.sampling, after_layer=hook)
+        if self.cfg.torch_device.type == "cuda":
+            torch.cuda.synchronize(self.cfg.torch_device)
+        return result.decode_tok_s()
+
+    def streamed(self, slots: int, prefetch: int) -> Any:
+        from .prefetch import Prefetcher
+        from .slot_cache import DeviceSlotCache
+        from .streamed import StreamedExperts
+        from ..common.client import IodClient
+
+        cache = DeviceSlotCache(self.layout.experts, slots, self.cfg.torch_device,
+                                slot_format=self.cfg.resolved_slot_format, dtype=self.cfg.torch_dtype)
+        client = IodClient(self.endpoint, expect_fingerprint=self.layout.fingerprint.as_dict(), name="bench-decode")
+        source = StreamedExperts(client, self.layout, cache, owns_client=True)
+        return source, (Prefetcher(self.model, source, prefetch) if prefetch else None)
+
+
+class Phase:
+    """One expert source under test; `once()` times one generation and accumulates its counters."""
+
+    def __init__(self, run: Run, source: Any, hook: Any = None, slots: int = 0, prefetch: int = 0):
+        self.run, self.source, self.hook = run, source, hook
+        self.slots, self.prefetch = slots, prefetch
+        self.tok_s: list[float] = []
+        self.delta: dict[str, float] = {}
+        run.decode(source, hook)  # warm-up, untimed: allocator, kernels, and the slot cache's contents
+
+    def once(self) -> None:
+        before = self._counters()
+        self.tok_s.append(self.run.decode(self.source, self.hook))
+        for k, v in self._counters().items():
+            self.delta[k] = self.delta.get(k, 0) + v - before[k]
+
+    def _counters(self) -> dict[str, float]:
+        st = self.source.stats()
+        keys = ("acquired", "hits", "misses", "useful", "hidden", "bytes_fetched", "stall_s", "predicted",
+                "predicted_right")
+        return {k: st[k] for k in keys if k in st}
+
+    def result(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"tok_s": statistics.median(self.tok_s), "runs_tok_s": self.tok_s}
+        d = self.delta
+        if "misses" not in d:  # resident: no streaming counters
+            return out
+        tokens = len(self.tok_s) * self.run.args.tokens  # the prefill's expert traffic is counted too
+        would_miss = d["misses"] + d["useful"]
+        out.update(slots=self.slots, prefetch=self.prefetch, hit_rate=d["hits"] / d["acquired"],
+                   missed_bytes_per_token=d["bytes_fetched"] / tokens, stall_s=d["stall_s"],
+                   hidden_share=d["hidden"] / would_miss if would_miss else 0.0,
+                   prefetch_precision=d["predicted_right"] / d["predicted"] if d["predicted"] else 0.0)
+        return out
+
+
+def make_phases(run: Run, stack: Any) -> dict[str, Phase]:
+    """Every source at once, so the timed runs can alternate between them (a busy machine's
+    load drifts; alternating spreads the drift over all phases instead of biasing one)."""
+    from .experts import ResidentExperts
+
+    cfg, args = run.cfg, run.args
+    tight = max(run.layout.hparams.n_expert_used, math.ceil(args.tight * run.n_experts))
+    resident = stack.enter_context(ResidentExperts(run.layout, cfg.torch_device, cfg.torch_dtype,
+                                                   cfg.resolved_slot_format))
+    phases = {"resident": Phase(run, resident)}
+    plan = [("working_set", run.n_experts, 0), ("tight", tight, args.prefetch)]
+    if args.prefetch:
+        plan.append(("tight_no_prefetch", tight, 0))
+    for name, slots, depth in plan:
+        source, hook = run.streamed(slots, depth)
+        stack.enter_context(source)
+        phases[name] = Phase(run, source, hook, slots, depth)
+    return phases
+
+
+def phase_bandwidth(run: Run, slot_format: str) -> dict[str, Any]:
+    """Fetch every expert once, layer by layer, and put it into a device slot: expert bytes/s.
+
+    With raw slots this is delivery (daemon -> arena -> device copy); with dequant slots it
+    includes dequantizing on insert, the real cost of a miss in that format."""
+    from ..common.client import IodClient
+    from .slot_cache import DeviceSlotCache
+
+    hp = run.layout.hparams
+    cache = DeviceSlotCache(run.layout.experts, hp.n_expert, run.cfg.torch_device, slot_format=slot_format,
+                            dtype=run.cfg.torch_dtype)
+    nbytes = 0
+    with IodClient(run.endpoint, expect_fingerprint=run.layout.fingerprint.as_dict(), name="bench-bw") as client:
+        t0 = time.perf_counter()
+        for layer in range(hp.n_layer):
+            for e in range(hp.n_expert):
+                cache.claim((layer, e))  # evicts the previous layer's copies (unpinned once written)
+            for fut in client.fetch([(layer, e) for e in range(hp.n_expert)], "now"):
+                lease = fut.result(60)
+                key = (lease.layer, lease.expert)
+                cache.write(key, {n: client.part_view(lease, n) for n in lease.parts})
+                client.release(lease)
+                cache.unpin(key)
+                nbytes += sum(n for _, n in lease.parts.values())
+        if run.cfg.torch_device.type == "cuda":
+            torch.cuda.synchronize(run.cfg.torch_device)
+        seconds = time.perf_counter() - t0
+    return {"bytes": nbytes, "seconds": seconds, "bytes_per_s": nbytes / seconds}
+
+
+def measure(run: Run) -> dict[str, Any]:
+    import contextlib
+
+    args = run.args
+    out: dict[str, Any] = {"model": str(args.model), "device": str(run.cfg.torch_device),
+                           "slot_format": run.cfg.resolved_slot_format, "experts": run.n_experts,
+                           "tokens": args.tokens, "repeat": args.repeat, "threads": torch.get_num_threads()}
+    with contextlib.ExitStack() as stack:
+        phases = make_phases(run, stack)
+        for _ in range(args.repeat):
+            for phase in phases.values():
+                phase.once()
+        out.update({name: phase.result() for name, phase in phases.items()})
+    out["delivery"] = phase_bandwidth(run, "raw")
+    fmt = run.cfg.resolved_slot_format
+    out["bandwidth"] = out["delivery"] if fmt == "raw" else phase_bandwidth(run, fmt)
+    compute = out["resident"]["tok_s"]
+    out["working_set"]["ratio"] = out["working_set"]["tok_s"] / compute
+    for name in ("tight", "tight_no_prefetch"):
+        if name in out:
+            add_bound(out[name], compute, out["bandwidth"]["bytes_per_s"])
+    return out
+
+
+def add_bound(phase: dict[str, Any], compute_tok_s: float, bytes_per_s: float) -> None:
+    missed = phase["missed_bytes_per_token"]
+    io_bound = bytes_per_s / missed if missed else math.inf
+    phase["bound_tok_s"] = min(compute_tok_s, io_bound)
+    phase["ratio_to_bound"] = phase["tok_s"] / phase["bound_tok_s"]
+
+
+def report(r: dict[str, Any]) -> str:
+    res, ws, bw, dl = r["resident"], r["working_set"], r["bandwidth"], r["delivery"]
+    lines = [f"model {Path(r['model']).name}: {r['experts']} experts, {r['tokens']} tokens x {r['repeat']} runs, "
+             f"{r['device']} ({r['threads']} threads), {r['slot_format']} slots",
+             f"resident                        {res['tok_s']:8.1f} tok/s",
+             f"streamed, cache = working set   {ws['tok_s']:8.1f} tok/s   streamed/resident {ws['ratio']:.3f} "
+             f"(goal >= 0.95), hit rate {ws['hit_rate']:.1%}",
+             f"delivery bandwidth              {dl['bytes_per_s'] / 1e6:8.1f} MB/s (every expert: daemon -> "
+             f"device slot copy, {dl['bytes'] / 1e6:.1f} MB in {dl['seconds']:.2f} s)",
+             f"insert bandwidth ({r['slot_format']:<7} slots) {bw['bytes_per_s'] / 1e6:8.1f} MB/s (the same, into the "
+             f"slot format used: the bandwidth in the bound)"]
+    for name, label in (("tight", "tight, prefetch"), ("tight_no_prefetch", "tight, no prefetch")):
+        if name in r:
+            t = r[name]
+            lines.append(
+                f"{label:<19} {t['slots']:4d} slots {t['tok_s']:8.1f} tok/s   bound {t['bound_tok_s']:.1f} tok/s = "
+                f"min(compute {res['tok_s']:.1f}, {bw['bytes_per_s'] / 1e6:.1f} MB/s / "
+                f"{t['missed_bytes_per_token'] / 1e6:.3f} MB missed per token)   tok/s / bound {t['ratio_to_bound']:.3f}"
+                f", hit rate {t['hit_rate']:.1%}, misses hidden by prefetch {t['hidden_share']:.1%}"
+                f" (prediction precision {t['prefetch_precision']:.1%})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        _check(args)
+        result = _run(args)
+    except KeyboardInterrupt:
+        print("\nmoestream bench decode: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        from ..common.client import IodError
+        from ..common.spawn import DaemonStartError
+
+        if not isinstance(e, (ValueError, OSError, KeyError, IodError, DaemonStartError)):
+            raise
+        print(f"moestream bench decode: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2) if args.json else report(result))
+    return 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.tokens < 2 or args.repeat < 1 or args.prompt_tokens < 1:
+        raise ValueError("--tokens must be >= 2, --repeat and --prompt-tokens >= 1")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if not 0.0 < args.tight <= 1.0:
+        raise ValueError(f"--tight must be in (0, 1], got {args.tight}")
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    from .demo import sigterm_as_exit
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    with sigterm_as_exit():
+        if args.iod:
+            return measure(Run(args, args.iod))
+        from ..common.spawn import spawn_daemon
+
+        with spawn_daemon(args.model) as daemon:
+            return measure(Run(args, daemon.endpoint))

@@ -1,0 +1,184 @@
+"""`moestream demo`: generate text with experts streamed from a daemon, from a fresh machine.
+
+With no arguments: take the default model (`default_model()`: the model shipped in
+`moestream/data` when there is one, else a tiny random qwen3moe made once and cached under
+~/.cache/moestream), start a private moestream-iod for it, generate a few tokens with a device
+slot cache holding a quarter of the experts, print the text and the streaming counters, and
+stop the daemon — also on Ctrl-C, SIGTERM or an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+DEMO_MODEL = dict(arch="qwen3moe", quant="Q8_0", layers=4, experts=16, top_k=2, seed=0)
+DEMO_FILE = "demo-qwen3moe-q8_0-v1.gguf"  # bump the suffix when DEMO_MODEL changes
+DEFAULT_PROMPT = "def fibonacci(n):"
+
+DESCRIPTION = """\
+Make (once) a tiny MoE model, start a private moestream-iod for it, and generate text with the
+experts streamed into a device slot cache smaller than the expert set. Prints the text, then
+tok/s, the cache hit rate, bytes fetched and how much of the misses' I/O prefetching hid.
+The daemon it starts is stopped on exit, Ctrl-C included; with --iod it uses yours instead.
+"""
+
+
+def cache_dir() -> Path:
+    """Where made models are kept: $MOESTREAM_CACHE, else $XDG_CACHE_HOME/moestream, else ~/.cache/moestream."""
+    if os.environ.get("MOESTREAM_CACHE"):
+        return Path(os.environ["MOESTREAM_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "moestream"
+
+
+def shipped_model() -> Path | None:
+    """A model shipped inside the package (moestream/data/*.gguf), if any."""
+    from importlib.resources import files
+
+    data = Path(str(files("moestream") / "data"))
+    found = sorted(data.glob("*.gguf")) if data.is_dir() else []
+    return found[0] if found else None
+
+
+def default_model(cache: Path | None = None) -> Path:
+    """The demo's model: the shipped one, else a tiny random qwen3moe made once under `cache`."""
+    shipped = shipped_model()
+    if shipped is not None:
+        return shipped
+    from ..common.make_model import make_model
+
+    folder = Path(cache) if cache is not None else cache_dir()
+    path = folder / DEMO_FILE
+    if path.is_file():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{DEMO_FILE}.{os.getpid()}.tmp"  # written aside, renamed: never a half file
+    try:
+        make_model(tmp, **DEMO_MODEL)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="moestream demo", description=DESCRIPTION,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="GGUF MoE file (default: the demo model, made once)")
+    ap.add_argument("--iod", metavar="ENDPOINT", help="use this running moestream-iod instead of starting one")
+    ap.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"prompt text (default {DEFAULT_PROMPT!r})")
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=24, dest="max_new_tokens",
+                    help="tokens to generate (default 24)")
+    ap.add_argument("--slots", type=int, help="device slot cache size in experts (default: a quarter of them)")
+    ap.add_argument("--prefetch", type=int, default=1, help="layers of router look-ahead (default 1, 0 = off)")
+    ap.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
+    ap.add_argument("--cache-dir", type=Path, help="where the demo model is made (default ~/.cache/moestream)")
+    return ap
+
+
+@contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM raises SystemExit in the main thread, so `finally` blocks stop the daemon."""
+    def handler(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        with sigterm_as_exit():
+            return run(args)
+    except KeyboardInterrupt:
+        print("\nmoestream demo: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if not _expected(e):
+            raise
+        print(f"moestream demo: {e}", file=sys.stderr)
+        return 1
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.model:
+        model_path = Path(args.model)
+    else:
+        print("moestream demo: preparing the demo model ...", flush=True)
+        model_path = default_model(args.cache_dir)
+    if args.iod:
+        return generate_streamed(args, model_path, args.iod)
+    from ..common.spawn import spawn_daemon
+
+    daemon = spawn_daemon(model_path)
+    print(f"moestream demo: started moestream-iod (pid {daemon.pid}) at {daemon.endpoint}", flush=True)
+    try:
+        return generate_streamed(args, model_path, daemon.endpoint)
+    finally:
+        code = daemon.stop()
+        print(f"moestream demo: stopped moestream-iod (exit code {code})", flush=True)
+
+
+def generate_streamed(args: argparse.Namespace, model_path: Path, endpoint: str) -> int:
+    from ..common.layout import ModelLayout
+    from .cli import open_streamed, prompt_ids
+    from .config import DecoderConfig
+    from .generate import TextStream, generate
+    from .models import load_model
+    from .tokenizer import GGUFTokenizer
+
+    layout = ModelLayout(model_path)
+    hp = layout.hparams
+    slots = args.slots or max(2 * hp.n_expert_used, hp.n_layer * hp.n_expert // 4)
+    cfg = DecoderConfig(model=str(model_path), prompts=[args.prompt], iod=endpoint, slots=slots,
+                        prefetch=args.prefetch, max_new_tokens=args.max_new_tokens, device=args.device,
+                        progress=False)
+    tok = GGUFTokenizer.from_layout(layout)
+    model = load_model(layout, cfg.torch_device, cfg.torch_dtype)
+    print(f"model: {model_path.name}: {hp.arch}, {hp.n_layer} layers x {hp.n_expert} experts (top {hp.n_expert_used}); "
+          f"device slot cache {slots} of {hp.n_layer * hp.n_expert} experts ({cfg.resolved_slot_format} slots, "
+          f"{cfg.torch_device}), prefetch {cfg.prefetch}", flush=True)
+    source, hook = open_streamed(cfg, layout, model)
+    print(args.prompt, end="", flush=True)
+    stream = TextStream(tok.decode, lambda _i, text: print(text, end="", flush=True))
+    with source:
+        t0 = time.perf_counter()
+        result = generate(model, source, prompt_ids(cfg, tok), cfg.max_new_tokens, cfg.sampling, tok.stop_ids,
+                          tok.pad_id, on_token=stream, after_layer=hook)
+        wall = time.perf_counter() - t0
+        stats = source.stats()
+    stream.flush()
+    print()
+    print(f"{result.new_tokens} tokens in {wall:.2f} s (decode {result.decode_tok_s():.1f} tok/s)")
+    from .streamed import describe_stats
+
+    print(describe_stats(stats))
+    return 0
+
+
+def _expected(e: Exception) -> bool:
+    """Input or environment failures get one line; anything else is a bug and keeps its traceback."""
+    from ..common.client import IodError
+    from ..common.spawn import DaemonStartError
+
+    return isinstance(e, (ValueError, OSError, KeyError, IodError, DaemonStartError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

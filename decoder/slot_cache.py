@@ -1,0 +1,398 @@
+"""The device slot cache: a fixed number of expert slots on the compute device.
+
+`(layer, expert) -> slot` is decided by `common.policy.SlotPolicy` (hotness-decayed LFU, LRU
+tiebreak); an entry is pinned while it is in flight (its bytes are being written) and while
+the current step computes with it, and a pinned entry is never evicted. When every slot is
+pinned, `claim` returns None: the caller waits or bypasses the cache, it never overcommits.
+
+Two slot formats (`DecoderConfig.slot_format`):
+
+- ``raw``: one preallocated uint8 tensor ``blobs [n_slots, slot_bytes]`` holding quantized
+  blobs, dequantized on every use. More experts fit; the default on CUDA, where
+  dequantize-on-use kernels are cheap::
+
+      blobs[slot]:  +-- gate --+pad64+-- up --+pad64+-- down --+pad64+ ... +
+                    ranges come from `SlotLayout` (one per layer), not from the daemon's arena
+
+- ``dequant``: preallocated float tensors ``gate/up [n_slots, ff, d]`` and
+  ``down [n_slots, d, ff]``, filled once on insert. The default on CPU, where dequantizing on
+  every use would cost more than the matmuls.
+
+Thread-safety: the compute thread and the prefetch receiver thread both call in; one lock
+guards the policy and the maps, bytes are copied outside it. On CUDA, copies run on a side
+stream: a slot's fill records an event the compute stream waits on (`wait`), and the compute
+stream's last use of a slot (`mark_used`) is an event the side stream waits on before it
+overwrites the slot, since the host unpins before the GPU has finished reading.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..common.layout import ExpertIndex, ExpertPart, round_up
+from ..common.policy import SlotPolicy
+from .experts import ExpertWeights, blob_to_weights
+
+SLOT_FORMATS = ("raw", "dequant")
+_ALIGN = 64  # part alignment inside a device slot: any dtype view of a part stays aligned
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class FetchFailed(RuntimeError):
+    """The bytes for an entry never arrived (read error, daemon gone); the entry was dropped."""
+
+
+def default_slot_format(device: torch.device | str) -> str:
+    """raw on CUDA (dequantize-on-use is cheap there), dequant elsewhere."""
+    return "raw" if torch.device(device).type == "cuda" else "dequant"
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where an expert blob's parts live inside one device slot, for one layer."""
+
+    parts: tuple[ExpertPart, ...]  # layer's parts (offsets are expert 0's; only qtype/shape matter)
+    ranges: dict[str, tuple[int, int]]  # part name -> (offset in slot, nbytes)
+    nbytes: int
+
+
+def slot_layouts(index: ExpertIndex) -> list[SlotLayout]:
+    """One compact layout per layer: parts back to back, each aligned to 64 bytes."""
+    out = []
+    for layer in range(index.n_layer):
+        parts = tuple(index.parts(layer, 0))
+        ranges, off = {}, 0
+        for p in parts:
+            ranges[p.name] = (off, p.nbytes)
+            off = round_up(off + p.nbytes, _ALIGN)
+        out.append(SlotLayout(parts, ranges, off))
+    return out
+
+
+def _dequant_shapes(layouts: list[SlotLayout]) -> dict[str, tuple[int, int]]:
+    """Torch shapes of gate/up/down for the dequant format; every layer must agree."""
+    shapes = None
+    for layer, lay in enumerate(layouts):
+        mats = {p.name: tuple(reversed(p.shape)) for p in lay.parts}  # [n_out, n_in]
+        if "gate_up" in mats:
+            two_ff, d = mats.pop("gate_up")
+            mats["gate"] = mats["up"] = (two_ff // 2, d)
+        if set(mats) != {"gate", "up", "down"}:
+            raise ValueError(f"dequant slots support gate/up/down experts only; layer {layer} has {sorted(mats)}")
+        if shapes is not None and mats != shapes:
+            raise ValueError(f"dequant slots need one expert shape for all layers: layer {layer} has {mats}, "
+                             f"layer 0 has {shapes}; use slot_format='raw'")
+        shapes = mats
+    assert shapes is not None
+    return shapes
+
+
+def bytes_per_slot(index: ExpertIndex, slot_format: str, dtype: torch.dtype = torch.float32) -> int:
+    """Device bytes one slot takes in `slot_format`."""
+    layouts = slot_layouts(index)
+    if slot_format == "raw":
+        return max(lay.nbytes for lay in layouts)
+    if slot_format == "dequant":
+        elem = torch.empty((), dtype=dtype).element_size()
+        return sum(a * b for a, b in _dequant_shapes(layouts).values()) * elem
+    raise ValueError(f"slot_format must be one of {SLOT_FORMATS}, got {slot_format!r}")
+
+
+def slots_for_bytes(index: ExpertIndex, cache_bytes: int, slot_format: str,
+                    dtype: torch.dtype = torch.float32) -> int:
+    """How many slots `cache_bytes` of device memory holds (`--cache-bytes`)."""
+    per = bytes_per_slot(index, slot_format, dtype)
+    n = int(cache_bytes) // per
+    if n < 1:
+        raise ValueError(f"--cache-bytes {cache_bytes} is smaller than one {slot_format} slot ({per} bytes)")
+    return n
+
+
+class _Entry:
+    __slots__ = ("slot", "ready", "failed", "event")
+
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+        self.ready = threading.Event()  # host side: bytes are in (or the fill failed)
+        self.failed = False
+        self.event: Any = None  # CUDA event recorded after the fill's copies
+
+
+class DeviceSlotCache:
+    """Expert slots on `device`; see the module docstring for formats and threading."""
+
+    def __init__(self, index: ExpertIndex, n_slots: int, device: torch.device | str = "cpu", *,
+                 slot_format: str | None = None, dtype: torch.dtype = torch.float32,
+                 decay: float = 0.9, policy: SlotPolicy | None = None) -> None:
+        self.device = torch.device(device)
+        self.slot_format = slot_format or default_slot_format(self.device)
+        if self.slot_format not in SLOT_FORMATS:
+            raise ValueError(f"slot_format must be one of {SLOT_FORMATS}, got {self.slot_format!r}")
+        if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
+            raise ValueError(f"the device slot cache needs n_slots >= 1, got {n_slots!r}")
+        self.n_slots, self.dtype = n_slots, dtype
+        self.layouts = slot_layouts(index)
+        self.slot_bytes = max(lay.nbytes for lay in self.layouts)
+        self.policy = policy if policy is not None else SlotPolicy(n_slots, decay)
+        if self.policy.capacity != n_slots:
+            raise ValueError(f"policy capacity {self.policy.capacity} != n_slots {n_slots}")
+        self._lock = threading.Lock()
+        self._entries: dict[Key, _Entry] = {}
+        self._cuda = self.device.type == "cuda"
+        self._side = torch.cuda.Stream(self.device) if self._cuda else None
+        self._last_use: dict[int, Any] = {}  # slot -> CUDA event of the compute stream's last read
+        self._staging: list[tuple[torch.Tensor, Any]] = []  # free host buffers (+ event of last H2D copy)
+        self.writes = self.bytes_written = self.bypassed = 0
+        self._alloc_storage()
+
+    def _alloc_storage(self) -> None:
+        n, dev = self.n_slots, self.device
+        if self.slot_format == "raw":
+            self.blobs = torch.zeros(n, self.slot_bytes, dtype=torch.uint8, device=dev)  # [n_slots, slot_bytes]
+            return
+        shapes = _dequant_shapes(self.layouts)
+        self.store = {name: torch.zeros(n, *shape, dtype=self.dtype, device=dev)  # [n_slots, rows, cols]
+                      for name, shape in shapes.items()}
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the slots take."""
+        if self.slot_format == "raw":
+            return self.blobs.numel()
+        return sum(t.numel() * t.element_size() for t in self.store.values())
+
+    # -- queries ---------------------------------------------------------------------------
+    def __contains__(self, key: Hashable) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def state(self, key: Key) -> str:
+        """'absent', 'filling' (slot claimed, bytes in flight) or 'ready'."""
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None:
+            return "absent"
+        return "ready" if entry.ready.is_set() and not entry.failed else "filling"
+
+    def slot_of(self, key: Key) -> int | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None else entry.slot
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out = self.policy.stats()
+        out.update(slot_format=self.slot_format, device=str(self.device), slot_bytes=self.slot_bytes,
+                   cache_bytes=self.nbytes, writes=self.writes, bytes_written=self.bytes_written,
+                   bypassed=self.bypassed)
+        return out
+
+    # -- pins and accesses -----------------------------------------------------------------
+    def lookup_pin(self, key: Key) -> bool:
+        """If `key` is resident (ready or filling): count an access, pin it, return True."""
+        with self._lock:
+            if self.policy.lookup(key) is None:  # counts the hit or miss
+                return False
+            self.policy.pin(key)
+            return True
+
+    def pin(self, key: Key) -> None:
+        """One more pin on a resident key (raises KeyError when absent)."""
+        with self._lock:
+            self.policy.pin(key)
+
+    def pinned(self) -> int:
+        """How many entries hold at least one pin."""
+        with self._lock:
+            return self.policy.stats()["pinned"]
+
+    def unpin(self, key: Key) -> None:
+        """Drop one pin; a key already dropped by `abort` is ignored."""
+        with self._lock:
+            if key in self._entries:
+                self.policy.unpin(key)
+
+    def step(self) -> None:
+        """One decode step: the policy's decay tick."""
+        with self._lock:
+            self.policy.step()
+
+    def claim(self, key: Key) -> int | None:
+        """Give `key` a slot, pinned and 'filling'; None when every slot is pinned (CacheFull)."""
+        with self._lock:
+            if key in self._entries:
+                raise ValueError(f"expert {key} already has slot {self._entries[key].slot}")
+            got = self.policy.try_insert(key, pin=True)
+            if got is None:
+                return None
+            slot, evicted = got
+            if evicted is not None:
+                del self._entries[evicted]
+            self._entries[key] = _Entry(slot)
+            return slot
+
+    def abort(self, key: Key) -> None:
+        """The fill of `key` failed: drop it and wake its waiters with FetchFailed."""
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return
+            self.policy.remove(key)
+        entry.failed = True
+        entry.ready.set()
+
+    # -- bytes in --------------------------------------------------------------------------
+    def write(self, key: Key, parts: Mapping[str, Any]) -> None:
+        """Copy an expert's parts (host buffers, e.g. arena memoryviews) into its claimed slot.
+
+        Returns once the host buffers are no longer needed (the caller may release its lease);
+        on CUDA the device copy may still be running on the side stream. Marks the entry ready.
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None or entry.ready.is_set():
+            raise ValueError(f"expert {key} has no slot waiting for bytes")
+        lay = self.layouts[key[0]]
+        try:
+            self._check_parts(key, lay, parts)
+            entry.event = self._fill(entry.slot, lay, parts)
+        except BaseException:
+            self.abort(key)
+            raise
+        with self._lock:
+            self.writes += 1
+            self.bytes_written += sum(n for _, n in lay.ranges.values())
+        entry.ready.set()
+
+    def _check_parts(self, key: Key, lay: SlotLayout, parts: Mapping[str, Any]) -> None:
+        if set(parts) != set(lay.ranges):
+            raise ValueError(f"expert {key}: got parts {sorted(parts)}, expected {sorted(lay.ranges)}")
+        for name, (_, n) in lay.ranges.items():
+            got = memoryview(parts[name]).nbytes
+            if got != n:
+                raise ValueError(f"expert {key}: part {name!r} has {got} bytes, expected {n}")
+
+    def _fill(self, slot: int, lay: SlotLayout, parts: Mapping[str, Any]) -> Any:
+        if not self._cuda and self.slot_format == "raw":
+            row = self.blobs[slot].numpy()  # writable view of the slot: one memcpy per part
+            _pack(row, lay, parts)
+            return None
+        staging, event = self._take_staging(), None
+        try:
+            _pack(staging.numpy(), lay, parts)
+            event = self._upload(slot, lay, staging)
+            return event
+        finally:
+            self._give_staging(staging, event)
+
+    def _upload(self, slot: int, lay: SlotLayout, staging: torch.Tensor) -> Any:
+        """Host staging bytes -> slot (and dequantize for the dequant format)."""
+        if not self._cuda:
+            self._store_weights(slot, blob_to_weights(list(lay.parts), staging, lay.ranges, self.dtype))
+            return None
+        with torch.cuda.stream(self._side):
+            last = self._last_use.get(slot)
+            if last is not None:
+                self._side.wait_event(last)  # compute may still read the old contents
+            if self.slot_format == "raw":
+                self.blobs[slot, :lay.nbytes].copy_(staging[:lay.nbytes], non_blocking=True)
+            else:
+                blob = staging[:lay.nbytes].to(self.device, non_blocking=True)  # [nbytes]
+                self._store_weights(slot, blob_to_weights(list(lay.parts), blob, lay.ranges, self.dtype))
+            event = torch.cuda.Event()
+            event.record(self._side)
+        return event
+
+    def _store_weights(self, slot: int, w: ExpertWeights) -> None:
+        self.store["gate"][slot].copy_(w.gate)  # [ff, d]
+        self.store["up"][slot].copy_(w.up)  # [ff, d]
+        self.store["down"][slot].copy_(w.down)  # [d, ff]
+
+    def _take_staging(self) -> torch.Tensor:
+        """A host buffer of one slot (pinned on CUDA), from a small free list."""
+        with self._lock:
+            item = self._staging.pop() if self._staging else None
+        if item is None:
+            return torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self._cuda)  # [slot_bytes]
+        buf, event = item
+        if event is not None:
+            event.synchronize()  # its last H2D copy must be done before we overwrite it
+        return buf
+
+    def _give_staging(self, buf: torch.Tensor, event: Any) -> None:
+        with self._lock:
+            self._staging.append((buf, event))
+
+    # -- bytes out -------------------------------------------------------------------------
+    def wait(self, key: Key, timeout: float | None = None) -> bool:
+        """Block until `key` is ready; False on timeout. Raises FetchFailed when its fill failed.
+
+        On CUDA the current (compute) stream is made to wait for the slot's copy, not the host.
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None:
+            raise FetchFailed(f"expert {key} is not in the device slot cache")
+        if not entry.ready.wait(timeout):
+            return False
+        if entry.failed:
+            raise FetchFailed(f"expert {key}: its bytes never arrived")
+        if entry.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(entry.event)
+        return True
+
+    def weights(self, key: Key) -> ExpertWeights:
+        """The expert's weights from its (ready, pinned) slot."""
+        with self._lock:
+            entry = self._entries[key]
+        slot = entry.slot
+        if self.slot_format == "dequant":
+            return ExpertWeights(self.store["gate"][slot], self.store["up"][slot], self.store["down"][slot])
+        lay = self.layouts[key[0]]
+        return blob_to_weights(list(lay.parts), self.blobs[slot], lay.ranges, self.dtype)
+
+    def mark_used(self, key: Key) -> None:
+        """The compute stream has enqueued its last read of `key`'s slot (CUDA bookkeeping)."""
+        if not self._cuda:
+            return
+        slot = self.slot_of(key)
+        if slot is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._last_use[slot] = event
+
+    def bypass_weights(self, layer: int, parts: Mapping[str, Any]) -> ExpertWeights:
+        """Weights straight from host buffers, without a slot (the fallback when all are pinned)."""
+        lay = self.layouts[layer]
+        self._check_parts((layer, -1), lay, parts)
+        buf = torch.empty(lay.nbytes, dtype=torch.uint8)  # [nbytes] host
+        _pack(buf.numpy(), lay, parts)
+        self.bypassed += 1
+        return blob_to_weights(list(lay.parts), buf.to(self.device), lay.ranges, self.dtype)
+
+    # -- checks ----------------------------------------------------------------------------
+    def check(self) -> None:
+        """Assert internal invariants (used by tests after every operation)."""
+        with self._lock:
+            slots = [e.slot for e in self._entries.values()]
+            assert len(slots) <= self.n_slots, f"{len(slots)} entries > {self.n_slots} slots"
+            assert len(set(slots)) == len(slots), "two entries share a slot"
+            assert set(self.policy.keys()) == set(self._entries), "policy and cache disagree"
+            assert all(self.policy.slot_of(k) == e.slot for k, e in self._entries.items())
+
+
+def _pack(dst: np.ndarray, lay: SlotLayout, parts: Mapping[str, Any]) -> None:
+    """Copy each part's bytes to its range in `dst` (a uint8 numpy view)."""
+    for name, (off, n) in lay.ranges.items():
+        dst[off:off + n] = np.frombuffer(parts[name], dtype=np.uint8, count=n)

@@ -1,0 +1,160 @@
+"""Prefetch: router look-ahead predictions, landing off the compute thread, accounting, failures."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+
+import pytest
+import torch
+
+from moestream.common.client import IodClient, IodRequestError
+from moestream.common.layout import ModelLayout
+from moestream.common.spawn import spawn_daemon
+from moestream.decoder.experts import ResidentExperts
+from moestream.decoder.generate import generate
+from moestream.decoder.models import load_model
+from moestream.decoder.prefetch import Prefetcher
+from moestream.decoder.sampling import SamplingParams
+from moestream.decoder.slot_cache import DeviceSlotCache
+from moestream.decoder.streamed import StreamedExperts
+
+MODEL = dict(arch="qwen3moe", quant="Q8_0", layers=3, experts=8, top_k=2)
+
+
+@pytest.fixture(scope="module")
+def setup(make_tiny_model):
+    path = make_tiny_model(**MODEL)
+    layout = ModelLayout(path)
+    with spawn_daemon(path) as daemon:
+        yield layout, load_model(layout), ResidentExperts(layout), daemon.endpoint
+
+
+def streamed(layout, endpoint, slots=6):
+    cache = DeviceSlotCache(layout.experts, slots)
+    client = IodClient(endpoint, expect_fingerprint=layout.fingerprint.as_dict())
+    return StreamedExperts(client, layout, cache, owns_client=True)
+
+
+class Hints(ResidentExperts):
+    def __init__(self, layout):
+        super().__init__(layout)
+        self.hints: list[tuple[int, list[int]]] = []
+
+    def prefetch(self, layer, experts):
+        self.hints.append((layer, list(experts)))
+
+
+def reference_topk(model, layer, h, k):
+    """ffn_norm (RMSNorm written out here) then the router, softmax, top-k: the experts to expect."""
+    w = model.layers[layer]
+    x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + model.hparams.rms_eps) * w["ffn_norm"]
+    probs = torch.softmax(x @ w["ffn_gate_inp"].T, dim=-1)  # [n, E]
+    return sorted(set(torch.topk(probs, k, dim=-1).indices.flatten().tolist()))
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_prefetcher_hints_the_next_layers_top_k(setup, depth):
+    layout, model, _, _ = setup
+    src = Hints(layout)
+    hook = Prefetcher(model, src, depth)
+    seen = []
+    cache = model.new_cache(1, 8)
+    model.forward(torch.tensor([[5, 17, 99, 3]]), cache, src,
+                  after_layer=lambda i, h: (seen.append(h.clone()), hook(i, h)))
+    want = [(nxt, reference_topk(model, nxt, seen[layer], 2))
+            for layer in range(3) for nxt in range(layer + 1, min(layer + 1 + depth, 3))]
+    assert src.hints == want
+    assert hook.predictions == sum(len(e) for _, e in want)
+
+
+def test_prefetcher_rejects_a_bad_depth(setup):
+    with pytest.raises(ValueError, match="prefetch depth"):
+        Prefetcher(setup[1], None, -1)
+
+
+def test_prefetches_land_on_the_receiver_thread(setup):
+    layout, _, resident, endpoint = setup
+    writers = {}
+    with streamed(layout, endpoint) as src:
+        real_write = src.cache.write
+
+        def write(key, parts):
+            writers[key] = threading.current_thread().name
+            real_write(key, parts)
+
+        src.cache.write = write
+        src.begin_step()
+        src.prefetch(1, [2, 6])
+        assert src.receiver.drain(10.0)
+        got = src.acquire(1, [2, 6])
+        want = resident.acquire(1, [2, 6])
+        assert all(torch.equal(got[e].down, want[e].down) and torch.equal(got[e].gate, want[e].gate) for e in (2, 6))
+        src.release(1, [2, 6])
+        st = src.stats()
+    assert writers == {(1, 2): "moestream-receiver", (1, 6): "moestream-receiver"}
+    assert st["misses"] == 0 and st["useful"] == st["hidden"] == 2 and st["hidden_share"] == 1.0
+    assert st["prefetch_bytes"] == st["bytes_fetched"] > 0 and st["cache"]["pinned"] == 0
+
+
+def test_wrong_predictions_are_counted_and_unpinned(setup):
+    layout, _, _, endpoint = setup
+    with streamed(layout, endpoint) as src:
+        src.begin_step()
+        src.prefetch(2, [0, 1])
+        src.acquire(2, [1, 5])
+        src.release(2, [1, 5])
+        assert src.receiver.drain(10.0)
+        st = src.stats()
+    assert st["prefetch_sent"] == 2 and st["useful"] == 1 and st["wasted"] + st["cancelled"] == 1
+    assert st["misses"] == 1 and st["predicted"] == 2 and st["predicted_right"] == 1
+    assert st["prefetch_precision"] == 0.5 and st["cache"]["pinned"] == 0
+
+
+class FailingAhead:
+    """The real client, except `ahead` fetches return futures the test fails by hand."""
+
+    def __init__(self, client):
+        self.client, self.pending = client, []
+
+    def fetch(self, keys, priority="now"):
+        if priority != "ahead":
+            return self.client.fetch(keys, priority)
+        futs = [cf.Future() for _ in keys]
+        self.pending += futs
+        return futs
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+def test_failed_prefetch_is_fetched_again_on_demand(setup):
+    layout, _, resident, endpoint = setup
+    with streamed(layout, endpoint) as src:
+        failing = FailingAhead(src.client)
+        src.client = src.receiver.client = failing
+        src.begin_step()
+        src.prefetch(0, [4])
+        assert src.cache.state((0, 4)) == "filling"
+        boom = threading.Timer(0.2, lambda: failing.pending[0].set_exception(IodRequestError("read_failed", "boom")))
+        boom.start()
+        got = src.acquire(0, [4])  # waits on the in-flight prefetch, which fails, then fetches now
+        boom.join()
+        assert torch.equal(got[4].up, resident.acquire(0, [4])[4].up)
+        src.release(0, [4])
+        src.client = src.receiver.client = failing.client
+        st = src.stats()
+    assert st["refetched"] == 1 and st["misses"] == 1 and st["cache"]["pinned"] == 0
+
+
+def test_every_prefetch_is_judged_in_a_real_decode(setup):
+    layout, model, _, endpoint = setup
+    with streamed(layout, endpoint) as src:
+        hook = Prefetcher(model, src, 1)
+        generate(model, src, [[5, 17, 99, 3, 250], [7, 300]], 12, SamplingParams(temperature=1.0, seed=1),
+                 after_layer=hook)
+        st = src.stats()
+    assert st["prefetch_sent"] > 0 and st["hidden"] > 0
+    assert st["prefetch_sent"] == st["useful"] + st["wasted"] + st["cancelled"]
+    assert 0 < st["hidden_share"] <= 1 and st["useful"] == st["hidden"] + st["late"]
+    assert st["cache"]["pinned"] == 0

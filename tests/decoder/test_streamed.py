@@ -1,0 +1,155 @@
+"""Streamed experts against a real moestream-iod process: bit-identical to resident decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestream.common.client import IodClient, IodUnavailable
+from moestream.common.layout import ModelLayout
+from moestream.common.policy import SlotPolicy
+from moestream.common.spawn import spawn_daemon
+from moestream.decoder.experts import ResidentExperts
+from moestream.decoder.generate import generate
+from moestream.decoder.models import get_model_module
+from moestream.decoder.prefetch import Prefetcher
+from moestream.decoder.sampling import SamplingParams
+from moestream.decoder.slot_cache import DeviceSlotCache
+from moestream.decoder.streamed import StreamedExperts, open_streamed
+from moestream.decoder.weights import load_dense
+
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 128, 9], [400, 2, 33]]
+N_NEW = 8
+MODEL = dict(arch="qwen3moe", layers=3, experts=8, top_k=2)  # 24 experts: 6 slots is 25 %
+SHAPES = {"Q4_K": dict(layers=2)}  # K-quants are 256 wide and slow to dequantize on a CPU: 16 experts
+
+
+class Bench:
+    """One model, its layout, dense weights, resident reference run, and a lazily started daemon."""
+
+    def __init__(self, path):
+        self.path, self.layout = path, ModelLayout(path)
+        hp = self.layout.hparams
+        self.model = get_model_module(hp.arch).Model(hp, load_dense(self.layout, "cpu", progress=False))
+        self.n_experts = hp.n_layer * hp.n_expert
+        with ResidentExperts(self.layout) as resident:
+            self.reference = generate(self.model, resident, PROMPTS, N_NEW, keep_logits=True)
+        self._daemon = None
+
+    @property
+    def endpoint(self) -> str:
+        if self._daemon is None:
+            self._daemon = spawn_daemon(self.path)
+        return self._daemon.endpoint
+
+    def stop(self) -> None:
+        if self._daemon is not None:
+            assert self._daemon.stop() == 0
+            self._daemon = None
+
+
+@pytest.fixture(scope="module")
+def benches(make_tiny_model):
+    made: dict[str, Bench] = {}
+
+    def get(quant: str) -> Bench:
+        if quant not in made:
+            made[quant] = Bench(make_tiny_model(quant=quant, **{**MODEL, **SHAPES.get(quant, {})}))
+        return made[quant]
+
+    yield get
+    for b in made.values():
+        b.stop()
+
+
+def run_streamed(b: Bench, slots: int, depth: int, slot_format: str | None = None, sampling=SamplingParams(),
+                 policy: SlotPolicy | None = None, n_new: int = N_NEW):
+    cache = DeviceSlotCache(b.layout.experts, slots, slot_format=slot_format, policy=policy)
+    client = IodClient(b.endpoint, expect_fingerprint=b.layout.fingerprint.as_dict())
+    with StreamedExperts(client, b.layout, cache, owns_client=True) as src:
+        hook = Prefetcher(b.model, src, depth) if depth else None
+        result = generate(b.model, src, PROMPTS, n_new, sampling, after_layer=hook, keep_logits=True)
+        src.close()
+        return result, src.stats()
+
+
+@pytest.mark.parametrize("quant,slot_format", [("F32", "dequant"), ("Q8_0", "raw"), ("Q4_K", "dequant")])
+@pytest.mark.parametrize("depth", [0, 1])
+def test_streamed_is_bit_identical_to_resident(benches, quant, slot_format, depth):
+    b = benches(quant)
+    slots = b.n_experts // 4
+    result, st = run_streamed(b, slots, depth, slot_format)
+    assert result.tokens == b.reference.tokens
+    assert len(result.logits) == len(b.reference.logits) == N_NEW
+    for got, want in zip(result.logits, b.reference.logits):
+        assert torch.equal(got, want)
+    # the cache really streamed: misses, evictions, the prefill bypassing a full cache
+    assert st["cache"]["capacity"] == slots and st["misses"] > slots and st["cache"]["evictions"] > 0
+    assert st["bypassed"] > 0 and st["bytes_fetched"] > 0
+    assert st["cache"]["pinned"] == 0
+    if depth:
+        assert st["prefetch_sent"] > 0 and st["useful"] > 0
+    else:
+        assert st["prefetch_sent"] == 0 and st["predicted"] == 0
+
+
+def test_deeper_prefetch_is_bit_identical_too(benches):
+    b = benches("Q8_0")
+    result, st = run_streamed(b, b.n_experts // 4, depth=2)
+    assert result.tokens == b.reference.tokens
+    assert all(torch.equal(g, w) for g, w in zip(result.logits, b.reference.logits))
+    assert st["prefetch_sent"] > 0
+
+
+class CheckedPolicy(SlotPolicy):
+    """At every insert: the victim is unpinned, and the cache stays within capacity."""
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self.checked = self.evicted = 0
+
+    def insert(self, key, *, pin=False):
+        victim = self.victim() if len(self) == self.capacity else None
+        assert victim is None or self.pin_count(victim) == 0, f"would evict pinned {victim}"
+        slot, evicted = super().insert(key, pin=pin)
+        assert evicted == victim and len(self) <= self.capacity and 0 <= slot < self.capacity
+        self.checked += 1
+        self.evicted += evicted is not None
+        return slot, evicted
+
+
+def test_long_random_decode_never_evicts_pinned_or_overfills(benches):
+    b = benches("Q8_0")
+    policy = CheckedPolicy(4)
+    sampling = SamplingParams(temperature=1.5, seed=3)  # random tokens: routing all over the experts
+    result, st = run_streamed(b, 4, depth=2, sampling=sampling, policy=policy, n_new=40)
+    assert sum(len(t) for t in result.tokens) > 40
+    assert policy.checked > 100 and policy.evicted > 50 and policy.checked == st["cache"]["inserts"]
+    assert st["cache"]["pinned"] == 0 and st["cache"]["resident"] <= 4
+
+
+def test_open_streamed_checks_capacity_arguments(benches):
+    b = benches("Q8_0")
+    with pytest.raises(ValueError, match="exactly one of slots"):
+        open_streamed(b.layout, b.endpoint)
+    with pytest.raises(ValueError, match="smaller than one"):
+        open_streamed(b.layout, b.endpoint, cache_bytes=10)
+    with open_streamed(b.layout, b.endpoint, cache_bytes=5 * 2**20 // 10, slot_format="raw") as src:
+        assert src.cache.n_slots == 5 * 2**20 // 10 // src.cache.slot_bytes
+
+
+def test_daemon_gone_is_a_clear_error_not_a_hang(make_tiny_model):
+    path = make_tiny_model(quant="Q8_0", **MODEL)
+    layout = ModelLayout(path)
+    daemon = spawn_daemon(path)
+    try:
+        src = open_streamed(layout, daemon.endpoint, slots=4, timeout_s=2.0)
+        src.fetch_timeout_s = 10.0
+        assert set(src.acquire(0, [1, 2])) == {1, 2}
+        src.release(0, [1, 2])
+    finally:
+        daemon.stop()
+    with pytest.raises(IodUnavailable):
+        src.acquire(1, [3])
+    assert src.cache.pinned() == 0  # nothing left pinned by the failed acquire
+    src.close()
