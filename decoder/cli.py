@@ -72,22 +72,15 @@ def default_slots(hp: Any) -> int:
 
 def open_streamed(cfg: DecoderConfig, layout: Any, model: Any) -> tuple[Any, Callable | None]:
     try:
-        from ..common.client import IodClient
         from .prefetch import Prefetcher
-        from .slot_cache import DeviceSlotCache, slots_for_bytes
-        from .streamed import StreamedExperts
+        from .streamed import open_streamed as connect
     except ImportError as e:
         raise ConfigError(f"streamed mode not available ({e}); use --resident") from None
-    fmt, dtype = cfg.resolved_slot_format, cfg.torch_dtype
-    n_slots = cfg.slots or (slots_for_bytes(layout.experts, cfg.cache_bytes, fmt, dtype) if cfg.cache_bytes
-                            else default_slots(layout.hparams))
-    client = IodClient(cfg.iod, expect_fingerprint=layout.fingerprint.as_dict(), name="moestream-generate")
-    try:
-        cache = DeviceSlotCache(layout.experts, n_slots, cfg.torch_device, slot_format=fmt, dtype=dtype)
-        source = StreamedExperts(client, layout, cache, fetch_timeout_s=cfg.fetch_timeout_s, owns_client=True)
-    except BaseException:
-        client.close()
-        raise
+    sized = {"cache_bytes": cfg.cache_bytes} if cfg.cache_bytes and not cfg.slots else \
+        {"slots": cfg.slots or default_slots(layout.hparams)}
+    source = connect(layout, cfg.iod, device=cfg.torch_device, dtype=cfg.torch_dtype,
+                     slot_format=cfg.resolved_slot_format, fetch_timeout_s=cfg.fetch_timeout_s,
+                     name="moestream-generate", **sized)
     return source, (Prefetcher(model, source, cfg.prefetch) if cfg.prefetch > 0 else None)
 
 
@@ -136,25 +129,14 @@ def print_results(result: Any, tok: Any, streamed: bool) -> None:
 def print_stats(result: Any, load_s: float, source_stats: dict, prefetch_stats: dict | None) -> None:
     print(f"stats: decode {result.decode_tok_s():.1f} tok/s ({result.new_tokens} tokens, {result.steps} decode steps), "
           f"prefill {result.prefill_s * 1e3:.1f} ms, load {load_s:.2f} s")
-    for line in stats_lines("experts", source_stats):
-        print(line)
-    if prefetch_stats is not None:
-        for line in stats_lines("prefetch", prefetch_stats):
-            print(line)
+    if "hit_rate" in source_stats:  # streamed: the counters people read first
+        from .streamed import describe_stats
 
-
-def stats_lines(title: str, stats: dict) -> list[str]:
-    """`stats: title: k=v ...`, one line per nested dict."""
-    flat = " ".join(f"{k}={_fmt(v)}" for k, v in stats.items() if not isinstance(v, dict))
-    lines = [f"stats: {title}: {flat}"]
-    for k, v in stats.items():
-        if isinstance(v, dict):
-            lines += stats_lines(f"{title}.{k}", v)
-    return lines
-
-
-def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+        print(describe_stats(source_stats))
+    else:
+        st = source_stats
+        print(f"stats: experts: source=resident, {st['experts']} experts held ({st['slot_format']}, "
+              f"{st['bytes'] / 2**20:.1f} MiB), {st['acquired']} acquired")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -253,7 +253,8 @@ def _release_unused(client: IodClient, futures: list[cf.Future], used: int) -> N
 
 def open_streamed(layout: ModelLayout, endpoint: str, *, device: Any = "cpu", dtype: Any = None,
                   slots: int | None = None, cache_bytes: int | None = None, slot_format: str | None = None,
-                  decay: float = 0.9, timeout_s: float = 5.0, name: str | None = None) -> StreamedExperts:
+                  decay: float = 0.9, timeout_s: float = 5.0, fetch_timeout_s: float = 60.0,
+                  name: str | None = None) -> StreamedExperts:
     """Connect to the daemon at `endpoint` (checking it serves this file) and build the slot cache.
 
     Capacity: `slots`, or as many slots as `cache_bytes` of device memory holds (one is required).
@@ -269,7 +270,11 @@ def open_streamed(layout: ModelLayout, endpoint: str, *, device: Any = "cpu", dt
     n = slots if slots is not None else slots_for_bytes(layout.experts, cache_bytes, fmt, dtype)
     cache = DeviceSlotCache(layout.experts, n, device, slot_format=fmt, dtype=dtype, decay=decay)
     client = IodClient(endpoint, expect_fingerprint=layout.fingerprint.as_dict(), timeout_s=timeout_s, name=name)
-    return StreamedExperts(client, layout, cache, owns_client=True)
+    try:
+        return StreamedExperts(client, layout, cache, fetch_timeout_s=fetch_timeout_s, owns_client=True)
+    except BaseException:
+        client.close()
+        raise
 
 
 def describe_stats(st: dict[str, Any]) -> str:

@@ -100,7 +100,7 @@ def test_cli_resident(tiny_model, capsys):
     rc = cli.main(["--model", str(tiny_model), "--resident", "--prompt", "def f(x):", "-n", "6", "--stats",
                    "--no-progress"])
     out = capsys.readouterr().out
-    assert rc == 0 and "tok/s" in out and "stats: experts: source=resident" in out
+    assert rc == 0 and "tok/s" in out and "stats: experts: source=resident" in out and "experts held" in out
     rc = cli.main(["--model", str(tiny_model), "--resident", "--prompt", "a", "--prompt", "b", "-n", "3",
                    "--chat", "--no-progress"])
     out = capsys.readouterr().out
@@ -132,7 +132,7 @@ def test_cli_streamed_matches_resident(tiny_model, capsys):
     with spawn_daemon(tiny_model) as daemon:
         assert cli.main([*args, "--iod", daemon.endpoint, "--slots", "4", "--stats"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(resident) and "stats: experts: source=streamed" in out
+    assert out.startswith(resident) and "hit rate" in out and "slot cache: " in out
 
 
 def test_cli_without_streamed_module(tiny_model, capsys, monkeypatch):
