@@ -8,10 +8,10 @@ from __future__ import annotations
 import os
 import threading
 
-from .readers import Batch, Chunk, OnDone, PendingQueue, ReadError, ReadOp, open_fd, proc_read_bytes, run_shortfall
+from .readers import Batch, Chunk, OnDone, PendingQueue, ReadError, ReaderCounters, ReadOp, open_fd, run_shortfall
 
 
-class ThreadsReader:
+class ThreadsReader(ReaderCounters):
     name = "threads"
 
     def __init__(self, path: str, *, depth: int = 32, direct: bool = False):
@@ -20,9 +20,7 @@ class ThreadsReader:
         self.fd = open_fd(path, direct)
         self.size = os.fstat(self.fd).st_size
         self.queue = PendingQueue()
-        self._lock = threading.Lock()
-        self._stats = {"ops": 0, "bytes": 0, "preadv_calls": 0, "errors": 0}
-        self._io0 = proc_read_bytes()
+        super().__init__()
         self._threads = [threading.Thread(target=self._worker, name=f"iod-read-{i}", daemon=True) for i in range(depth)]
         for t in self._threads:
             t.start()
@@ -68,14 +66,6 @@ class ThreadsReader:
         except OSError as e:
             return ReadError(e.errno, f"reading bytes [{base}, {base + total}) of {self.path}: {e.strerror}")
         return run_shortfall(run, got)
-
-    def stats(self) -> dict:
-        with self._lock:
-            out = dict(self._stats)
-        io = proc_read_bytes()
-        out["disk_read_bytes"] = io - self._io0 if io >= 0 and self._io0 >= 0 else None
-        out.update(backend=self.name, depth=self.depth, direct=self.direct)
-        return out
 
     def close(self) -> None:
         """Stop the workers (after their current read), fail whatever never started, close the file."""

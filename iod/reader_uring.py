@@ -12,7 +12,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-from .readers import Batch, Chunk, OnDone, PendingQueue, ReadError, ReadOp, open_fd, proc_read_bytes, run_shortfall
+from .readers import Batch, Chunk, OnDone, PendingQueue, ReadError, ReaderCounters, ReadOp, open_fd, run_shortfall
 from .uring_ring import OP_READV, Ring, RingUnavailable
 
 WAKE = 0  # user_data of the eventfd read
@@ -42,7 +42,7 @@ class _Flight:
         return sum(c.length for c in self.live)
 
 
-class UringReader:
+class UringReader(ReaderCounters):
     name = "uring"
 
     def __init__(self, path: str, *, depth: int = 32, direct: bool = False):
@@ -59,9 +59,7 @@ class UringReader:
         self._wake_buf = ctypes.create_string_buffer(8)
         self._wake_iov = _Iovec(ctypes.addressof(self._wake_buf), 8)
         self.queue = PendingQueue()
-        self._lock = threading.Lock()
-        self._stats = {"ops": 0, "bytes": 0, "preadv_calls": 0, "errors": 0}
-        self._io0 = proc_read_bytes()
+        super().__init__()
         self._flights: dict[int, _Flight] = {}
         self._next_id = WAKE + 1
         self._wake_armed = False
@@ -183,14 +181,6 @@ class UringReader:
             c.batch.finish(1, error if id(c) in ids else None)
 
     # -- lifecycle ------------------------------------------------------------------------
-    def stats(self) -> dict:
-        with self._lock:
-            out = dict(self._stats)
-        io = proc_read_bytes()
-        out["disk_read_bytes"] = io - self._io0 if io >= 0 and self._io0 >= 0 else None
-        out.update(backend=self.name, depth=self.depth, direct=self.direct)
-        return out
-
     def close(self) -> None:
         """Let in-flight reads finish, fail what never started, release the ring and files."""
         if self.fd < 0:

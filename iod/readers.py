@@ -89,6 +89,23 @@ def plan_reads(parts: Sequence[ExpertPart], slot: memoryview, *, direct: bool) -
 
 
 # -- shared machinery -----------------------------------------------------------------------
+class ReaderCounters:
+    """Counters both backends keep, and the `stats()` they report (bytes the disk really read included)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = {"ops": 0, "bytes": 0, "preadv_calls": 0, "errors": 0}
+        self._io0 = proc_read_bytes()
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = dict(self._stats)
+        io = proc_read_bytes()
+        out["disk_read_bytes"] = io - self._io0 if io >= 0 and self._io0 >= 0 else None
+        out.update(backend=self.name, depth=self.depth, direct=self.direct)  # type: ignore[attr-defined]
+        return out
+
+
 class Batch:
     """One `submit` call: calls `on_done` once, after its last chunk finished or was skipped."""
 

@@ -22,28 +22,34 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def usage() -> str:
-    lines = ["usage: moestream COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "`moestream COMMAND --help` explains each command's options."]
-    return "\n".join(lines)
+def usage(prog: str, table: dict[str, tuple[str, str]], footer: str) -> str:
+    width = max(map(len, table)) + 2
+    lines = [f"usage: {prog} COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<{width}}{help_}" for name, (_, help_) in table.items()]
+    return "\n".join(lines + ["", footer])
+
+
+def dispatch(prog: str, table: dict[str, tuple[str, str]], argv: list[str]) -> int:
+    """Run `table[argv[0]]`'s module `main(argv[1:])`, importing it only now."""
+    text = usage(prog, table, f"`{prog} COMMAND --help` explains each command's options.")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(text)
+        return 0
+    if argv[0] not in table:
+        print(f"{prog}: unknown command {argv[0]!r}\n\n{text}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(table[argv[0]][0])
+    return int(module.main(argv[1:]) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(usage())
-        return 0
-    if argv[0] in ("-V", "--version"):
+    if argv[:1] in (["-V"], ["--version"]):
         from moestream import __version__
 
         print(f"moestream {__version__}")
         return 0
-    if argv[0] not in COMMANDS:
-        print(f"moestream: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
-        return 2
-    module = importlib.import_module(COMMANDS[argv[0]][0])
-    return int(module.main(argv[1:]) or 0)
+    return dispatch("moestream", COMMANDS, argv)
 
 
 def main_entry() -> None:
