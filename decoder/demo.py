@@ -21,7 +21,7 @@ from typing import Any
 
 DEMO_MODEL = dict(arch="qwen3moe", quant="Q8_0", layers=4, experts=16, top_k=2, seed=0)
 DEMO_FILE = "demo-qwen3moe-q8_0-v1.gguf"  # bump the suffix when DEMO_MODEL changes
-DEFAULT_PROMPT = "def fibonacci(n):"
+DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef main("
 
 DESCRIPTION = """\
 Make (once) a tiny MoE model, start a private moestream-iod for it, and generate text with the
@@ -75,8 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", help="GGUF MoE file (default: the demo model, made once)")
     ap.add_argument("--iod", metavar="ENDPOINT", help="use this running moestream-iod instead of starting one")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"prompt text (default {DEFAULT_PROMPT!r})")
-    ap.add_argument("-n", "--max-new-tokens", type=int, default=24, dest="max_new_tokens",
-                    help="tokens to generate (default 24)")
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=64, dest="max_new_tokens",
+                    help="tokens to generate (default 64)")
+    ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7; 0 = greedy)")
+    ap.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     ap.add_argument("--slots", type=int, help="device slot cache size in experts (default: a quarter of them)")
     ap.add_argument("--prefetch", type=int, default=1, help="layers of router look-ahead (default 1, 0 = off)")
     ap.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
@@ -148,7 +151,7 @@ def generate_streamed(args: argparse.Namespace, model_path: Path, endpoint: str)
     slots = args.slots or max(2 * hp.n_expert_used, hp.n_layer * hp.n_expert // 4)
     cfg = DecoderConfig(model=str(model_path), prompts=[args.prompt], iod=endpoint, slots=slots,
                         prefetch=args.prefetch, max_new_tokens=args.max_new_tokens, device=args.device,
-                        progress=False)
+                        temperature=args.temperature, top_p=args.top_p, seed=args.seed, progress=False)
     tok = GGUFTokenizer.from_layout(layout)
     model = load_model(layout, cfg.torch_device, cfg.torch_dtype)
     print(f"model: {model_path.name}: {hp.arch}, {hp.n_layer} layers x {hp.n_expert} experts (top {hp.n_expert_used}); "

@@ -1,0 +1,179 @@
+"""Record routing traces with our decoder (resident experts) and report how they behave.
+
+Prompts are slices of held-out stdlib files (the start of a file: docstrings and imports, or
+its middle: code), each continued by seeded sampling, one prompt at a time so tokens are in
+the order a cache sees them. Per processed token we record each layer's real top-k (from the
+MoE block's own `route`) and, through the `after_layer` hook, the top-k that the routers of
+the next layers pick from the hidden state after this layer (what a prefetcher can know).
+
+Files written to `--out`:
+- `routing.npy`  int16 [tokens, layers, k]: real expert ids, prompt and generated tokens
+  (`common.policy_sim` reads it); `decode.npy` the same for generated tokens only.
+- `predicted.npy` int16 [tokens, depth, layers, k]: `[t, d-1, l]` = top-k of layer l's router
+  applied to the hidden state after layer l-d (-1 where l < d).
+- `meta.json` (model, prompts, segments, sampling) and `REPORT.md` (skew, predictability).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .models.layers import route
+from .trace_stats import cache_hit_rates, predictability, report_markdown, skew
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    model: Path
+    out: Path
+    prompts: int = 12
+    prompt_tokens: int = 64
+    new_tokens: int = 192
+    temperature: float = 0.8
+    top_p: float = 0.95
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.prompts, self.prompt_tokens, self.new_tokens) < 1:
+            raise ValueError("--prompts, --prompt-tokens and --new-tokens must be >= 1")
+
+
+@dataclass
+class Recorder:
+    """Collects real and predicted routing of every real token a forward pass processes."""
+
+    model: object
+    real: list[list[torch.Tensor]] = field(default_factory=list)  # per forward: per layer [n, k]
+    pred: list[list[list[torch.Tensor | None]]] = field(default_factory=list)  # per forward: [depth][layer]
+
+    def __post_init__(self) -> None:
+        inner = self.model.ffn
+        hp = self.model.hparams
+        L, k = hp.n_layer, hp.n_expert_used
+
+        def ffn(layer: int, x: torch.Tensor, experts):
+            if layer == 0:  # a new forward pass starts
+                self.real.append([])
+                self.pred.append([[None] * L for _ in range(L - 1)])
+            logits = F.linear(x, self.model.layers[layer]["ffn_gate_inp"])  # [n, E], as moe() computes it
+            self.real[-1].append(route(logits, k, hp.norm_topk_prob)[1].cpu())  # [n, k]
+            return inner(layer, x, experts)
+
+        self.model.ffn = ffn  # instance attribute: the model's _block calls self.ffn
+
+    def after_layer(self, layer: int, h: torch.Tensor) -> None:
+        hp = self.model.hparams
+        for d in range(1, hp.n_layer - layer):
+            logits = self.model.router_logits(layer + d, h)  # [n, E]
+            self.pred[-1][d - 1][layer + d] = torch.topk(logits, hp.n_expert_used, dim=-1).indices.cpu()  # [n, k]
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(real [N, L, k], predicted [N, L-1, L, k] with -1 where undefined)."""
+        real = torch.cat([torch.stack(f, dim=1) for f in self.real])  # [N, L, k]
+        N, L, k = real.shape
+        pred = torch.full((N, max(L - 1, 0), L, k), -1, dtype=torch.int64)
+        row = 0
+        for f_real, f_pred in zip(self.real, self.pred):
+            n = f_real[0].shape[0]
+            for d, per_layer in enumerate(f_pred):
+                for layer, ids in enumerate(per_layer):
+                    if ids is not None:
+                        pred[row:row + n, d, layer] = ids
+            row += n
+        return real.numpy().astype(np.int16), pred.numpy().astype(np.int16)
+
+
+def pick_prompts(tok, n: int, length: int, seed: int) -> list[dict]:
+    """`n` prompts of `length` tokens: slices of held-out stdlib files, starts or middles."""
+    from .tiny_corpus import corpus_files, is_held_out, stdlib_dir
+
+    rels = [r for r in corpus_files() if is_held_out(r)]
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, j in enumerate(np.linspace(0, len(rels) - 1, n).astype(int)):
+        ids = tok.encode((stdlib_dir() / rels[j]).read_text(encoding="utf-8", errors="replace"))
+        top = max(0, len(ids) - length)
+        start = 0 if i % 2 == 0 else int(rng.integers(top // 4, max(top // 4 + 1, 3 * top // 4)))
+        out.append({"file": rels[j], "start_token": start, "ids": ids[start:start + length]})
+    return out
+
+
+def record(cfg: TraceConfig) -> dict:
+    """Generate over every prompt while recording; write the trace files; returns meta."""
+    from ..common.layout import ModelLayout
+    from .experts import ResidentExperts
+    from .generate import generate
+    from .models import load_model
+    from .sampling import SamplingParams
+    from .tokenizer import GGUFTokenizer
+
+    layout = ModelLayout(cfg.model)
+    tok, model = GGUFTokenizer.from_layout(layout), load_model(layout)
+    rec = Recorder(model)
+    prompts, segments, texts = pick_prompts(tok, cfg.prompts, cfg.prompt_tokens, cfg.seed), [], []
+    with ResidentExperts(layout) as experts, torch.inference_mode():
+        for i, p in enumerate(prompts):
+            params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed + i)
+            res = generate(model, experts, [p["ids"]], cfg.new_tokens, params, after_layer=rec.after_layer)
+            # The last sampled token is never fed back, so it has no routing.
+            segments.append({"file": p["file"], "start_token": p["start_token"], "prompt": len(p["ids"]),
+                             "generated": max(0, len(res.tokens[0]) - 1)})
+            texts.append(tok.decode(res.tokens[0]))
+    real, pred = rec.arrays()
+    return write(cfg, layout, real, pred, segments, texts)
+
+
+def write(cfg: TraceConfig, layout, real: np.ndarray, pred: np.ndarray, segments: list[dict],
+          texts: list[str]) -> dict:
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    decode_rows = np.concatenate(_decode_mask(segments)) if segments else np.zeros(0, bool)
+    np.save(cfg.out / "routing.npy", real)
+    np.save(cfg.out / "decode.npy", real[decode_rows])
+    np.save(cfg.out / "predicted.npy", pred)
+    hp = layout.hparams
+    meta = {"model": layout.path.name, "model_sha256": hashlib.sha256(layout.path.read_bytes()).hexdigest(),
+            "n_layer": hp.n_layer, "n_expert": hp.n_expert, "top_k": hp.n_expert_used, "tokens": int(len(real)),
+            "decode_tokens": int(decode_rows.sum()), "config": {k: str(v) for k, v in asdict(cfg).items()},
+            "segments": segments, "samples": texts[:3]}
+    (cfg.out / "meta.json").write_text(json.dumps(meta, indent=1))
+    stats = {"skew": skew(real, hp.n_expert), "predictability": predictability(real, pred),
+             "cache": cache_hit_rates(real, hp.n_expert)}
+    (cfg.out / "REPORT.md").write_text(report_markdown(meta, stats))
+    return {**meta, "stats": stats}
+
+
+def _decode_mask(segments: list[dict]) -> list[np.ndarray]:
+    return [np.r_[np.zeros(s["prompt"], bool), np.ones(s["generated"], bool)] for s in segments]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moestream.decoder.traces",
+                                description="Record routing traces (resident decoder) and report skew/predictability.")
+    p.add_argument("--model", type=Path, required=True, help="GGUF qwen3moe model")
+    p.add_argument("--out", type=Path, required=True, help="directory for routing.npy, predicted.npy, REPORT.md")
+    for name in ("prompts", "prompt_tokens", "new_tokens", "seed"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=TraceConfig.__dataclass_fields__[name].default)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=0.95)
+    args = p.parse_args(argv)
+    try:
+        meta = record(TraceConfig(**vars(args)))
+    except (ValueError, OSError) as e:
+        print(f"traces: error: {e}", file=sys.stderr)
+        return 1
+    print((args.out / "REPORT.md").read_text())
+    print(f"wrote {meta['tokens']} tokens of routing to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
