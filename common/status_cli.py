@@ -24,7 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _mib(n: float | None) -> str:
-    return "?" if n is None else f"{n / (1 << 20):,.1f} MiB"
+    """Bytes for people: KiB below 1 MiB, GiB above 1 GiB."""
+    if n is None:
+        return "?"
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):,.1f} {unit}"
+    return f"{n:,.0f} B"
 
 
 def format_status(s: dict[str, Any]) -> str:

@@ -1,7 +1,7 @@
 """`moestream demo`: generate text with experts streamed from a daemon, from a fresh machine.
 
 With no arguments: take the default model (`default_model()`: the model shipped in
-`moestream/data` when there is one, else a tiny random qwen3moe made once and cached under
+`src/moestream/data` when there is one, else a tiny random qwen3moe made once and cached under
 ~/.cache/moestream), start a private moestream-iod for it, generate a few tokens with a device
 slot cache holding a quarter of the experts, print the text and the streaming counters, and
 stop the daemon — also on Ctrl-C, SIGTERM or an error.
@@ -40,7 +40,7 @@ def cache_dir() -> Path:
 
 
 def shipped_model() -> Path | None:
-    """A model shipped inside the package (moestream/data/*.gguf), if any."""
+    """A model shipped inside the package (src/moestream/data/*.gguf), if any."""
     from importlib.resources import files
 
     data = Path(str(files("moestream") / "data"))

@@ -6,7 +6,7 @@ HF's fused `gate_up_proj` [E, 2*ff, d] is split into `ffn_gate_exps` (first ff r
 `ffn_up_exps`. `--check` runs the trained HF model and our resident decoder on the exported
 file over held-out text and prints the largest logit difference.
 
-    python -m moestream.decoder.export_gguf --run /tmp/tiny-train --out moestream/data --quant F16 Q8_0
+    python -m moestream.decoder.export_gguf --run /tmp/tiny-train --out src/moestream/data --quant F16 Q8_0
 """
 
 from __future__ import annotations

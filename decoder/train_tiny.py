@@ -10,7 +10,7 @@ load-balancing loss. CPU by default; the code is device-agnostic (`--device cuda
 
 (On a CPU shared with other jobs, spinning OpenMP workers made steps 5-10x slower: hence PASSIVE.)
 
-    python -m moestream.decoder.export_gguf --run /tmp/tiny-train --out moestream/data
+    python -m moestream.decoder.export_gguf --run /tmp/tiny-train --out src/moestream/data
 
 The run directory gets `tokenizer.json`, `config.json`, `ckpt.pt` (resumable with
 `--resume`), `model.pt` (final weights) and `metrics.json` (loss curve, unigram baseline).

@@ -1,4 +1,4 @@
-"""The trained tiny qwen3moe shipped in `moestream/data/`, and its routing traces.
+"""The trained tiny qwen3moe shipped in `src/moestream/data/`, and its routing traces.
 
 The loss check computes both numbers here, nothing is copied from the model card: the model's
 next-token loss on held-out stdlib files (the split the training script never trained on)
