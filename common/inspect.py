@@ -48,7 +48,8 @@ def format_text(d: dict[str, Any]) -> str:
     lines = [
         f"{d['path']}  ({_mib(d['file_bytes'])})",
         f"architecture     {d['architecture']}",
-        "hyper-parameters " + ", ".join(f"{k}={v}" for k, v in hp.items() if k != "arch"),
+        "hyper-parameters " + ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+                                        for k, v in hp.items() if k != "arch"),
         f"dense            {_mib(d['dense_bytes'])} in {d['dense_tensors']} tensors",
         f"experts          {ex['n_layer']} layers x {ex['experts_per_layer']} experts, "
         f"top {hp['n_expert_used']}, parts {'+'.join(ex['parts'])}",
