@@ -57,6 +57,7 @@ class IodConfig:
     socket_group: str | None = None
     socket_mode: int = 0o660  # ipc socket files and the shm arena
     log_level: str = "info"
+    allow_remote: bool = False  # a tcp:// endpoint on a non-loopback address
     max_queued: int = 65536  # queued expert loads (now + ahead) before `busy`/`dropped`
     ahead_max_age_s: float = 5.0  # queued `ahead` work older than this is dropped as stale
 
@@ -65,6 +66,9 @@ class IodConfig:
             ep = getattr(self, name)
             if not re.match(r"^(ipc|tcp)://.+", ep):
                 raise ConfigError(f"{name} {ep!r} must look like ipc:///path or tcp://127.0.0.1:PORT")
+            if ep.startswith("tcp://") and not self.allow_remote and not _loopback(ep):
+                raise ConfigError(f"{name} {ep!r} is not a loopback address: decoders share the arena through "
+                                  "this host's /dev/shm anyway; pass --allow-remote to bind it regardless")
         if self.endpoint == self.status_endpoint:
             raise ConfigError("endpoint and status_endpoint must differ")
         if self.arena_bytes is not None and self.arena_slots is not None:
@@ -79,6 +83,11 @@ class IodConfig:
 
     def ipc_paths(self) -> list[Path]:
         return [Path(ep[len("ipc://"):]) for ep in (self.endpoint, self.status_endpoint) if ep.startswith("ipc://")]
+
+
+def _loopback(endpoint: str) -> bool:
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 def _positive(cfg: IodConfig, *names: str) -> None:
@@ -111,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--socket-group", metavar="GROUP", help="group owning the ipc sockets and the arena (default: the daemon's group)")
     a("--socket-mode", metavar="MODE", help="octal mode of the ipc sockets and the arena (default 0660; never world-accessible)")
     a("--log-level", choices=LOG_LEVELS, help="default info")
+    a("--allow-remote", action="store_true", default=None,
+      help="allow a tcp:// endpoint on a non-loopback address (default: loopback only)")
     return p
 
 

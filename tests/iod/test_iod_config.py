@@ -91,3 +91,16 @@ def test_status_cli(tiny_model, start_daemon, capsys):
         assert "hit rate" in table and "cli-test" in table and s["arena"]["name"] in table
     assert status_cli.main(["--endpoint", f"ipc://{d.run_dir}/none.sock", "--timeout", "0.2"]) == 1
     assert "no status" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ep,ok", [("tcp://127.0.0.1:5555", True), ("tcp://localhost:5555", True),
+                                   ("tcp://[::1]:5555", True), ("tcp://0.0.0.0:5555", False),
+                                   ("tcp://10.1.2.3:5555", False)])
+def test_tcp_binds_to_loopback_unless_allowed(tmp_path, ep, ok):
+    argv = ["--model", str(tmp_path / "m.gguf"), "--endpoint", ep]
+    if ok:
+        assert load_config(argv).endpoint == ep
+    else:
+        with pytest.raises(ConfigError, match="not a loopback address"):
+            load_config(argv)
+        assert load_config([*argv, "--allow-remote"]).allow_remote
