@@ -4,8 +4,8 @@ Phases, all on the same prompt, sampling seed and number of tokens, against one 
   resident     every expert in process (the reference and the compute bound);
   working set  streamed, a slot cache that holds every expert: the streaming overhead
                (goal: >= 0.95 of resident);
-  tight        streamed, a cache of --tight (default 25 %) of the experts, prefetch on (and off):
-               tok/s beside the bound min(compute, bandwidth / missed bytes per token);
+  tight        streamed, a cache of --tight (default 25 %) of the experts, prefetch on and off in
+               the same run: tok/s beside the bound min(compute, bandwidth / missed bytes per token);
   bandwidth    every expert fetched once more and copied into a device slot: expert bytes/s
                delivered from the daemon to this process, measured in this run, for the bound.
 Every phase first runs once untimed (warm-up; it also fills the slot caches), then the timed
@@ -34,7 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--tokens", type=int, default=32, help="tokens decoded per run (default 32)")
     p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length in tokens (default 16)")
     p.add_argument("--tight", type=float, default=0.25, help="tight cache, as a share of all experts (default 0.25)")
-    p.add_argument("--prefetch", type=int, default=1, help="prefetch depth in the tight run (default 1)")
+    p.add_argument("--prefetch", type=int, default=1,
+                   help="prefetch depth of the 'tight, prefetch' phase (default 1; a 'tight, no prefetch' phase "
+                   "always runs beside it; 0 = only that one). On a CPU prefetch did not win on the shipped "
+                   "model: a miss costs mostly dequantizing, which prefetch cannot take off the busy cores")
+    p.add_argument("--prefetch-at", choices=("layer", "attention"), default="layer",
+                   help="predict layer L+1 after layer L (default: more accurate) or after layer L's attention "
+                   "(earlier, sent once L's own experts are pinned)")
+    p.add_argument("--landing", choices=("auto", "eager", "lazy"), default="auto",
+                   help="prefetched experts land eagerly into a slot on the receiver thread, or lazily from the "
+                   "arena when their layer runs (auto: eager on cuda, lazy on cpu)")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature (default 1.0: varied routing; 0 = greedy)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed and prompt (default 0)")
@@ -79,14 +88,15 @@ class Run:
     def streamed(self, slots: int, prefetch: int) -> Any:
         from .prefetch import Prefetcher
         from .slot_cache import DeviceSlotCache
-        from .streamed import StreamedExperts
+        from .streamed import StreamedExperts, default_landing
         from ..common.client import IodClient
 
         cache = DeviceSlotCache(self.layout.experts, slots, self.cfg.torch_device,
                                 slot_format=self.cfg.resolved_slot_format, dtype=self.cfg.torch_dtype)
         client = IodClient(self.endpoint, expect_fingerprint=self.layout.fingerprint.as_dict(), name="bench-decode")
-        source = StreamedExperts(client, self.layout, cache, owns_client=True)
-        return source, (Prefetcher(self.model, source, prefetch) if prefetch else None)
+        landing = default_landing(cache) if self.args.landing == "auto" else self.args.landing
+        source = StreamedExperts(client, self.layout, cache, owns_client=True, landing=landing)
+        return source, (Prefetcher(self.model, source, prefetch, at=self.args.prefetch_at) if prefetch else None)
 
 
 class Phase:
@@ -118,7 +128,8 @@ class Phase:
             return out
         tokens = len(self.tok_s) * self.run.args.tokens  # the prefill's expert traffic is counted too
         would_miss = d["misses"] + d["useful"]
-        out.update(slots=self.slots, prefetch=self.prefetch, hit_rate=d["hits"] / d["acquired"],
+        out.update(slots=self.slots, prefetch=self.prefetch, landing=getattr(self.source, "landing", None),
+                   prefetch_at=getattr(self.hook, "at", None), hit_rate=d["hits"] / d["acquired"],
                    missed_bytes_per_token=d["bytes_fetched"] / tokens, stall_s=d["stall_s"],
                    hidden_share=d["hidden"] / would_miss if would_miss else 0.0,
                    prefetch_precision=d["predicted_right"] / d["predicted"] if d["predicted"] else 0.0)
@@ -217,15 +228,20 @@ def report(r: dict[str, Any]) -> str:
              f"device slot copy, {dl['bytes'] / 1e6:.1f} MB in {dl['seconds']:.2f} s)",
              f"insert bandwidth ({r['slot_format']:<7} slots) {bw['bytes_per_s'] / 1e6:8.1f} MB/s (the same, into the "
              f"slot format used: the bandwidth in the bound)"]
-    for name, label in (("tight", "tight, prefetch"), ("tight_no_prefetch", "tight, no prefetch")):
+    for name in ("tight", "tight_no_prefetch"):
         if name in r:
             t = r[name]
+            label = "tight, prefetch" if t["prefetch"] else "tight, no prefetch"
             lines.append(
                 f"{label:<19} {t['slots']:4d} slots {t['tok_s']:8.1f} tok/s   bound {t['bound_tok_s']:.1f} tok/s = "
                 f"min(compute {res['tok_s']:.1f}, {bw['bytes_per_s'] / 1e6:.1f} MB/s / "
                 f"{t['missed_bytes_per_token'] / 1e6:.3f} MB missed per token)   tok/s / bound {t['ratio_to_bound']:.3f}"
                 f", hit rate {t['hit_rate']:.1%}, misses hidden by prefetch {t['hidden_share']:.1%}"
                 f" (prediction precision {t['prefetch_precision']:.1%})")
+    if "tight_no_prefetch" in r:
+        t, n = r["tight"], r["tight_no_prefetch"]
+        lines.append(f"prefetch on / off          {t['tok_s'] / n['tok_s']:8.3f}x (depth {t['prefetch']}, predicted after "
+                     f"the {t['prefetch_at']}, {t['landing']} landing)")
     return "\n".join(lines)
 
 

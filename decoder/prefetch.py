@@ -33,14 +33,22 @@ Landed = Callable[[Key, int, BaseException | None], None]  # (key, bytes copied,
 
 
 class Receiver:
-    """Copies fetched experts from the arena into the slot cache, on its own thread."""
+    """Lands fetched experts from the arena into the slot cache, on its own thread.
+
+    The compute thread may take over a landing (`land_here`): when it needs an expert whose
+    lease is in but that the thread has not started on, copying it itself beats waking the
+    thread and waiting (on a CPU, dequantizing competes for the same cores and the GIL
+    anyway). Whoever `_take`s a key first lands it; the other one skips it.
+    """
 
     def __init__(self, client: IodClient, cache: DeviceSlotCache, on_landed: Landed | None = None):
         self.client, self.cache, self.on_landed = client, cache, on_landed
         self._queue: queue.SimpleQueue[tuple[Key, cf.Future] | None] = queue.SimpleQueue()
         self._outstanding = 0  # futures submitted and not yet handled
         self._cond = threading.Condition()
-        self.landed = self.failed = self.bytes = 0
+        self._submitted: set[cf.Future] = set()  # not handled yet (futures: a key may come back later)
+        self._taken: set[cf.Future] = set()  # submitted, and someone has started landing it
+        self.landed = self.failed = self.bytes = self.stolen = 0
         self.copy_s = 0.0
         self._thread = threading.Thread(target=self._run, name="moestream-receiver", daemon=True)
         self._thread.start()
@@ -49,7 +57,24 @@ class Receiver:
         """Land `future`'s lease into `key`'s claimed slot when it completes."""
         with self._cond:
             self._outstanding += 1
+            self._submitted.add(future)
         future.add_done_callback(lambda f: self._queue.put((key, f)))  # runs on the client's I/O thread
+
+    def land_here(self, key: Key, future: cf.Future, timeout: float) -> bool:
+        """On the calling thread: wait for `future` and land it, unless the receiver thread
+        already took it (then False: wait on the slot instead). Raises on timeout."""
+        if not self._take(future):
+            return False
+        try:
+            future.result(timeout)
+        except cf.TimeoutError:
+            self._untake(future)
+            raise
+        except BaseException:
+            pass  # failed or cancelled: `_land` aborts the entry and waiters see FetchFailed
+        self.stolen += 1
+        self._land(key, future)
+        return True
 
     @property
     def outstanding(self) -> int:
@@ -71,6 +96,17 @@ class Receiver:
         self._queue.put(None)
         self._thread.join(timeout)
 
+    def _take(self, future: cf.Future) -> bool:
+        with self._cond:
+            if future not in self._submitted or future in self._taken:
+                return False
+            self._taken.add(future)
+            return True
+
+    def _untake(self, future: cf.Future) -> None:
+        with self._cond:
+            self._taken.discard(future)
+
     def _run(self) -> None:
         while True:
             item = self._queue.get()
@@ -78,19 +114,22 @@ class Receiver:
                 return
             key, future = item
             try:
-                self._land(key, future)
+                if self._take(future):
+                    self._land(key, future)
             except Exception:  # never let one expert kill the thread that lands all of them
                 log.exception("receiver: landing %s failed", key)
             finally:
                 with self._cond:
                     self._outstanding -= 1
+                    self._taken.discard(future)
+                    self._submitted.discard(future)
                     self._cond.notify_all()
 
     def _land(self, key: Key, future: cf.Future) -> None:
         err: BaseException | None = None
         nbytes = 0
         try:
-            lease = future.result()
+            lease = future.result(0)
         except BaseException as e:  # cancelled, request error, daemon gone
             err = e
         else:
@@ -118,32 +157,61 @@ class Receiver:
 class Prefetcher:
     """The model's `after_layer` hook: hint the next `depth` layers' predicted experts.
 
-    `source` is any `ExpertSource`; its `prefetch(layer, experts)` decides what to fetch.
+    `at` picks when a prediction is made:
+    - ``"layer"``: after layer L, from its output (the most accurate guess, but only layer
+      L+1's attention is left to hide the fetch behind);
+    - ``"attention"``: after layer L's attention, from the post-attention residual (a less
+      accurate guess, but the fetch overlaps all of layer L's MoE block). The source sends it
+      once layer L's own experts are pinned and its misses requested (`prefetch_ahead(...,
+      before=L)`), so a prefetch never evicts what the current layer is about to use.
+    The model calls `after_attention` when its hook has one (see `qwen3moe.Model.forward`).
+    `source` is any `ExpertSource`; one with `prefetch_ahead` gets all of a call's layers in
+    one message, others get one `prefetch(layer, experts)` per layer.
     """
 
-    def __init__(self, model: Any, source: Any, depth: int = 1, top_k: int | None = None):
+    AT = ("layer", "attention")
+
+    def __init__(self, model: Any, source: Any, depth: int = 1, top_k: int | None = None, at: str = "layer"):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"prefetch depth must be an int >= 0, got {depth!r}")
+        if at not in self.AT:
+            raise ValueError(f"prefetch point must be one of {self.AT}, got {at!r}")
         hp = model.hparams
-        self.model, self.source, self.depth = model, source, depth
+        self.model, self.source, self.depth, self.at = model, source, depth, at
         self.top_k = top_k or hp.n_expert_used
         self.n_layer = hp.n_layer
         self.predictions = 0  # (layer, expert) keys predicted
         self.predict_s = 0.0
 
-    @torch.inference_mode()
     def __call__(self, layer: int, h: torch.Tensor) -> None:
         """After `layer`: h [n, d] are the real tokens' hidden rows."""
+        if self.at == "layer":
+            self._hint(layer, h, None)
+
+    def after_attention(self, layer: int, h: torch.Tensor) -> None:
+        """After `layer`'s attention, before its MoE block: h [n, d] real tokens' residual rows."""
+        if self.at == "attention":
+            self._hint(layer, h, layer)
+
+    @torch.inference_mode()
+    def _hint(self, layer: int, h: torch.Tensor, before: int | None) -> None:
         if h.shape[0] == 0:
             return
         t0 = time.perf_counter()
+        predictions = {}
         for nxt in range(layer + 1, min(layer + 1 + self.depth, self.n_layer)):
             logits = self.model.router_logits(nxt, h)  # [n, E]
             ids = torch.topk(logits, self.top_k, dim=-1).indices  # [n, k]; softmax keeps the order
-            experts = sorted(set(ids.flatten().tolist()))
-            self.predictions += len(experts)
-            self.source.prefetch(nxt, experts)
+            predictions[nxt] = sorted(set(ids.flatten().tolist()))
+            self.predictions += len(predictions[nxt])
+        send = getattr(self.source, "prefetch_ahead", None)
+        if send is not None:
+            if predictions:
+                send(predictions, before=before)
+        else:
+            for nxt, experts in predictions.items():
+                self.source.prefetch(nxt, experts)
         self.predict_s += time.perf_counter() - t0
 
     def stats(self) -> dict[str, Any]:
-        return {"depth": self.depth, "predictions": self.predictions, "predict_s": self.predict_s}
+        return {"depth": self.depth, "at": self.at, "predictions": self.predictions, "predict_s": self.predict_s}

@@ -115,7 +115,7 @@ def slots_for_bytes(index: ExpertIndex, cache_bytes: int, slot_format: str,
     return n
 
 
-class _Entry:
+class SlotEntry:
     __slots__ = ("slot", "ready", "failed", "event")
 
     def __init__(self, slot: int) -> None:
@@ -144,7 +144,7 @@ class DeviceSlotCache:
         if self.policy.capacity != n_slots:
             raise ValueError(f"policy capacity {self.policy.capacity} != n_slots {n_slots}")
         self._lock = threading.Lock()
-        self._entries: dict[Key, _Entry] = {}
+        self._entries: dict[Key, SlotEntry] = {}
         self._cuda = self.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
         self._last_use: dict[int, Any] = {}  # slot -> CUDA event of the compute stream's last read
@@ -160,6 +160,9 @@ class DeviceSlotCache:
         shapes = _dequant_shapes(self.layouts)
         self.store = {name: torch.zeros(n, *shape, dtype=self.dtype, device=dev)  # [n_slots, rows, cols]
                       for name, shape in shapes.items()}
+        # one view object per slot, made once: `weights` is on the hot path of every hit
+        self._views = [ExpertWeights(self.store["gate"][s], self.store["up"][s], self.store["down"][s])
+                       for s in range(n)]
 
     @property
     def nbytes(self) -> int:
@@ -207,6 +210,34 @@ class DeviceSlotCache:
             self.policy.pin(key)
             return True
 
+    def pin_present(self, layer: int, experts: list[int]) -> tuple[dict[int, SlotEntry], list[int]]:
+        """One layer's lookups under one lock: each resident expert counts a hit and is pinned
+        (returned with its entry), each absent one counts a miss (returned in the list)."""
+        present, missing = {}, []
+        policy = self.policy
+        with self._lock:
+            for e in experts:
+                key = (layer, e)
+                entry = self._entries.get(key)
+                if entry is None:
+                    policy.lookup(key)  # counts the miss
+                    missing.append(e)
+                else:
+                    policy.pin(key)  # pin first: the access then skips a heap push unpin redoes anyway
+                    policy.lookup(key)
+                    present[e] = entry
+        return present, missing
+
+    def release_many(self, layer: int, experts: list[int]) -> None:
+        """The layer's compute is enqueued: mark each slot used and drop one pin, under one lock."""
+        if self._cuda:
+            for e in experts:
+                self.mark_used((layer, e))
+        with self._lock:
+            for e in experts:
+                if (layer, e) in self._entries:
+                    self.policy.unpin((layer, e))
+
     def pin(self, key: Key) -> None:
         """One more pin on a resident key (raises KeyError when absent)."""
         with self._lock:
@@ -239,7 +270,7 @@ class DeviceSlotCache:
             slot, evicted = got
             if evicted is not None:
                 del self._entries[evicted]
-            self._entries[key] = _Entry(slot)
+            self._entries[key] = SlotEntry(slot)
             return slot
 
     def abort(self, key: Key) -> None:
@@ -356,10 +387,20 @@ class DeviceSlotCache:
         """The expert's weights from its (ready, pinned) slot."""
         with self._lock:
             entry = self._entries[key]
-        slot = entry.slot
+        return self._weights_at(key[0], entry.slot)
+
+    def ready_weights(self, layer: int, entry: SlotEntry) -> ExpertWeights | None:
+        """The hit path: weights of a pinned entry whose bytes are in, else None (use `wait`)."""
+        if not entry.ready.is_set() or entry.failed:
+            return None
+        if entry.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(entry.event)
+        return self._weights_at(layer, entry.slot)
+
+    def _weights_at(self, layer: int, slot: int) -> ExpertWeights:
         if self.slot_format == "dequant":
-            return ExpertWeights(self.store["gate"][slot], self.store["up"][slot], self.store["down"][slot])
-        lay = self.layouts[key[0]]
+            return self._views[slot]
+        lay = self.layouts[layer]
         return blob_to_weights(list(lay.parts), self.blobs[slot], lay.ranges, self.dtype)
 
     def mark_used(self, key: Key) -> None:

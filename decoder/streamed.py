@@ -7,7 +7,15 @@ already requested are waited for, not fetched again. When every slot is pinned t
 is served straight from the arena without a slot (`bypass`), so a prefill that routes to
 more experts than the cache holds still runs, and the cache never overcommits.
 
-Pins: a slot claimed for a prefetch holds an in-flight pin (the receiver drops it once the
+Prefetch landing (`landing`): "eager" claims a slot when the prediction is made and the
+receiver thread copies the expert in as soon as its lease arrives (the compute thread takes
+the copy over when it needs the expert first); "lazy" claims nothing, keeps the lease in the
+arena, and the layer's `acquire` lands it (a wrong guess then costs no slot, no eviction and
+no copy). `open_streamed` picks eager on CUDA and lazy elsewhere (`default_landing`).
+
+Hit path: one lock for a layer's lookups (`pin_present`) and one for its release.
+
+Pins (eager landing): a slot claimed for a prefetch holds an in-flight pin (the receiver drops it once the
 bytes are in) and a hold pin (dropped when its layer is acquired, so a later prediction
 cannot evict it first); `acquire` pins what it returns until `release`.
 """
@@ -16,7 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..common.client import IodClient, IodUnavailable, Lease
@@ -30,12 +38,16 @@ class StreamedExperts(ExpertSource):
     """Experts fetched from moestream-iod into a `DeviceSlotCache`."""
 
     def __init__(self, client: IodClient, layout: ModelLayout, cache: DeviceSlotCache, *,
-                 fetch_timeout_s: float = 60.0, owns_client: bool = False):
+                 fetch_timeout_s: float = 60.0, owns_client: bool = False, landing: str = "eager"):
         self.client, self.layout, self.cache = client, layout, cache
         self.fetch_timeout_s, self._owns_client = fetch_timeout_s, owns_client
+        self.landing = landing
+        if self.landing not in LANDINGS:
+            raise ValueError(f"prefetch landing must be one of {LANDINGS}, got {self.landing!r}")
         self.receiver = Receiver(client, cache)
         self.reserve = layout.hparams.n_expert_used  # slots a prefetch leaves for demand misses
         self._ahead: dict[int, dict[int, cf.Future]] = {}  # layer -> expert -> prefetch future
+        self._deferred: dict[int, set[int]] = {}  # predictions waiting for the next acquire
         self._holds: set[Key] = set()  # prefetched keys whose hold pin is still held
         self._predicted: dict[int, set[int]] = {}
         self._bypassed: dict[int, set[int]] = {}  # layer -> experts served without a slot (no pin)
@@ -43,33 +55,42 @@ class StreamedExperts(ExpertSource):
         self.c = dict.fromkeys(
             ("acquired", "hits", "misses", "bypassed", "useful", "hidden", "late", "wasted", "cancelled",
              "prefetch_sent", "prefetch_dropped", "refetched", "predicted", "predicted_right", "routed",
-             "demand_bytes"), 0)
+             "demand_bytes", "ahead_bytes"), 0)
         self.stall_s = 0.0
 
     # -- ExpertSource ----------------------------------------------------------------------
     def begin_step(self) -> None:
         self.cache.step()
         for layer in list(self._ahead):  # hold pins of layers never acquired last step
-            self._drop_ahead(layer, ())
+            self._judge_ahead(layer, self._ahead.pop(layer), {})
+        self._deferred.clear()
 
     def acquire(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
         wanted = sorted({int(e) for e in experts})
-        self._score_prediction(layer, wanted)
-        present, missing, pinned = [], [], []
-        for e in wanted:
-            if self.cache.lookup_pin((layer, e)):
-                present.append(e)
-                pinned.append(e)
-            else:
-                missing.append(e)
-        self._count_present(layer, present)
-        self._drop_ahead(layer, present)
+        if self._predicted:
+            self._score_prediction(layer, wanted)
+        present, missing = self.cache.pin_present(layer, wanted)  # one lock for the layer
+        pinned = list(present)
+        ahead = self._ahead.pop(layer, None)
+        joined = {e: ahead[e] for e in missing if e in ahead} if ahead and self.landing == "lazy" else {}
+        if ahead:
+            self._judge_ahead(layer, ahead, present, joined)
+        else:
+            self.c["hits"] += len(present)
         try:
-            t0 = time.perf_counter()
-            out = self._fetch_now(layer, missing, pinned)
-            for e in present:
-                out[e] = self._wait(layer, e, pinned)
-            self.stall_s += time.perf_counter() - t0
+            out, slow = {}, []
+            for e, entry in present.items():  # the hit path: bytes already in
+                w = self.cache.ready_weights(layer, entry)
+                if w is None:
+                    slow.append(e)
+                else:
+                    out[e] = w
+            if missing or slow or self._deferred:
+                t0 = time.perf_counter()
+                out.update(self._fetch_now(layer, missing, pinned, joined))
+                for e in slow:
+                    out[e] = self._wait(layer, e, pinned, (ahead or {}).get(e))
+                self.stall_s += time.perf_counter() - t0
         except BaseException:
             for e in pinned:
                 self.cache.unpin((layer, e))
@@ -78,29 +99,81 @@ class StreamedExperts(ExpertSource):
         return out
 
     def release(self, layer: int, experts: Sequence[int]) -> None:
-        bypassed = self._bypassed.pop(layer, set())
-        for e in sorted({int(e) for e in experts}):
-            if e not in bypassed:
-                self.cache.mark_used((layer, e))
-                self.cache.unpin((layer, e))
+        bypassed = self._bypassed.pop(layer, None)
+        keep = sorted({int(e) for e in experts})
+        if bypassed:
+            keep = [e for e in keep if e not in bypassed]
+        self.cache.release_many(layer, keep)
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Send `fetch ahead` for predicted experts not resident; the receiver lands them."""
-        self._predicted[layer] = {int(e) for e in experts}
-        ahead = self._ahead.setdefault(layer, {})
-        keys = []
-        for e in sorted(self._predicted[layer]):
-            key = (layer, e)
-            if e in ahead or key in self.cache:
-                continue
-            if self.cache.pinned() >= self.cache.n_slots - self.reserve or self.cache.claim(key) is None:
-                self.c["prefetch_dropped"] += 1
-                continue
-            self.cache.pin(key)  # the hold pin; claim's pin is the in-flight one
-            self._holds.add(key)
-            keys.append(key)
-        if not keys:
+        self.prefetch_ahead({layer: experts})
+
+    def prefetch_ahead(self, predictions: Mapping[int, Sequence[int]], before: int | None = None) -> None:
+        """`prefetch` for several layers in one `fetch ahead` message.
+
+        With `before` (a layer whose `acquire` comes next), the message waits until that
+        layer's own experts are pinned and its demand fetch is sent, so the prefetch neither
+        evicts what the layer is about to use nor delays its misses at the daemon."""
+        if before is None:
+            self._send_ahead(predictions)
             return
+        for layer, experts in predictions.items():
+            self._deferred.setdefault(layer, set()).update(int(e) for e in experts)
+
+    def stats(self) -> dict[str, Any]:
+        c = self.c
+        would_miss = c["misses"] + c["useful"]
+        out = {"source": "streamed", **c, "stall_s": self.stall_s,
+               "hit_rate": c["hits"] / c["acquired"] if c["acquired"] else 0.0,
+               "bytes_fetched": c["demand_bytes"] + c["ahead_bytes"] + self.receiver.bytes,
+               "prefetch_bytes": c["ahead_bytes"] + self.receiver.bytes, "landing": self.landing,
+               "hidden_share": c["hidden"] / would_miss if would_miss else 0.0,
+               "prefetch_precision": c["predicted_right"] / c["predicted"] if c["predicted"] else 0.0,
+               "prefetch_recall": c["predicted_right"] / c["routed"] if c["routed"] else 0.0,
+               "receiver_copy_s": self.receiver.copy_s, "landed_by_compute": self.receiver.stolen}
+        out["cache"] = self.cache.stats()
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._drop_futures([f for ahead in self._ahead.values() for f in ahead.values()])
+        except Exception:
+            pass  # the client may already be gone; the receiver still drains what is left
+        self.receiver.close(timeout=5.0)
+        self._ahead.clear()
+        if self._owns_client:
+            self.client.close()
+
+    # -- prefetch internals ----------------------------------------------------------------
+    def _send_ahead(self, predictions: Mapping[int, Sequence[int]]) -> None:
+        """Claim slots for the predicted experts not resident and send one `fetch ahead`."""
+        keys: list[Key] = []
+        room = self.cache.n_slots - self.reserve - self.cache.pinned()  # leave slots for demand misses
+        for layer, experts in predictions.items():
+            self._predicted[layer] = {int(e) for e in experts}
+            ahead = self._ahead.setdefault(layer, {})
+            for e in sorted(self._predicted[layer]):
+                key = (layer, e)
+                if e in ahead or key in self.cache:
+                    continue
+                if self.landing == "lazy":  # no slot yet: a wrong guess evicts nothing
+                    keys.append(key)
+                    continue
+                if room <= 0 or self.cache.claim(key) is None:
+                    self.c["prefetch_dropped"] += 1
+                    continue
+                room -= 1
+                self.cache.pin(key)  # the hold pin; claim's pin is the in-flight one
+                self._holds.add(key)
+                keys.append(key)
+        if keys:
+            self._fetch_ahead(keys)
+
+    def _fetch_ahead(self, keys: list[Key]) -> None:
         try:
             futures = self.client.fetch(keys, "ahead")
         except BaseException:
@@ -109,39 +182,16 @@ class StreamedExperts(ExpertSource):
                 self.cache.abort(key)
             raise
         for key, fut in zip(keys, futures):
-            ahead[key[1]] = fut
-            self.receiver.submit(key, fut)
+            self._ahead[key[0]][key[1]] = fut
+            if self.landing == "eager":
+                self.receiver.submit(key, fut)
         self.c["prefetch_sent"] += len(keys)
 
-    def stats(self) -> dict[str, Any]:
-        c = self.c
-        would_miss = c["misses"] + c["useful"]
-        out = {"source": "streamed", **c, "stall_s": self.stall_s,
-               "hit_rate": c["hits"] / c["acquired"] if c["acquired"] else 0.0,
-               "bytes_fetched": c["demand_bytes"] + self.receiver.bytes,
-               "prefetch_bytes": self.receiver.bytes,
-               "hidden_share": c["hidden"] / would_miss if would_miss else 0.0,
-               "prefetch_precision": c["predicted_right"] / c["predicted"] if c["predicted"] else 0.0,
-               "prefetch_recall": c["predicted_right"] / c["routed"] if c["routed"] else 0.0,
-               "receiver_copy_s": self.receiver.copy_s}
-        out["cache"] = self.cache.stats()
-        return out
+    def _flush_deferred(self) -> None:
+        if self._deferred:
+            deferred, self._deferred = self._deferred, {}
+            self._send_ahead({layer: sorted(es) for layer, es in deferred.items()})
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        pending = [f for ahead in self._ahead.values() for f in ahead.values() if not f.done()]
-        try:
-            self.client.cancel(pending)
-        except Exception:
-            pass  # the client may already be gone; the receiver still drains what is left
-        self.receiver.close(timeout=5.0)
-        self._ahead.clear()
-        if self._owns_client:
-            self.client.close()
-
-    # -- internals -------------------------------------------------------------------------
     def _score_prediction(self, layer: int, wanted: list[int]) -> None:
         predicted = self._predicted.pop(layer, None)
         if predicted is not None:
@@ -149,29 +199,41 @@ class StreamedExperts(ExpertSource):
             self.c["predicted_right"] += len(predicted.intersection(wanted))
             self.c["routed"] += len(wanted)
 
-    def _count_present(self, layer: int, present: list[int]) -> None:
-        ahead = self._ahead.get(layer, {})
-        for e in present:
-            if e not in ahead:
-                self.c["hits"] += 1
-            elif self.cache.state((layer, e)) == "ready":
-                self.c["useful"] += 1
-                self.c["hidden"] += 1  # its I/O finished before compute needed it
+    def _judge_ahead(self, layer: int, ahead: dict[int, cf.Future], present: Mapping[int, Any],
+                     joined: Mapping[int, cf.Future] | None = None) -> None:
+        """Judge `layer`'s prefetches as its experts are acquired: used in time (hidden), used
+        while in flight (late), or wasted / cancelled; drop their hold pins; count plain hits.
+        `present` entries landed eagerly; `joined` futures (lazy) land now, on demand."""
+        c, unused = self.c, []
+        c["hits"] += sum(1 for e in present if e not in ahead)
+        for e, fut in ahead.items():
+            entry = present.get(e)
+            if entry is not None:
+                c["useful"] += 1
+                c["hidden" if entry.ready.is_set() and not entry.failed else "late"] += 1
+            elif joined and e in joined:
+                c["useful"] += 1
+                c["hidden" if fut.done() else "late"] += 1
             else:
-                self.c["useful"] += 1
-                self.c["late"] += 1  # in flight: partly hidden
-
-    def _drop_ahead(self, layer: int, used: Sequence[int]) -> None:
-        """Drop the hold pins of `layer`'s prefetches; judge each: used (counted by
-        `_count_present`), or wasted / cancelled (unwanted, or evicted before use)."""
-        for e, fut in self._ahead.pop(layer, {}).items():
-            if e not in used:
-                if not fut.done():
-                    self.client.cancel([fut])  # tells the daemon too; the receiver drops the slot
-                self.c["cancelled" if fut.cancelled() else "wasted"] += 1
+                unused.append(fut)
             if (layer, e) in self._holds:
                 self._holds.discard((layer, e))
                 self.cache.unpin((layer, e))
+        if unused:
+            self._drop_futures(unused)
+
+    def _drop_futures(self, futures: list[cf.Future]) -> None:
+        """Give up unused prefetches: cancel those in flight (one message) and hand back the
+        leases that came (lazy landing; with eager landing the receiver lands them and the
+        slot stays cached); count them cancelled or wasted."""
+        self.client.cancel([f for f in futures if not f.done()])  # a lease arriving later goes back
+        for fut in futures:
+            if fut.cancelled():
+                self.c["cancelled"] += 1
+                continue
+            self.c["wasted"] += 1
+            if self.landing == "lazy" and fut.exception() is None:
+                self.client.release(fut.result())
 
     def _release_holds(self) -> None:
         """Give up every hold pin (the cache is full of pins and a demand miss needs a slot)."""
@@ -179,26 +241,35 @@ class StreamedExperts(ExpertSource):
             self.cache.unpin(key)
         self._holds.clear()
 
+    # -- demand internals ------------------------------------------------------------------
     def _claim(self, key: Key) -> bool:
         if self.cache.claim(key) is not None:
             return True
         self._release_holds()
         return self.cache.claim(key) is not None
 
-    def _fetch_now(self, layer: int, missing: list[int], pinned: list[int]) -> dict[int, ExpertWeights]:
-        """Demand-fetch `missing`: into claimed slots, or bypassing the cache when none is free."""
+    def _fetch_now(self, layer: int, missing: list[int], pinned: list[int],
+                   joined: Mapping[int, cf.Future] | None = None) -> dict[int, ExpertWeights]:
+        """Demand-fetch `missing`: into claimed slots, or bypassing the cache when none is free.
+        Experts in `joined` are already requested (a lazy prefetch): land them, never ask twice.
+        Deferred prefetches go out right after the demand message, before we wait on it."""
         if not missing:
+            self._flush_deferred()
             return {}
+        joined = joined or {}
         slotted = {e for e in missing if self._claim((layer, e))}
         pinned += sorted(slotted)
         self._bypassed[layer] = set(missing) - slotted
-        self.c["misses"] += len(missing)
+        fresh = [e for e in missing if e not in joined]
+        self.c["misses"] += len(fresh)
         self.c["bypassed"] += len(missing) - len(slotted)
-        futures = self.client.fetch([(layer, e) for e in missing], "now")
+        sent = dict(zip(fresh, self.client.fetch([(layer, e) for e in fresh], "now") if fresh else []))
+        futures = [joined.get(e) or sent[e] for e in missing]
         out: dict[int, ExpertWeights] = {}
         try:
+            self._flush_deferred()
             for e, fut in zip(missing, futures):
-                out[e] = self._land_now(layer, e, fut, e in slotted)
+                out[e] = self._land_now(layer, e, fut, e in slotted, "ahead_bytes" if e in joined else "demand_bytes")
         except BaseException:
             self.client.cancel(futures)
             _release_unused(self.client, futures, len(out))
@@ -209,11 +280,11 @@ class StreamedExperts(ExpertSource):
             raise
         return out
 
-    def _land_now(self, layer: int, e: int, fut: cf.Future, slotted: bool) -> ExpertWeights:
+    def _land_now(self, layer: int, e: int, fut: cf.Future, slotted: bool, counter: str) -> ExpertWeights:
         lease = self._result(fut, (layer, e))
         try:
             parts = {name: self.client.part_view(lease, name) for name in lease.parts}
-            self.c["demand_bytes"] += sum(n for _, n in lease.parts.values())
+            self.c[counter] += sum(n for _, n in lease.parts.values())
             if not slotted:
                 return self.cache.bypass_weights(layer, parts)
             self.cache.write((layer, e), parts)
@@ -228,10 +299,18 @@ class StreamedExperts(ExpertSource):
         except cf.TimeoutError:
             raise IodUnavailable(f"expert {key} not delivered within {self.fetch_timeout_s}s") from None
 
-    def _wait(self, layer: int, e: int, pinned: list[int]) -> ExpertWeights:
-        """A present expert: wait for an in-flight prefetch; refetch if that prefetch failed."""
+    def _wait(self, layer: int, e: int, pinned: list[int], fut: cf.Future | None) -> ExpertWeights:
+        """A present expert still in flight: land its prefetch here if its lease is in and
+        the receiver has not started on it (join it, never fetch it twice), else wait for the
+        receiver; refetch if that prefetch failed."""
         key = (layer, e)
         try:
+            if fut is not None:
+                try:
+                    self.receiver.land_here(key, fut, self.fetch_timeout_s)
+                except cf.TimeoutError:
+                    raise IodUnavailable(f"prefetched expert {key} not delivered within "
+                                         f"{self.fetch_timeout_s}s") from None
             if not self.cache.wait(key, self.fetch_timeout_s):
                 raise IodUnavailable(f"prefetched expert {key} not delivered within {self.fetch_timeout_s}s")
             return self.cache.weights(key)
@@ -239,6 +318,18 @@ class StreamedExperts(ExpertSource):
             pinned.remove(e)  # the failed entry took its pins with it
             self.c["refetched"] += 1
             return self._fetch_now(layer, [e], pinned)[e]
+
+
+LANDINGS = ("eager", "lazy")
+
+
+def default_landing(cache: DeviceSlotCache) -> str:
+    """Where a prefetched expert goes when its lease arrives: on CUDA, "eager" (the receiver
+    thread copies it into a claimed slot on a side stream: cheap and truly off the compute
+    path); elsewhere "lazy" (the lease waits in the arena until the layer runs, then the
+    compute thread lands it: on a CPU, landing is dequantizing, which would compete with the
+    compute for the same cores and the GIL, and a wrong guess would have cost a slot)."""
+    return "eager" if cache.device.type == "cuda" else "lazy"
 
 
 def _release_unused(client: IodClient, futures: list[cf.Future], used: int) -> None:
@@ -254,7 +345,7 @@ def _release_unused(client: IodClient, futures: list[cf.Future], used: int) -> N
 def open_streamed(layout: ModelLayout, endpoint: str, *, device: Any = "cpu", dtype: Any = None,
                   slots: int | None = None, cache_bytes: int | None = None, slot_format: str | None = None,
                   decay: float = 0.9, timeout_s: float = 5.0, fetch_timeout_s: float = 60.0,
-                  name: str | None = None) -> StreamedExperts:
+                  name: str | None = None, landing: str | None = None) -> StreamedExperts:
     """Connect to the daemon at `endpoint` (checking it serves this file) and build the slot cache.
 
     Capacity: `slots`, or as many slots as `cache_bytes` of device memory holds (one is required).
@@ -271,7 +362,8 @@ def open_streamed(layout: ModelLayout, endpoint: str, *, device: Any = "cpu", dt
     cache = DeviceSlotCache(layout.experts, n, device, slot_format=fmt, dtype=dtype, decay=decay)
     client = IodClient(endpoint, expect_fingerprint=layout.fingerprint.as_dict(), timeout_s=timeout_s, name=name)
     try:
-        return StreamedExperts(client, layout, cache, fetch_timeout_s=fetch_timeout_s, owns_client=True)
+        return StreamedExperts(client, layout, cache, fetch_timeout_s=fetch_timeout_s, owns_client=True,
+                               landing=landing or default_landing(cache))
     except BaseException:
         client.close()
         raise

@@ -83,9 +83,12 @@ class Model:
         return moe(x, self.layers[layer]["ffn_gate_inp"], experts, layer, hp.n_expert_used, hp.norm_topk_prob)
 
     def _block(self, layer: int, h: torch.Tensor, active: torch.Tensor, cache: KVCache,
-               positions: torch.Tensor, start: int, experts: ExpertSource) -> torch.Tensor:
+               positions: torch.Tensor, start: int, experts: ExpertSource,
+               after_attention: AfterLayer | None = None) -> torch.Tensor:
         w, eps = self.layers[layer], self.hparams.rms_eps
         h = h + attention(rms_norm(h, w["attn_norm"], eps), w, self.attn, layer, cache, positions, start)  # [N, d]
+        if after_attention is not None:
+            after_attention(layer, h[active])  # [n, d]
         x = rms_norm(h[active], w["ffn_norm"], eps)  # [n, d] real tokens only: pads fetch no experts
         return h.index_put((active,), self.ffn(layer, x, experts), accumulate=True)  # [N, d]
 
@@ -96,16 +99,18 @@ class Model:
 
         `valid` [B, T] marks real tokens (False = left padding / finished sequence); their
         rows are computed through attention but skip the MoE and never move positions.
-        `after_layer(i, h)` sees the real tokens' hidden rows [n, d] after layer i.
+        `after_layer(i, h)` sees the real tokens' hidden rows [n, d] after layer i; when it has
+        an `after_attention(i, h)` method, that sees them after layer i's attention, before its MoE.
         """
         B, T = tokens.shape
         valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid.to(torch.bool)
         positions, start = cache.advance(valid)  # [B, T]
         active = valid.reshape(-1).nonzero().squeeze(1)  # [n] row indices of real tokens
         experts.begin_step()
+        after_attention = getattr(after_layer, "after_attention", None)
         h = F.embedding(tokens.reshape(-1), self.embed)  # [N, d]
         for i in range(self.hparams.n_layer):
-            h = self._block(i, h, active, cache, positions, start, experts)
+            h = self._block(i, h, active, cache, positions, start, experts, after_attention)
             if after_layer is not None:
                 after_layer(i, h[active])
         h = h.view(B, T, -1)[:, -1] if last_only else h.view(B, T, -1)  # [B, d] | [B, T, d]
