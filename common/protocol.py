@@ -105,7 +105,7 @@ class Message:
 
     @classmethod
     def from_map(cls, m: dict[str, Any]) -> Message:
-        return cls(**{f.name: m[f.name] for f in fields(cls) if f.name in m})
+        return cls(**{name: m[name] for name in _names(cls) if name in m})
 
 
 @dataclass

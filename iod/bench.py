@@ -8,7 +8,9 @@ Phases (each over the same randomly chosen experts, in the same order):
                   copies each part out of the shared-memory arena (so the bytes really arrive);
   warm raw        memcpy of the same ranges from the page cache (the file's mmap), best of 2;
   warm delivered  a fresh daemon (empty arena) serves them again, now from the page cache;
-  host-tier hit   round trip of `fetch` for an expert already in the arena (no I/O), p50/p99.
+  host-tier hit   round trip of `fetch` for an expert already in the arena (no I/O), p50/p99,
+                  beside a bare ZeroMQ ipc echo (a blocking python ROUTER in a child process)
+                  timed in the same run: hit ÷ echo is the request overhead on this machine.
 Ratios are delivered GB/s ÷ raw GB/s, both counting the experts' bytes.
 """
 
@@ -19,6 +21,7 @@ import concurrent.futures as cf
 import contextlib
 import json
 import mmap
+import multiprocessing
 import os
 import random
 import resource
@@ -194,6 +197,66 @@ def hit_round_trips(client, hot: list[Key], n: int) -> dict:
             "mean_us": float(us.mean()), "ping_p50_us": float(np.percentile(pings, 50))}
 
 
+def echo_floor(n: int, timeout_s: float = 10.0) -> dict:
+    """Round trip of a bare ZeroMQ ipc echo in this run (blocking DEALER here, ROUTER in a child)."""
+    import zmq
+
+    with tempfile.TemporaryDirectory(prefix="moestream-echo-") as tmp:
+        endpoint = f"ipc://{tmp}/echo.sock"
+        proc = multiprocessing.get_context("spawn").Process(target=_echo_server, args=(endpoint,), daemon=True)
+        proc.start()
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))  # a dead echo process fails, never hangs
+        sock.connect(endpoint)
+        try:
+            times = _echo_times(sock, n)
+        finally:
+            _stop_echo(sock, proc)
+    us = np.array(times) * 1e6
+    return {"p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99))}
+
+
+def _echo_times(sock, n: int) -> list[float]:
+    import zmq
+
+    msg, times = b"x" * 48, []  # about the size of a fetch
+    try:
+        for i in range(n + n // 10 + 1):  # the first tenth warms up (and waits for the bind)
+            t0 = time.perf_counter()
+            sock.send(msg)
+            sock.recv()
+            if i > n // 10:
+                times.append(time.perf_counter() - t0)
+    except zmq.Again:
+        raise RuntimeError("the ZeroMQ echo process did not answer") from None
+    return times
+
+
+def _stop_echo(sock, proc: multiprocessing.Process) -> None:
+    with contextlib.suppress(Exception):
+        sock.send(b"")  # an empty frame asks it to exit
+    proc.join(5.0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    sock.close(linger=0)
+
+
+def _echo_server(endpoint: str) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    while True:
+        ident, body = sock.recv_multipart()
+        if not body:
+            break
+        sock.send_multipart([ident, body])
+    ctx.destroy(linger=0)
+
+
 @contextlib.contextmanager
 def daemon(args: argparse.Namespace) -> Iterator[tuple[str, str | None, int | None]]:
     """(endpoint, status endpoint, pid): the given daemon, or a fresh one spawned for this phase."""
@@ -235,6 +298,9 @@ def hit_phase(client, hot: list[Key], n: int, status_ep: str | None) -> dict:
     if before is not None:
         after = get_status(status_ep)
         result["hit_rate"] = (after["hits"] - before["hits"]) / max(1, after["requests"] - before["requests"])
+    echo = echo_floor(n)  # right after the hits: same machine load
+    result.update(echo_p50_us=echo["p50_us"], echo_p99_us=echo["p99_us"],
+                  p50_vs_echo=result["p50_us"] / echo["p50_us"], p99_vs_echo=result["p99_us"] / echo["p99_us"])
     return result
 
 
@@ -305,6 +371,9 @@ def format_table(r: dict) -> str:
     lines.append(f"host-tier hit round trip: p50 {h['p50_us']:.0f} µs, p99 {h['p99_us']:.0f} µs "
                  f"({h['requests']} requests{', hit rate %.2f' % h['hit_rate'] if 'hit_rate' in h else ''}; "
                  f"ping p50 {h['ping_p50_us']:.0f} µs)")
+    if "echo_p50_us" in h:
+        lines.append(f"  vs bare ZeroMQ ipc echo p50 {h['echo_p50_us']:.0f} µs, p99 {h['echo_p99_us']:.0f} µs: "
+                     f"hit/echo {h['p50_vs_echo']:.2f} at p50, {h['p99_vs_echo']:.2f} at p99")
     if r["repeat"] > 1:
         lines.append("medians of " + ", ".join(f"{k} {r[k]['runs_gb_s']}" for k in RUNS if k in r))
     lines.append(f"cold ratio is against the faster raw method ({r['cold_raw']['tool']})")

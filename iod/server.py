@@ -46,7 +46,7 @@ class Server:
         self.sock = _router(ctx)
         self.status = StatusEndpoint(self, _router(ctx))
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._drain_scheduled = False
+        self._drain_scheduled = self._draining = False
         self.heartbeat_s = min(5.0, cfg.lease_timeout_s / 4)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -109,17 +109,27 @@ class Server:
 
     # -- socket plumbing ----------------------------------------------------------------------
     def _drain(self) -> None:
+        """Handle every request waiting (up to a batch), then return to the loop.
+
+        zmq's FD is edge-triggered and only re-arms after `EVENTS` reports nothing to read, so
+        the loop ends on that check; it also sees requests that arrived while we sent (a send
+        can consume the edge). Sends made outside `_drain` (read completions, the ticker)
+        schedule one `_drain` for the same reason."""
         self._drain_scheduled = False
-        for _ in range(DRAIN_BATCH):
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return
-            self._handle_frames(frames)
+        self._draining = True
+        sock, handle = self.sock, self._handle_frames
+        try:
+            for _ in range(DRAIN_BATCH):
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return
+                handle(sock.recv_multipart(zmq.NOBLOCK, copy=True))
+        except zmq.Again:  # EVENTS said readable but the message went (cannot happen on one thread)
+            return
+        finally:
+            self._draining = False
         self._schedule_drain()  # more waiting: yield to completions first
 
     def _schedule_drain(self) -> None:
-        # zmq's FD is edge-triggered and a send can consume the edge: look again soon.
         if not self._drain_scheduled and self.loop is not None:
             self._drain_scheduled = True
             self.loop.call_soon(self._drain)
@@ -129,7 +139,8 @@ class Server:
             self.sock.send_multipart([ident, body], zmq.NOBLOCK, copy=True)
         except zmq.ZMQError as e:  # peer gone (ROUTER_MANDATORY) or its queue is full
             log.debug("send to %r failed: %s", ident, e)
-        self._schedule_drain()
+        if not self._draining:  # inside `_drain` its own EVENTS check covers this send
+            self._schedule_drain()
 
     def _handle_frames(self, frames: list[bytes]) -> None:
         ident = frames[0]

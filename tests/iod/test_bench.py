@@ -31,6 +31,8 @@ def test_bench_io_tiny_model(tiny_model: Path, capsys: pytest.CaptureFixture[str
     hit = r["hit"]
     assert hit["requests"] == 50 and hit["hit_rate"] == 1.0  # repeats are served from the arena
     assert 0 < hit["p50_us"] <= hit["p99_us"]
+    assert 0 < hit["echo_p50_us"] <= hit["echo_p99_us"]  # the bare ZeroMQ floor, measured in the same run
+    assert hit["p50_vs_echo"] == pytest.approx(hit["p50_us"] / hit["echo_p50_us"], rel=1e-2)
 
 
 def test_raw_preadv_reads_the_ranges(tiny_model: Path) -> None:
