@@ -357,22 +357,3 @@ def _drain_pipe(fd: int) -> None:
             pass
     except BlockingIOError:
         pass
-
-
-def get_status(endpoint: str, timeout_s: float = 3.0) -> dict:
-    """Ask a daemon's status endpoint for its status (a plain dict)."""
-    sock = zmq.Context.instance().socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(endpoint)
-        sock.send(P.Status().encode())
-        if not sock.poll(int(timeout_s * 1000)):
-            raise IodUnavailable(f"no status from {endpoint} within {timeout_s}s (is moestream-iod running?)")
-        msg = P.decode_reply(sock.recv())
-    finally:
-        sock.close()
-    if isinstance(msg, P.Error):
-        raise IodRequestError(msg.code, msg.message)
-    if not isinstance(msg, P.StatusReply):
-        raise IodError(f"unexpected reply {msg.op!r} from {endpoint}")
-    return msg.status

@@ -1,4 +1,7 @@
-"""`moestream status`: show a running moestream-iod's status (a table for people, --json for scripts)."""
+"""`moestream status`: show a running moestream-iod's status (a table for people, --json for scripts).
+
+`get_status` is the client side of the daemon's status socket (a REQ socket, one request).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +11,31 @@ import sys
 import time
 from typing import Any
 
-from .client import IodError, get_status
+import zmq
+
+from . import protocol as P
+from .client import IodError, IodRequestError, IodUnavailable
 
 DEFAULT_STATUS_ENDPOINT = "ipc:///run/moestream/status.sock"
+
+
+def get_status(endpoint: str, timeout_s: float = 3.0) -> dict:
+    """Ask a daemon's status endpoint for its status (a plain dict)."""
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(P.Status().encode())
+        if not sock.poll(int(timeout_s * 1000)):
+            raise IodUnavailable(f"no status from {endpoint} within {timeout_s}s (is moestream-iod running?)")
+        msg = P.decode_reply(sock.recv())
+    finally:
+        sock.close()
+    if isinstance(msg, P.Error):
+        raise IodRequestError(msg.code, msg.message)
+    if not isinstance(msg, P.StatusReply):
+        raise IodError(f"unexpected reply {msg.op!r} from {endpoint}")
+    return msg.status
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,18 +5,8 @@ tiebreak); an entry is pinned while it is in flight (its bytes are being written
 the current step computes with it, and a pinned entry is never evicted. When every slot is
 pinned, `claim` returns None: the caller waits or bypasses the cache, it never overcommits.
 
-Two slot formats (`DecoderConfig.slot_format`):
-
-- ``raw``: one preallocated uint8 tensor ``blobs [n_slots, slot_bytes]`` holding quantized
-  blobs, dequantized on every use. More experts fit; the default on CUDA, where
-  dequantize-on-use kernels are cheap::
-
-      blobs[slot]:  +-- gate --+pad64+-- up --+pad64+-- down --+pad64+ ... +
-                    ranges come from `SlotLayout` (one per layer), not from the daemon's arena
-
-- ``dequant``: preallocated float tensors ``gate/up [n_slots, ff, d]`` and
-  ``down [n_slots, d, ff]``, filled once on insert. The default on CPU, where dequantizing on
-  every use would cost more than the matmuls.
+Slot formats (``raw`` quantized blobs, ``dequant`` float tensors) and their sizes are in
+`slot_format`.
 
 Thread-safety: the compute thread and the prefetch receiver thread both call in; one lock
 guards the policy and the maps, bytes are copied outside it. On CUDA, copies run on a side
@@ -29,90 +19,21 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from ..common.layout import ExpertIndex, ExpertPart, round_up
+from ..common.layout import ExpertIndex
 from ..common.policy import SlotPolicy
 from .experts import ExpertWeights, blob_to_weights
-
-SLOT_FORMATS = ("raw", "dequant")
-_ALIGN = 64  # part alignment inside a device slot: any dtype view of a part stays aligned
+from .slot_format import (SLOT_FORMATS, SlotLayout, check_parts, default_slot_format, dequant_shapes, pack_parts,
+                          slot_layouts)
 
 Key = tuple[int, int]  # (layer, expert)
 
 
 class FetchFailed(RuntimeError):
     """The bytes for an entry never arrived (read error, daemon gone); the entry was dropped."""
-
-
-def default_slot_format(device: torch.device | str) -> str:
-    """raw on CUDA (dequantize-on-use is cheap there), dequant elsewhere."""
-    return "raw" if torch.device(device).type == "cuda" else "dequant"
-
-
-@dataclass(frozen=True)
-class SlotLayout:
-    """Where an expert blob's parts live inside one device slot, for one layer."""
-
-    parts: tuple[ExpertPart, ...]  # layer's parts (offsets are expert 0's; only qtype/shape matter)
-    ranges: dict[str, tuple[int, int]]  # part name -> (offset in slot, nbytes)
-    nbytes: int
-
-
-def slot_layouts(index: ExpertIndex) -> list[SlotLayout]:
-    """One compact layout per layer: parts back to back, each aligned to 64 bytes."""
-    out = []
-    for layer in range(index.n_layer):
-        parts = tuple(index.parts(layer, 0))
-        ranges, off = {}, 0
-        for p in parts:
-            ranges[p.name] = (off, p.nbytes)
-            off = round_up(off + p.nbytes, _ALIGN)
-        out.append(SlotLayout(parts, ranges, off))
-    return out
-
-
-def _dequant_shapes(layouts: list[SlotLayout]) -> dict[str, tuple[int, int]]:
-    """Torch shapes of gate/up/down for the dequant format; every layer must agree."""
-    shapes = None
-    for layer, lay in enumerate(layouts):
-        mats = {p.name: tuple(reversed(p.shape)) for p in lay.parts}  # [n_out, n_in]
-        if "gate_up" in mats:
-            two_ff, d = mats.pop("gate_up")
-            mats["gate"] = mats["up"] = (two_ff // 2, d)
-        if set(mats) != {"gate", "up", "down"}:
-            raise ValueError(f"dequant slots support gate/up/down experts only; layer {layer} has {sorted(mats)}")
-        if shapes is not None and mats != shapes:
-            raise ValueError(f"dequant slots need one expert shape for all layers: layer {layer} has {mats}, "
-                             f"layer 0 has {shapes}; use slot_format='raw'")
-        shapes = mats
-    assert shapes is not None
-    return shapes
-
-
-def bytes_per_slot(index: ExpertIndex, slot_format: str, dtype: torch.dtype = torch.float32) -> int:
-    """Device bytes one slot takes in `slot_format`."""
-    layouts = slot_layouts(index)
-    if slot_format == "raw":
-        return max(lay.nbytes for lay in layouts)
-    if slot_format == "dequant":
-        elem = torch.empty((), dtype=dtype).element_size()
-        return sum(a * b for a, b in _dequant_shapes(layouts).values()) * elem
-    raise ValueError(f"slot_format must be one of {SLOT_FORMATS}, got {slot_format!r}")
-
-
-def slots_for_bytes(index: ExpertIndex, cache_bytes: int, slot_format: str,
-                    dtype: torch.dtype = torch.float32) -> int:
-    """How many slots `cache_bytes` of device memory holds (`--cache-bytes`)."""
-    per = bytes_per_slot(index, slot_format, dtype)
-    n = int(cache_bytes) // per
-    if n < 1:
-        raise ValueError(f"--cache-bytes {cache_bytes} is smaller than one {slot_format} slot ({per} bytes)")
-    return n
 
 
 class SlotEntry:
@@ -126,7 +47,7 @@ class SlotEntry:
 
 
 class DeviceSlotCache:
-    """Expert slots on `device`; see the module docstring for formats and threading."""
+    """Expert slots on `device`; see `slot_format` for the formats, the module docstring for threading."""
 
     def __init__(self, index: ExpertIndex, n_slots: int, device: torch.device | str = "cpu", *,
                  slot_format: str | None = None, dtype: torch.dtype = torch.float32,
@@ -157,7 +78,7 @@ class DeviceSlotCache:
         if self.slot_format == "raw":
             self.blobs = torch.zeros(n, self.slot_bytes, dtype=torch.uint8, device=dev)  # [n_slots, slot_bytes]
             return
-        shapes = _dequant_shapes(self.layouts)
+        shapes = dequant_shapes(self.layouts)
         self.store = {name: torch.zeros(n, *shape, dtype=self.dtype, device=dev)  # [n_slots, rows, cols]
                       for name, shape in shapes.items()}
         # one view object per slot, made once: `weights` is on the hot path of every hit
@@ -296,7 +217,7 @@ class DeviceSlotCache:
             raise ValueError(f"expert {key} has no slot waiting for bytes")
         lay = self.layouts[key[0]]
         try:
-            self._check_parts(key, lay, parts)
+            check_parts(key, lay, parts)
             entry.event = self._fill(entry.slot, lay, parts)
         except BaseException:
             self.abort(key)
@@ -306,22 +227,14 @@ class DeviceSlotCache:
             self.bytes_written += sum(n for _, n in lay.ranges.values())
         entry.ready.set()
 
-    def _check_parts(self, key: Key, lay: SlotLayout, parts: Mapping[str, Any]) -> None:
-        if set(parts) != set(lay.ranges):
-            raise ValueError(f"expert {key}: got parts {sorted(parts)}, expected {sorted(lay.ranges)}")
-        for name, (_, n) in lay.ranges.items():
-            got = memoryview(parts[name]).nbytes
-            if got != n:
-                raise ValueError(f"expert {key}: part {name!r} has {got} bytes, expected {n}")
-
     def _fill(self, slot: int, lay: SlotLayout, parts: Mapping[str, Any]) -> Any:
         if not self._cuda and self.slot_format == "raw":
             row = self.blobs[slot].numpy()  # writable view of the slot: one memcpy per part
-            _pack(row, lay, parts)
+            pack_parts(row, lay, parts)
             return None
         staging, event = self._take_staging(), None
         try:
-            _pack(staging.numpy(), lay, parts)
+            pack_parts(staging.numpy(), lay, parts)
             event = self._upload(slot, lay, staging)
             return event
         finally:
@@ -416,9 +329,9 @@ class DeviceSlotCache:
     def bypass_weights(self, layer: int, parts: Mapping[str, Any]) -> ExpertWeights:
         """Weights straight from host buffers, without a slot (the fallback when all are pinned)."""
         lay = self.layouts[layer]
-        self._check_parts((layer, -1), lay, parts)
+        check_parts((layer, -1), lay, parts)
         buf = torch.empty(lay.nbytes, dtype=torch.uint8)  # [nbytes] host
-        _pack(buf.numpy(), lay, parts)
+        pack_parts(buf.numpy(), lay, parts)
         self.bypassed += 1
         return blob_to_weights(list(lay.parts), buf.to(self.device), lay.ranges, self.dtype)
 
@@ -431,9 +344,3 @@ class DeviceSlotCache:
             assert len(set(slots)) == len(slots), "two entries share a slot"
             assert set(self.policy.keys()) == set(self._entries), "policy and cache disagree"
             assert all(self.policy.slot_of(k) == e.slot for k, e in self._entries.items())
-
-
-def _pack(dst: np.ndarray, lay: SlotLayout, parts: Mapping[str, Any]) -> None:
-    """Copy each part's bytes to its range in `dst` (a uint8 numpy view)."""
-    for name, (off, n) in lay.ranges.items():
-        dst[off:off + n] = np.frombuffer(parts[name], dtype=np.uint8, count=n)

@@ -15,9 +15,8 @@ no copy). `open_streamed` picks eager on CUDA and lazy elsewhere (`default_landi
 
 Hit path: one lock for a layer's lookups (`pin_present`) and one for its release.
 
-Pins (eager landing): a slot claimed for a prefetch holds an in-flight pin (the receiver drops it once the
-bytes are in) and a hold pin (dropped when its layer is acquired, so a later prediction
-cannot evict it first); `acquire` pins what it returns until `release`.
+The prefetch bookkeeping (`prefetch`, `prefetch_ahead`, judging and cancelling prefetches,
+hold pins) lives in `ahead.AheadPrefetches`.
 """
 
 from __future__ import annotations
@@ -29,12 +28,13 @@ from typing import Any
 
 from ..common.client import IodClient, IodUnavailable, Lease
 from ..common.layout import ModelLayout
+from .ahead import AheadPrefetches
 from .experts import ExpertSource, ExpertWeights
 from .prefetch import Receiver
 from .slot_cache import DeviceSlotCache, FetchFailed, Key
 
 
-class StreamedExperts(ExpertSource):
+class StreamedExperts(AheadPrefetches, ExpertSource):
     """Experts fetched from moestream-iod into a `DeviceSlotCache`."""
 
     def __init__(self, client: IodClient, layout: ModelLayout, cache: DeviceSlotCache, *,
@@ -46,10 +46,7 @@ class StreamedExperts(ExpertSource):
             raise ValueError(f"prefetch landing must be one of {LANDINGS}, got {self.landing!r}")
         self.receiver = Receiver(client, cache)
         self.reserve = layout.hparams.n_expert_used  # slots a prefetch leaves for demand misses
-        self._ahead: dict[int, dict[int, cf.Future]] = {}  # layer -> expert -> prefetch future
-        self._deferred: dict[int, set[int]] = {}  # predictions waiting for the next acquire
-        self._holds: set[Key] = set()  # prefetched keys whose hold pin is still held
-        self._predicted: dict[int, set[int]] = {}
+        self._init_ahead()
         self._bypassed: dict[int, set[int]] = {}  # layer -> experts served without a slot (no pin)
         self._closed = False
         self.c = dict.fromkeys(
@@ -105,22 +102,6 @@ class StreamedExperts(ExpertSource):
             keep = [e for e in keep if e not in bypassed]
         self.cache.release_many(layer, keep)
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        """Send `fetch ahead` for predicted experts not resident; the receiver lands them."""
-        self.prefetch_ahead({layer: experts})
-
-    def prefetch_ahead(self, predictions: Mapping[int, Sequence[int]], before: int | None = None) -> None:
-        """`prefetch` for several layers in one `fetch ahead` message.
-
-        With `before` (a layer whose `acquire` comes next), the message waits until that
-        layer's own experts are pinned and its demand fetch is sent, so the prefetch neither
-        evicts what the layer is about to use nor delays its misses at the daemon."""
-        if before is None:
-            self._send_ahead(predictions)
-            return
-        for layer, experts in predictions.items():
-            self._deferred.setdefault(layer, set()).update(int(e) for e in experts)
-
     def stats(self) -> dict[str, Any]:
         c = self.c
         would_miss = c["misses"] + c["useful"]
@@ -147,99 +128,6 @@ class StreamedExperts(ExpertSource):
         self._ahead.clear()
         if self._owns_client:
             self.client.close()
-
-    # -- prefetch internals ----------------------------------------------------------------
-    def _send_ahead(self, predictions: Mapping[int, Sequence[int]]) -> None:
-        """Claim slots for the predicted experts not resident and send one `fetch ahead`."""
-        keys: list[Key] = []
-        room = self.cache.n_slots - self.reserve - self.cache.pinned()  # leave slots for demand misses
-        for layer, experts in predictions.items():
-            self._predicted[layer] = {int(e) for e in experts}
-            ahead = self._ahead.setdefault(layer, {})
-            for e in sorted(self._predicted[layer]):
-                key = (layer, e)
-                if e in ahead or key in self.cache:
-                    continue
-                if self.landing == "lazy":  # no slot yet: a wrong guess evicts nothing
-                    keys.append(key)
-                    continue
-                if room <= 0 or self.cache.claim(key) is None:
-                    self.c["prefetch_dropped"] += 1
-                    continue
-                room -= 1
-                self.cache.pin(key)  # the hold pin; claim's pin is the in-flight one
-                self._holds.add(key)
-                keys.append(key)
-        if keys:
-            self._fetch_ahead(keys)
-
-    def _fetch_ahead(self, keys: list[Key]) -> None:
-        try:
-            futures = self.client.fetch(keys, "ahead")
-        except BaseException:
-            for key in keys:
-                self._holds.discard(key)
-                self.cache.abort(key)
-            raise
-        for key, fut in zip(keys, futures):
-            self._ahead[key[0]][key[1]] = fut
-            if self.landing == "eager":
-                self.receiver.submit(key, fut)
-        self.c["prefetch_sent"] += len(keys)
-
-    def _flush_deferred(self) -> None:
-        if self._deferred:
-            deferred, self._deferred = self._deferred, {}
-            self._send_ahead({layer: sorted(es) for layer, es in deferred.items()})
-
-    def _score_prediction(self, layer: int, wanted: list[int]) -> None:
-        predicted = self._predicted.pop(layer, None)
-        if predicted is not None:
-            self.c["predicted"] += len(predicted)
-            self.c["predicted_right"] += len(predicted.intersection(wanted))
-            self.c["routed"] += len(wanted)
-
-    def _judge_ahead(self, layer: int, ahead: dict[int, cf.Future], present: Mapping[int, Any],
-                     joined: Mapping[int, cf.Future] | None = None) -> None:
-        """Judge `layer`'s prefetches as its experts are acquired: used in time (hidden), used
-        while in flight (late), or wasted / cancelled; drop their hold pins; count plain hits.
-        `present` entries landed eagerly; `joined` futures (lazy) land now, on demand."""
-        c, unused = self.c, []
-        c["hits"] += sum(1 for e in present if e not in ahead)
-        for e, fut in ahead.items():
-            entry = present.get(e)
-            if entry is not None:
-                c["useful"] += 1
-                c["hidden" if entry.ready.is_set() and not entry.failed else "late"] += 1
-            elif joined and e in joined:
-                c["useful"] += 1
-                c["hidden" if fut.done() else "late"] += 1
-            else:
-                unused.append(fut)
-            if (layer, e) in self._holds:
-                self._holds.discard((layer, e))
-                self.cache.unpin((layer, e))
-        if unused:
-            self._drop_futures(unused)
-
-    def _drop_futures(self, futures: list[cf.Future]) -> None:
-        """Give up unused prefetches: cancel those in flight (one message) and hand back the
-        leases that came (lazy landing; with eager landing the receiver lands them and the
-        slot stays cached); count them cancelled or wasted."""
-        self.client.cancel([f for f in futures if not f.done()])  # a lease arriving later goes back
-        for fut in futures:
-            if fut.cancelled():
-                self.c["cancelled"] += 1
-                continue
-            self.c["wasted"] += 1
-            if self.landing == "lazy" and fut.exception() is None:
-                self.client.release(fut.result())
-
-    def _release_holds(self) -> None:
-        """Give up every hold pin (the cache is full of pins and a demand miss needs a slot)."""
-        for key in sorted(self._holds):
-            self.cache.unpin(key)
-        self._holds.clear()
 
     # -- demand internals ------------------------------------------------------------------
     def _claim(self, key: Key) -> bool:
@@ -352,7 +240,7 @@ def open_streamed(layout: ModelLayout, endpoint: str, *, device: Any = "cpu", dt
     """
     import torch
 
-    from .slot_cache import default_slot_format, slots_for_bytes
+    from .slot_format import default_slot_format, slots_for_bytes
 
     dtype = dtype or torch.float32
     fmt = slot_format or default_slot_format(device)

@@ -272,7 +272,8 @@ def daemon(args: argparse.Namespace) -> Iterator[tuple[str, str | None, int | No
 
 def delivery_phase(args: argparse.Namespace, name: str, keys: list[Key], dst: np.ndarray, layout: ModelLayout,
                    hits: int = 0) -> dict:
-    from moestream.common.client import IodClient, get_status
+    from moestream.common.client import IodClient
+    from moestream.common.status_cli import get_status
 
     with daemon(args) as (endpoint, status_ep, pid), IodClient(endpoint, name="bench-io") as client:
         _map_arena(client)
@@ -290,7 +291,7 @@ def delivery_phase(args: argparse.Namespace, name: str, keys: list[Key], dst: np
 
 
 def hit_phase(client, hot: list[Key], n: int, status_ep: str | None) -> dict:
-    from moestream.common.client import get_status
+    from moestream.common.status_cli import get_status
 
     make_resident(client, hot)
     before = get_status(status_ep) if status_ep else None

@@ -153,7 +153,7 @@ def wait_status() -> Callable[..., dict]:
     """`wait_status(status_endpoint, pred, timeout_s=10)`: poll a daemon's status until `pred(status)` holds."""
     import time
 
-    from moestream.common.client import get_status
+    from moestream.common.status_cli import get_status
 
     def wait(endpoint: str, pred: Callable[[dict], bool], timeout_s: float = 10.0) -> dict:
         deadline = time.monotonic() + timeout_s

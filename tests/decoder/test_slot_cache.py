@@ -14,8 +14,8 @@ from gguf.quants import dequantize as gguf_dequantize
 from moestream.common.layout import ExpertIndex, TensorInfo
 from moestream.common.policy import SlotPolicy
 from moestream.common.quantize import random_blocks
-from moestream.decoder.slot_cache import (DeviceSlotCache, FetchFailed, bytes_per_slot, slot_layouts,
-                                          slots_for_bytes)
+from moestream.decoder.slot_cache import DeviceSlotCache, FetchFailed
+from moestream.decoder.slot_format import bytes_per_slot, slot_layouts, slots_for_bytes
 
 D, FF = 64, 32
 

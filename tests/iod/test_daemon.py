@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from moestream.common.client import FingerprintMismatch, IodClient, IodRequestError, IodUnavailable, get_status
+from moestream.common.client import FingerprintMismatch, IodClient, IodRequestError, IodUnavailable
 from moestream.common.layout import ModelLayout
+from moestream.common.status_cli import get_status
 
 # A client that checks every expert's bytes against the file, then prints what it saw.
 CHECK_ALL = r"""

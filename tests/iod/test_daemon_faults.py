@@ -13,8 +13,9 @@ import pytest
 import zmq
 
 from moestream.common import protocol as P
-from moestream.common.client import IodClient, get_status
+from moestream.common.client import IodClient
 from moestream.common.spawn import DaemonStartError, spawn_daemon
+from moestream.common.status_cli import get_status
 
 SHM = Path("/dev/shm")
 
