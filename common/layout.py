@@ -318,8 +318,8 @@ class _CheckedReader(GGUFReader):
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
         size = len(self.data)
-        for field in fields:
-            _, name_data, _, dims, raw_type, offset = field.parts
+        for tensor_field in fields:
+            _, name_data, _, dims, raw_type, offset = tensor_field.parts
             name = bytes(name_data).decode("utf-8", errors="replace")
             try:
                 qtype = GGMLQuantizationType(int(raw_type[0]))

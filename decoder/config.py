@@ -54,7 +54,7 @@ class DecoderConfig:
             raise ConfigError(f"slot_format must be one of {', '.join(SLOT_FORMATS)}, got {self.slot_format!r}")
         _ = self.torch_device  # validates the device name (and that CUDA exists when asked for)
         try:
-            self.sampling
+            _ = self.sampling  # validates the sampling parameters
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

@@ -82,7 +82,7 @@ def report_markdown(meta: dict, stats: dict) -> str:
         lines.append(f"| {s['layer']} | {s['entropy_bits']:.2f} | {s['entropy_frac']:.3f} | {s['top1_share']:.3f} | "
                      f"{s['top_quarter_share']:.3f} | {s['least_share']:.4f} | {s['unused']} |")
     p = stats["predictability"]
-    lines += ["", f"A uniform router would give entropy / log2 E = 1 and top-25% share = 0.25.", "",
+    lines += ["", "A uniform router would give entropy / log2 E = 1 and top-25% share = 0.25.", "",
               "## Predictability: router of layer l on the hidden state after layer l-d", "",
               "Precision = recall (k guesses vs k real experts), mean over tokens.", "",
               "| depth d | " + " | ".join(f"layer {l}" for l in range(1, meta["n_layer"])) + " | mean |",

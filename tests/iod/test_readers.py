@@ -247,7 +247,7 @@ def _write_tiny(path: Path) -> Path:
     w = gguf.GGUFWriter(path, "qwen3moe")
     for k, v in dict(block_count=layers, embedding_length=hidden, expert_count=n_exp, expert_used_count=2,
                      expert_feed_forward_length=ff, context_length=64).items():
-        getattr(w, "add_uint32")(f"qwen3moe.{k}", v)
+        w.add_uint32(f"qwen3moe.{k}", v)
     w.add_uint32("qwen3moe.attention.head_count", 4)
     w.add_uint32("qwen3moe.attention.head_count_kv", 2)
 

@@ -1,4 +1,4 @@
-"""Our mixtral ("llama"), qwen2moe and olmoe forward passes against Hugging Face's models.
+"""Every architecture's forward pass against Hugging Face's model of that family.
 
 Each HF model is built from its own config class with the GGUF's hyper-parameters and the
 GGUF tensors copied in by name, dequantized with gguf-py's numpy reference (not our
@@ -6,7 +6,8 @@ dequantizer). The routing renormalization is left at each HF config's default, s
 also checks that `common.arch` picked the family's behaviour. Mixtral's q/k are un-permuted
 (llama.cpp's converter permuted them for its interleaved rope) before HF sees them, so the
 test also covers the rope style. Logits are compared over a 16-token prompt and at each of 4
-greedy decode steps (ours through the KV cache, HF on the whole sequence).
+greedy decode steps (ours through the KV cache, HF on the whole sequence). For quantized files
+HF gets the gguf-py-dequantized weights.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from moestream.decoder.models import get_model_module, load_model
 
 transformers = pytest.importorskip("transformers")
 
-PROMPT_LEN, DECODE_STEPS, TOL = 16, 4, 1e-4
+PROMPT_LEN, DECODE_STEPS, TOL = 16, 8, 1e-4
 
 
 def gguf_tensors(path) -> dict[str, torch.Tensor]:
@@ -47,6 +48,11 @@ def _common(hp, tied: bool) -> dict:
 def hf_model(hp, tied: bool):
     """An HF model of hp's family with default (random) weights; norm_topk_prob left at HF's default."""
     c = _common(hp, tied)
+    if hp.arch == "qwen3moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **c, intermediate_size=4 * hp.n_embd, moe_intermediate_size=hp.n_ff_exp, head_dim=hp.head_dim,
+            num_experts=hp.n_expert, decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False,
+            norm_topk_prob=True))  # HF's config default is False; Qwen3-MoE checkpoints and llama.cpp use True
     if hp.arch == "llama":
         return transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **c, intermediate_size=hp.n_ff_exp, num_local_experts=hp.n_expert, sliding_window=None))
@@ -120,12 +126,19 @@ def compare(path) -> float:
     return worst
 
 
-@pytest.mark.parametrize("arch,quant", [("llama", "F32"), ("qwen2moe", "F32"), ("olmoe", "F32"), ("llama", "Q8_0"),
+@pytest.mark.parametrize("arch,quant", [("qwen3moe", "F32"), ("qwen3moe", "Q8_0"), ("qwen3moe", "Q4_K"),
+                                        ("llama", "F32"), ("qwen2moe", "F32"), ("olmoe", "F32"), ("llama", "Q8_0"),
                                         ("qwen2moe", "Q8_0")])
 def test_logits_match_hf(make_tiny_model, arch, quant):
     diff = compare(make_tiny_model(arch=arch, quant=quant))
     print(f"{arch} {quant}: max abs logit diff vs HF = {diff:.3g}")
     assert diff <= TOL, f"{arch} {quant}: max abs logit diff {diff} > {TOL}"
+
+
+def test_qwen3moe_head_dim_not_hidden_over_heads(make_tiny_model):
+    """head_dim != hidden / heads (qwen3moe stores attention.key_length), 3 layers, top-4 of 8."""
+    path = make_tiny_model(quant="F32", layers=3, top_k=4, head_dim=32, heads=4, kv_heads=1)
+    assert compare(path) <= TOL
 
 
 def test_mixtral_wider_gqa(make_tiny_model):
