@@ -23,7 +23,8 @@ class ArchSpec:
     qk_norm: str = "none"  # "none" | "head" (RMSNorm over head_dim) | "full" (over all heads: n_head*head_dim for q, n_head_kv*head_dim for k)
     head_dim_key: bool = False  # head dim read from attention.key_length when present
     norm_topk_prob: bool = True  # renormalize the top-k router weights
-    expert_ff_key: str | None = "expert_feed_forward_length"
+    expert_ff_key: str | None = "expert_feed_forward_length"  # None: experts are feed_forward_length wide
+    kv_heads_equal_heads: bool = False  # llama.cpp's loader wants attention.head_count_kv == head_count
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -42,7 +43,7 @@ ARCHS: dict[str, ArchSpec] = {
         # OLMoE's converter writes no expert_feed_forward_length: llama.cpp sizes its experts by
         # feed_forward_length (HF intermediate_size), as for Mixtral.
         ArchSpec("olmoe", _ATTN + ("attn_q_norm", "attn_k_norm"), qk_norm="full", norm_topk_prob=False,
-                 expert_ff_key=None),
+                 expert_ff_key=None, kv_heads_equal_heads=True),
     )
 }
 

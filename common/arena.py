@@ -30,7 +30,34 @@ def _check_geometry(n_slots: int, slot_bytes: int) -> None:
                          f"(need >= 1 slot, slot size a multiple of {mmap.PAGESIZE})")
 
 
-class Arena:
+class _Slots:
+    """`n_slots` fixed-size slots over one memory map: what the daemon's and a client's side share."""
+
+    def __init__(self, name: str, mm: mmap.mmap, n_slots: int, slot_bytes: int):
+        self.name, self.n_slots, self.slot_bytes = name, n_slots, slot_bytes
+        self._mm: mmap.mmap | None = mm
+        self._view = memoryview(mm)
+
+    def slot(self, i: int) -> memoryview:
+        """View of slot i (writable for the daemon's Arena, read-only for an ArenaView)."""
+        if not 0 <= i < self.n_slots:
+            raise IndexError(f"slot {i} out of range [0, {self.n_slots})")
+        return self._view[i * self.slot_bytes : (i + 1) * self.slot_bytes]
+
+    def _unmap(self) -> bool:
+        """Drop the mapping; False when it was already gone."""
+        if self._mm is None:
+            return False
+        self._view.release()
+        try:
+            self._mm.close()
+        except BufferError:  # a caller still holds a slot view; the mapping goes with the last one
+            pass
+        self._mm = None
+        return True
+
+
+class Arena(_Slots):
     """The daemon's writable arena: `n_slots` fixed-size slots in one shm segment.
 
     Layout of /dev/shm/moestream-<pid>-<uuid> (`size = n_slots * slot_bytes`, no header: the
@@ -53,9 +80,8 @@ class Arena:
     """
 
     def __init__(self, name: str, fd: int, mm: mmap.mmap, n_slots: int, slot_bytes: int):
-        self.name, self.n_slots, self.slot_bytes = name, n_slots, slot_bytes
-        self._fd, self._mm = fd, mm
-        self._view = memoryview(mm)
+        super().__init__(name, mm, n_slots, slot_bytes)
+        self._fd = fd
 
     @property
     def path(self) -> str:
@@ -131,36 +157,19 @@ class Arena:
             for off in range(0, len(self._mm), step):
                 self._mm[off] = 0
 
-    def slot(self, i: int) -> memoryview:
-        """Writable view of slot i (for the readers)."""
-        if not 0 <= i < self.n_slots:
-            raise IndexError(f"slot {i} out of range [0, {self.n_slots})")
-        return self._view[i * self.slot_bytes : (i + 1) * self.slot_bytes]
-
     def close(self, unlink: bool = True) -> None:
-        if self._mm is None:
+        if not self._unmap():
             return
-        self._view.release()
-        try:
-            self._mm.close()
-        except BufferError:  # a view is still exported; the segment is unlinked anyway
-            pass
         os.close(self._fd)
-        self._mm = None
-        if unlink:
+        if unlink:  # even with a view still exported: the name goes, the memory with the last view
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
 
 
-class ArenaView:
+class ArenaView(_Slots):
     """A client's read-only attachment (no resource tracker: O_RDONLY + PROT_READ mmap)."""
-
-    def __init__(self, name: str, mm: mmap.mmap, n_slots: int, slot_bytes: int):
-        self.name, self.n_slots, self.slot_bytes = name, n_slots, slot_bytes
-        self._mm = mm
-        self._view = memoryview(mm)
 
     @classmethod
     def attach(cls, name: str, n_slots: int, slot_bytes: int) -> ArenaView:
@@ -181,20 +190,8 @@ class ArenaView:
             os.close(fd)  # the mapping keeps the segment alive
         return cls(name, mm, n_slots, slot_bytes)
 
-    def slot(self, i: int) -> memoryview:
-        if not 0 <= i < self.n_slots:
-            raise IndexError(f"slot {i} out of range [0, {self.n_slots})")
-        return self._view[i * self.slot_bytes : (i + 1) * self.slot_bytes]
-
     def close(self) -> None:
-        if self._mm is None:
-            return
-        self._view.release()
-        try:
-            self._mm.close()
-        except BufferError:  # the caller still holds a part view; the mapping goes with it
-            pass
-        self._mm = None
+        self._unmap()
 
 
 def _gid(group: str) -> int:

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -72,7 +72,6 @@ class IodClient:
         self._rids = itertools.count(1)
         self._dead: IodUnavailable | None = None
         self._closing = False
-        self.last_error: str | None = None
         self._welcome: cf.Future = cf.Future()
         self._heartbeat_s = 1.0
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -80,14 +79,22 @@ class IodClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         # A dropped connection means the daemon died: fail fast instead of waiting for pings.
         self._mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._sock.connect(endpoint)
         self.arena: ArenaView | None = None
+        try:
+            self._sock.connect(endpoint)
+        except zmq.ZMQError as e:  # a malformed endpoint: nothing was started yet, release what was made
+            self._mon.close(linger=0)
+            self._sock.close(linger=0)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            raise IodUnavailable(f"bad moestream-iod endpoint {endpoint!r}: {e}") from None
         self._thread = threading.Thread(target=self._io_loop, name="iod-client", daemon=True)
         self._thread.start()
         try:
             self.welcome = self._handshake(name, expect_fingerprint)
         except BaseException:
-            self.close(send_bye=False)
+            # Welcomed but refused here (fingerprint, arena): say bye so the daemon drops us now.
+            self.close(send_bye=self._welcome.done() and not isinstance(self._welcome.result(), BaseException))
             raise
 
     # -- handshake ----------------------------------------------------------------------------
@@ -100,7 +107,7 @@ class IodClient:
                                  "(is the daemon running?)") from None
         if isinstance(msg, BaseException):
             raise msg
-        welcome = {k: getattr(msg, k) for k in P._names(P.Welcome)}
+        welcome = asdict(msg)
         if expect is not None:
             got = welcome["fingerprint"]
             diff = [f for f in FINGERPRINT_FIELDS if f in expect and expect[f] != got.get(f)]
@@ -316,10 +323,10 @@ class IodClient:
             self._mark_dead(IodUnavailable(f"moestream-iod: {m.code}: {m.message}"))
             return
         if m.rid is None:
-            self.last_error = f"{m.code}: {m.message}"
-            log.warning("moestream-iod error: %s", self.last_error)
+            text = f"{m.code}: {m.message}"
+            log.warning("moestream-iod error: %s", text)
             if not self._welcome.done():
-                self._welcome.set_result(IodUnavailable(f"handshake refused: {self.last_error}"))
+                self._welcome.set_result(IodUnavailable(f"handshake refused: {text}"))
             return
         exc: IodError = IodRequestError(m.code, m.message)
         if m.code == P.ErrorCode.SHUTTING_DOWN.value:

@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from .arch import arch_key, get_arch
+from .arch import ArchSpec, arch_key, get_arch
 from .quantize import check_row, encode, qtype_of, random_blocks, row_bytes
 
 CHUNK_BYTES = 64 << 20  # bytes generated/quantized per write call
@@ -38,21 +38,24 @@ FILE_TYPES: dict[Q, gguf.LlamaFileType] = {
     Q.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_M, Q.Q6_K: gguf.LlamaFileType.MOSTLY_Q6_K,
 }
 
-# Metadata keys per architecture beyond the common ones: key -> hparam field.
+# Metadata keys every architecture gets: key -> hparam field (see `_arch_keys` for the rest).
 _COMMON_KEYS = {
     "block_count": "n_layer", "context_length": "context_length", "embedding_length": "n_embd",
     "feed_forward_length": "n_ff", "attention.head_count": "n_head", "attention.head_count_kv": "n_head_kv",
     "rope.dimension_count": "head_dim", "expert_count": "n_expert", "expert_used_count": "n_expert_used",
 }
-_ARCH_KEYS: dict[str, dict[str, str]] = {
-    "qwen3moe": {"expert_feed_forward_length": "n_ff_exp", "attention.key_length": "head_dim",
-                 "attention.value_length": "head_dim"},
-    "qwen2moe": {"expert_feed_forward_length": "n_ff_exp", "expert_shared_feed_forward_length": "n_ff_shexp"},
-    "olmoe": {"expert_feed_forward_length": "n_ff_exp"},
-    "llama": {},
-}
 _FLOAT_KEYS = {"rope.freq_base": "rope_base", "attention.layer_norm_rms_epsilon": "rms_eps"}
 _HP_DEFAULTS = {"context_length": 4096, "rope_base": 1_000_000.0, "rms_eps": 1e-6, "n_ff_shexp": 0}
+
+
+def _arch_keys(spec: ArchSpec) -> dict[str, str]:
+    """The family's extra integer keys (key -> hparam field), derived from its ArchSpec."""
+    keys = {spec.expert_ff_key: "n_ff_exp"} if spec.expert_ff_key else {}  # else feed_forward_length says it
+    if spec.head_dim_key:
+        keys.update({"attention.key_length": "head_dim", "attention.value_length": "head_dim"})
+    if spec.shared_expert:
+        keys["expert_shared_feed_forward_length"] = "n_ff_shexp"
+    return keys
 
 
 @dataclass(frozen=True)
@@ -86,8 +89,9 @@ def normalize_hparams(arch: str, hp: Any) -> dict[str, Any]:
     d.setdefault("head_dim", d["n_embd"] // d["n_head"])
     for key, value in _HP_DEFAULTS.items():
         d.setdefault(key, value)
-    # Mixtral ("llama") reads the expert width from feed_forward_length; Qwen2-MoE's dense width is the shared one.
-    d.setdefault("n_ff", d["n_ff_shexp"] if arch == "qwen2moe" else d["n_ff_exp"])
+    # Mixtral ("llama") and OLMoE read the expert width from feed_forward_length; with a shared
+    # expert (Qwen2-MoE) feed_forward_length is the shared expert's width.
+    d.setdefault("n_ff", d["n_ff_shexp"] if get_arch(arch).shared_expert else d["n_ff_exp"])
     return d
 
 
@@ -136,7 +140,7 @@ def _add_metadata(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], file_q: Q, 
     spec = get_arch(arch)
     w.add_name(name)
     w.add_file_type(int(FILE_TYPES[file_q]))
-    for key, hkey in {**_COMMON_KEYS, **_ARCH_KEYS[arch]}.items():
+    for key, hkey in {**_COMMON_KEYS, **_arch_keys(spec)}.items():
         w.add_uint32(arch_key(arch, key), int(hp[hkey]))
     for key, hkey in _FLOAT_KEYS.items():
         w.add_float32(arch_key(arch, key), float(hp[hkey]))
@@ -177,7 +181,7 @@ def write_moe_gguf(
             add_tokenizer_metadata(w, tokenizer)
         for tname, t in tensors.items():
             q = report.qtypes[tname]
-            w.add_tensor_info(tname, tuple(t.shape), np.dtype(np.float32), tensor_nbytes(t, q), raw_dtype=q)
+            w.add_tensor_info(tname, tuple(t.shape), np.dtype(np.float32), tensor_nbytes(tuple(t.shape), q), raw_dtype=q)
         w.write_header_to_file(path)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
@@ -188,14 +192,15 @@ def write_moe_gguf(
     return report
 
 
-def tensor_nbytes(t: TensorLike, q: Q) -> int:
-    return int(np.prod(t.shape[:-1])) * row_bytes(t.shape[-1], q)
+def tensor_nbytes(shape: tuple[int, ...], q: Q) -> int:
+    """Bytes of a tensor of numpy-order `shape` stored as `q` (rows of the last axis)."""
+    return int(np.prod(shape[:-1])) * row_bytes(shape[-1], q)
 
 
 def _write_data(w: gguf.GGUFWriter, tensors: dict[str, TensorLike], qtypes: dict[str, Q], progress: bool) -> None:
     """Tensor data in table order, each padded to the writer's alignment (as its offsets assume)."""
     fout = w.fout[0]
-    total = sum(tensor_nbytes(t, qtypes[n]) for n, t in tensors.items())
+    total = sum(tensor_nbytes(tuple(t.shape), qtypes[n]) for n, t in tensors.items())
     bar = None
     if progress:
         from tqdm import tqdm

@@ -25,15 +25,8 @@ def describe(layout: ModelLayout) -> dict[str, Any]:
         "hparams": dataclasses.asdict(layout.hparams),
         "dense_bytes": layout.dense_bytes,
         "dense_tensors": len(layout.dense),
-        "experts": {
-            "n_layer": ex.n_layer,
-            "experts_per_layer": ex.n_expert,
-            "parts": [name for name, _ in ex.tensors[0]] if ex.tensors else [],
-            "blob_bytes_max": ex.max_blob_bytes,
-            "slot_bytes": ex.slot_bytes(direct_io=False),
-            "slot_bytes_direct_io": ex.slot_bytes(direct_io=True),
-            "total_bytes": ex.total_bytes,
-        },
+        "experts": {**ex.summary(), "slot_bytes": ex.slot_bytes(direct_io=False),
+                    "slot_bytes_direct_io": ex.slot_bytes(direct_io=True)},
         "quant_types": layout.quant_types(),
         "fingerprint": layout.fingerprint.as_dict(),
     }
@@ -51,9 +44,9 @@ def format_text(d: dict[str, Any]) -> str:
         "hyper-parameters " + ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
                                         for k, v in hp.items() if k != "arch"),
         f"dense            {_mib(d['dense_bytes'])} in {d['dense_tensors']} tensors",
-        f"experts          {ex['n_layer']} layers x {ex['experts_per_layer']} experts, "
+        f"experts          {ex['n_layer']} layers x {ex['n_expert']} experts, "
         f"top {hp['n_expert_used']}, parts {'+'.join(ex['parts'])}",
-        f"blob (max)       {_mib(ex['blob_bytes_max'])}",
+        f"blob (max)       {_mib(ex['max_blob_bytes'])}",
         f"slot             {_mib(ex['slot_bytes'])} (O_DIRECT: {_mib(ex['slot_bytes_direct_io'])})",
         f"expert total     {_mib(ex['total_bytes'])}",
         "quant types      " + ", ".join(f"{k} x{v}" for k, v in sorted(d["quant_types"].items())),

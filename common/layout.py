@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +51,6 @@ class TensorInfo:
     offset: int
     nbytes: int
 
-    @property
-    def row_bytes(self) -> int:
-        block, type_size = GGML_QUANT_SIZES[self.qtype]
-        return self.shape[0] // block * type_size
-
 
 @dataclass(frozen=True)
 class ExpertPart:
@@ -65,6 +61,22 @@ class ExpertPart:
     shape: tuple[int, ...]
     offset: int  # absolute offset in the file
     nbytes: int
+
+
+def slot_offsets(parts: Sequence[ExpertPart], direct: bool) -> tuple[dict[str, int], int]:
+    """Where each part's first byte sits in an arena slot, and the bytes the slot needs.
+
+    The one rule for a slot's layout: parts go in order, each at a PAGE-aligned slot offset,
+    each given `round_up(nbytes, PAGE)` bytes. With `direct` (O_DIRECT) a part is read from the
+    page holding its first byte, so it gets one more PAGE of room and its first byte sits
+    `offset % PAGE` into it (the read then starts at `slot offset - offset % PAGE`).
+    Returns ({part name: slot offset of its first byte}, slot bytes used, a PAGE multiple)."""
+    where: dict[str, int] = {}
+    pos = 0
+    for p in parts:
+        where[p.name] = pos + (p.offset % PAGE if direct else 0)
+        pos += round_up(p.nbytes, PAGE) + (PAGE if direct else 0)
+    return where, pos
 
 
 @dataclass(frozen=True)
@@ -123,15 +135,9 @@ class ExpertIndex:
         return max(self.blob_bytes(layer) for layer in range(self.n_layer))
 
     def slot_bytes(self, direct_io: bool = False) -> int:
-        """Arena slot size: the largest blob, each part padded for aligned (O_DIRECT) reads."""
-        worst = 0
-        for layer in range(self.n_layer):
-            size = 0
-            for _, t in self.tensors[layer]:
-                stride = t.nbytes // self.n_expert
-                size += round_up(stride, PAGE) + (PAGE if direct_io else 0)
-            worst = max(worst, size)
-        return round_up(worst, PAGE)
+        """Arena slot size: what `slot_offsets` needs for the largest blob (every expert of a
+        layer has the same part sizes, so expert 0 stands for all of them)."""
+        return max((slot_offsets(self.parts(layer, 0), direct_io)[1] for layer in range(self.n_layer)), default=0)
 
     @property
     def total_bytes(self) -> int:
@@ -153,9 +159,13 @@ class ModelLayout:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path).resolve()
         self.reader = _open_reader(self.path)
-        self.file_size = self.path.stat().st_size
+        self._stat = self.path.stat()  # size and mtime of the file as opened (the fingerprint's too)
+        self.file_size = self._stat.st_size
         self.arch_name = str(self._kv("general.architecture"))
-        self.spec: ArchSpec = _wrap(get_arch, self.arch_name)
+        try:
+            self.spec: ArchSpec = get_arch(self.arch_name)
+        except ValueError as e:
+            raise ModelFormatError(f"{self.path.name}: {e}") from None
         self.tensors = self._tensor_table()
         self.hparams = self._hparams()
         self.experts = self._expert_index()
@@ -210,11 +220,7 @@ class ModelLayout:
         for t in self.reader.tensors:
             qtype = GGMLQuantizationType(t.tensor_type)
             info = TensorInfo(t.name, qtype, tuple(int(x) for x in t.shape), int(t.data_offset), int(t.n_bytes))
-            if info.offset + info.nbytes > self.file_size:
-                raise ModelFormatError(
-                    f"{self.path.name}: truncated: tensor {t.name!r} ends at byte {info.offset + info.nbytes} "
-                    f"but the file has {self.file_size} bytes"
-                )
+            # (a table pointing past the end of the file was rejected by _CheckedReader already)
             if qtype not in SUPPORTED_QTYPES:
                 raise ModelFormatError(f"{self.path.name}: tensor {t.name!r} has unsupported quant type {qtype.name}")
             out[t.name] = info
@@ -266,9 +272,8 @@ class ModelLayout:
 
     def _check_dense(self) -> None:
         hp, spec, name = self.hparams, self.spec, self.path.name
-        for key in ("token_embd.weight", "output_norm.weight"):
-            if key not in self.dense:
-                raise ModelFormatError(f"{name}: missing tensor {key!r}")
+        if "output_norm.weight" not in self.dense:  # (token_embd.weight: checked by _hparams)
+            raise ModelFormatError(f"{name}: missing tensor 'output_norm.weight'")
         for layer in range(hp.n_layer):
             for t in spec.layer_tensors:
                 self._require(f"blk.{layer}.{t}.weight")
@@ -299,10 +304,9 @@ class ModelLayout:
 
     @cached_property
     def fingerprint(self) -> Fingerprint:
-        st = self.path.stat()
-        with open(self.path, "rb") as f:
-            header = f.read(self.reader.data_offset)
-        return Fingerprint(str(self.path), st.st_size, st.st_mtime_ns, hashlib.sha256(header).hexdigest())
+        header = self.reader.data[: self.reader.data_offset]  # metadata + tensor table, from the memory map
+        return Fingerprint(str(self.path), self._stat.st_size, self._stat.st_mtime_ns,
+                           hashlib.sha256(header).hexdigest())
 
     def quant_types(self) -> dict[str, int]:
         """Quant type name -> number of tensors of that type."""
@@ -347,13 +351,3 @@ def _open_reader(path: Path) -> GGUFReader:
         # The reader fails deep inside on truncated headers or unknown enum values.
         raise ModelFormatError(f"{path.name}: unreadable GGUF header or tensor table: {e}") from None
 
-
-def _wrap(fn: Any, *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except ValueError as e:
-        raise ModelFormatError(str(e)) from None
-
-
-def load_layout(path: str | os.PathLike[str]) -> ModelLayout:
-    return ModelLayout(path)

@@ -14,21 +14,26 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
 
 from .arch import get_arch
-from .gguf_write import RandomTensor, TensorLike, normalize_hparams, tensor_qtype, write_moe_gguf, tensor_nbytes
+from .gguf_write import RandomTensor, TensorLike, normalize_hparams, tensor_nbytes, tensor_qtype, write_moe_gguf
 from .quantize import qtype_of
 from .tokenizer_data import get_tokenizer
+from .units import parse_size
 
-K_QUANTS = frozenset((Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K))
 MAX_TARGET_EXPERTS = 128  # --target-size adds experts up to this, then widens them
 ROUTER_STD = 1.0  # logits ~N(0, |h|): clearly different experts win for different tokens
 
 
+def _block(quant: str) -> int:
+    """Values per quant block (256 for K-quants, 32 for the rest, 1 for floats)."""
+    return GGML_QUANT_SIZES[qtype_of(quant)][0]
+
+
 def default_width(quant: str) -> int:
     """Smallest hidden / expert width every tensor of `quant` accepts: K-quants need 256."""
-    return 256 if qtype_of(quant) in K_QUANTS else 64
+    return max(64, _block(quant))
 
 
 def model_hparams(arch: str, *, layers: int, experts: int, top_k: int, hidden: int, expert_ff: int,
@@ -42,8 +47,8 @@ def model_hparams(arch: str, *, layers: int, experts: int, top_k: int, hidden: i
         raise ValueError(f"top_k={top_k} > experts={experts}")
     if heads % kv_heads:
         raise ValueError(f"heads={heads} is not a multiple of kv_heads={kv_heads}")
-    if arch == "olmoe" and kv_heads != heads:
-        raise ValueError(f"olmoe needs kv_heads == heads (llama.cpp's loader), got {kv_heads} != {heads}")
+    if spec.kv_heads_equal_heads and kv_heads != heads:
+        raise ValueError(f"{arch} needs kv_heads == heads (llama.cpp's loader), got {kv_heads} != {heads}")
     if head_dim is not None and head_dim != hidden // heads and not spec.head_dim_key:
         raise ValueError(f"{arch} has no head-dim key: head_dim must be hidden/heads = {hidden // heads}")
     if head_dim is None and hidden % heads:
@@ -54,62 +59,59 @@ def model_hparams(arch: str, *, layers: int, experts: int, top_k: int, hidden: i
     return normalize_hparams(arch, hp)
 
 
-def _rand(shape: tuple[int, ...], seed: int, std: float | None = None) -> RandomTensor:
-    return RandomTensor(shape, std if std is not None else 1.0 / math.sqrt(shape[-1]), seed)
-
-
-def _norm(n: int, rng: np.random.Generator) -> np.ndarray:
-    return (1.0 + 0.02 * rng.standard_normal(n)).astype(np.float32)  # [n]
+def tensor_shapes(arch: str, hp: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor's numpy-order shape, in llama.cpp's file order."""
+    spec = get_arch(arch)
+    e, v, ne, ff, hd = hp["n_embd"], hp["n_vocab"], hp["n_expert"], hp["n_ff_exp"], hp["head_dim"]
+    q_dim, kv_dim = hp["n_head"] * hd, hp["n_head_kv"] * hd
+    out: dict[str, tuple[int, ...]] = {"token_embd.weight": (v, e)}
+    for i in range(hp["n_layer"]):
+        p = f"blk.{i}."
+        out.update({p + "attn_norm.weight": (e,), p + "attn_q.weight": (q_dim, e),
+                    p + "attn_k.weight": (kv_dim, e), p + "attn_v.weight": (kv_dim, e)})
+        for t in spec.layer_biases:  # qwen2moe: q/k/v biases
+            out[p + t + ".bias"] = (q_dim if t == "attn_q" else kv_dim,)
+        out[p + "attn_output.weight"] = (e, q_dim)
+        if spec.qk_norm == "head":
+            out.update({p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)})
+        elif spec.qk_norm == "full":  # over all heads
+            out.update({p + "attn_q_norm.weight": (q_dim,), p + "attn_k_norm.weight": (kv_dim,)})
+        out.update({p + "ffn_norm.weight": (e,), p + "ffn_gate_inp.weight": (ne, e),
+                    p + "ffn_gate_exps.weight": (ne, ff, e),  # separate gate and up, as llama.cpp
+                    p + "ffn_up_exps.weight": (ne, ff, e), p + "ffn_down_exps.weight": (ne, e, ff)})
+        if spec.shared_expert:
+            sff = hp["n_ff_shexp"]
+            out.update({p + "ffn_gate_inp_shexp.weight": (e,), p + "ffn_gate_shexp.weight": (sff, e),
+                        p + "ffn_up_shexp.weight": (sff, e), p + "ffn_down_shexp.weight": (e, sff)})
+    out.update({"output_norm.weight": (e,), "output.weight": (v, e)})
+    return out
 
 
 def build_tensors(arch: str, hp: dict, seed: int = 0) -> dict[str, TensorLike]:
     """Every tensor of a random `arch` model, in numpy order, in llama.cpp's file order."""
-    spec, rng = get_arch(arch), np.random.default_rng(seed)
-    e, v, ne = hp["n_embd"], hp["n_vocab"], hp["n_expert"]
-    q_dim, kv_dim = hp["n_head"] * hp["head_dim"], hp["n_head_kv"] * hp["head_dim"]
-    out: dict[str, TensorLike] = {"token_embd.weight": _rand((v, e), seed, 0.02)}
-    for i in range(hp["n_layer"]):
-        p = f"blk.{i}."
-        out[p + "attn_norm.weight"] = _norm(e, rng)
-        out[p + "attn_q.weight"] = _rand((q_dim, e), seed)
-        out[p + "attn_k.weight"] = _rand((kv_dim, e), seed)
-        out[p + "attn_v.weight"] = _rand((kv_dim, e), seed)
-        for t in spec.layer_biases:  # qwen2moe: q/k/v biases
-            out[p + t + ".bias"] = (0.02 * rng.standard_normal(q_dim if t == "attn_q" else kv_dim)).astype(np.float32)
-        out[p + "attn_output.weight"] = _rand((e, q_dim), seed)
-        if spec.qk_norm == "head":
-            out[p + "attn_q_norm.weight"], out[p + "attn_k_norm.weight"] = _norm(hp["head_dim"], rng), _norm(hp["head_dim"], rng)
-        elif spec.qk_norm == "full":
-            out[p + "attn_q_norm.weight"], out[p + "attn_k_norm.weight"] = _norm(q_dim, rng), _norm(kv_dim, rng)
-        out[p + "ffn_norm.weight"] = _norm(e, rng)
-        out[p + "ffn_gate_inp.weight"] = (ROUTER_STD / math.sqrt(e) * rng.standard_normal((ne, e))).astype(np.float32)
-        out.update(_expert_tensors(p, hp, seed))
-        if spec.shared_expert:
-            out.update(_shared_expert(p, hp, seed, rng))
-    out["output_norm.weight"] = _norm(e, rng)
-    out["output.weight"] = _rand((v, e), seed)
-    return out
+    rng = np.random.default_rng(seed)  # drawn in file order: small F32 tensors only
+    return {name: _init(name, shape, seed, rng) for name, shape in tensor_shapes(arch, hp).items()}
 
 
-def _expert_tensors(p: str, hp: dict, seed: int) -> dict[str, TensorLike]:
-    e, ff, ne = hp["n_embd"], hp["n_ff_exp"], hp["n_expert"]
-    return {p + "ffn_gate_exps.weight": _rand((ne, ff, e), seed),  # separate gate and up, as llama.cpp
-            p + "ffn_up_exps.weight": _rand((ne, ff, e), seed),
-            p + "ffn_down_exps.weight": _rand((ne, e, ff), seed)}
-
-
-def _shared_expert(p: str, hp: dict, seed: int, rng: np.random.Generator) -> dict[str, TensorLike]:
-    e, ff = hp["n_embd"], hp["n_ff_shexp"]
-    return {p + "ffn_gate_inp_shexp.weight": (rng.standard_normal(e) / math.sqrt(e)).astype(np.float32),  # [n_embd]
-            p + "ffn_gate_shexp.weight": _rand((ff, e), seed),
-            p + "ffn_up_shexp.weight": _rand((ff, e), seed),
-            p + "ffn_down_shexp.weight": _rand((e, ff), seed)}
+def _init(name: str, shape: tuple[int, ...], seed: int, rng: np.random.Generator) -> TensorLike:
+    """A tensor's random values; big matrices as RandomTensor, generated while writing."""
+    if name.endswith(".bias"):
+        return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+    if "norm" in name:
+        return (1.0 + 0.02 * rng.standard_normal(shape)).astype(np.float32)  # [n]
+    if name.endswith(".ffn_gate_inp.weight"):  # the router: [n_expert, n_embd]
+        return (ROUTER_STD / math.sqrt(shape[-1]) * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith(".ffn_gate_inp_shexp.weight"):
+        return (rng.standard_normal(shape) / math.sqrt(shape[0])).astype(np.float32)  # [n_embd]
+    std = 0.02 if name == "token_embd.weight" else 1.0 / math.sqrt(shape[-1])  # ~1/sqrt(fan_in)
+    return RandomTensor(shape, std, seed)
 
 
 def estimate_bytes(arch: str, hp: dict, quant: str) -> int:
     """Tensor data bytes a `make_model` file would hold (the header adds a few KiB + the vocab)."""
     q, notes = qtype_of(quant), []
-    return sum(tensor_nbytes(t, tensor_qtype(n, tuple(t.shape), q, q, notes)) for n, t in build_tensors(arch, hp).items())
+    shapes = tensor_shapes(arch, hp)
+    return sum(tensor_nbytes(shape, tensor_qtype(n, shape, q, q, notes)) for n, shape in shapes.items())
 
 
 def fit_target(arch: str, hp: dict, quant: str, target: int) -> dict:
@@ -119,10 +121,11 @@ def fit_target(arch: str, hp: dict, quant: str, target: int) -> dict:
         raise ValueError(f"target size {target} B is smaller than the requested model ({base} B)")
     dense, per_expert = _split_bytes(arch, hp, quant)
     n_exp = int(min(MAX_TARGET_EXPERTS, max(hp["n_expert"], (target - dense) // per_expert)))
-    step = 256 if qtype_of(quant) in K_QUANTS else 32  # expert width must stay a whole number of blocks
+    step = max(32, _block(quant))  # expert width must stay a whole number of blocks
     per_ff = per_expert * n_exp / hp["n_ff_exp"]  # bytes per unit of expert width, all experts and layers
     ff = max(hp["n_ff_exp"], int((target - dense) // per_ff) // step * step)
-    hp = normalize_hparams(arch, {**hp, "n_ff_exp": ff, "n_ff": ff if arch != "qwen2moe" else hp["n_ff"]})
+    # n_ff is derived again: it follows the expert width unless a shared expert sets it
+    hp = normalize_hparams(arch, {**{k: v for k, v in hp.items() if k != "n_ff"}, "n_ff_exp": ff})
     dense, per_expert = _split_bytes(arch, hp, quant)  # width was rounded down: top up with experts
     return {**hp, "n_expert": max(n_exp, int((target - dense) // per_expert))}
 
@@ -143,7 +146,7 @@ def make_model(path: str | Path, *, arch: str = "qwen3moe", quant: str = "Q8_0",
     hidden / expert_ff default to 64 (256 for K-quants, whose blocks are 256 wide);
     kv_heads defaults to 2 (heads for olmoe, whose llama.cpp loader wants n_head_kv == n_head)."""
     width = default_width(quant)
-    kv_heads = kv_heads if kv_heads is not None else (heads if arch == "olmoe" else min(2, heads))
+    kv_heads = kv_heads if kv_heads is not None else (heads if get_arch(arch).kv_heads_equal_heads else min(2, heads))
     hp = model_hparams(arch, layers=layers, experts=experts, top_k=top_k, hidden=hidden or width,
                        expert_ff=expert_ff or width, heads=heads, kv_heads=kv_heads, vocab=vocab,
                        head_dim=head_dim, shared_ff=shared_ff)
@@ -158,26 +161,6 @@ def make_model(path: str | Path, *, arch: str = "qwen3moe", quant: str = "Q8_0",
         for note in report.notes:
             print(f"note: {note}")
     return Path(path)
-
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "tb": 10**12}
-
-
-def parse_size(text: int | str) -> int:
-    """"2GiB" -> 2147483648, "500MB" -> 500000000, "1234" -> 1234."""
-    if isinstance(text, int):
-        return text
-    s = text.strip().lower().replace(" ", "")
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
-    try:
-        value = float(num)
-    except ValueError:
-        raise ValueError(f"bad size {text!r} (examples: 2GiB, 500MB, 1048576)") from None
-    if unit not in _UNITS or value < 0:
-        raise ValueError(f"bad size {text!r} (units: {', '.join(k for k in _UNITS if k)})")
-    return int(value * _UNITS[unit])
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -83,6 +83,11 @@ class SlotPolicy:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
 
+    @property
+    def pinned(self) -> int:
+        """Entries holding at least one pin."""
+        return self._pinned
+
     def __len__(self) -> int:
         return len(self._entries)
 

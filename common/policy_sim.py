@@ -49,14 +49,25 @@ def _dedup(trace: Trace) -> list[list[Hashable]]:
     return [list(dict.fromkeys(step)) for step in trace]
 
 
+def _need(steps: list[list[Hashable]]) -> int:
+    """The least capacity that holds every (deduplicated) step."""
+    return max(1, max((len(s) for s in steps), default=0))
+
+
+def _check_capacity(capacity: int, need: int) -> None:
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < need:
+        raise ValueError(f"capacity {capacity!r} cannot hold one step: need an int >= {need}")
+
+
 def simulate(trace: Trace, capacity: int, policy: str = "lfu", decay: float = 0.9) -> SimResult:
     """Replay `trace` on a cache of `capacity` slots under `policy` ("lfu", "lru", "belady")."""
     steps = _dedup(trace)
-    widest = max((len(s) for s in steps), default=0)
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < max(1, widest):
-        raise ValueError(
-            f"capacity {capacity!r} cannot hold one step: need an int >= {max(1, widest)}"
-        )
+    _check_capacity(capacity, _need(steps))
+    return _run(steps, capacity, policy, decay)
+
+
+def _run(steps: list[list[Hashable]], capacity: int, policy: str, decay: float) -> SimResult:
+    """`simulate` on steps already deduplicated and checked against `capacity`."""
     if policy == "lfu":
         return _sim_lfu(steps, capacity, decay)
     if policy == "lru":
@@ -226,8 +237,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _report(steps: list, capacity: int, decay: float) -> str:
-    res = {name: simulate(steps, capacity, name, decay) for name in ("belady", "lfu", "lru")}
+def _report(steps: list[list[Hashable]], capacity: int, decay: float) -> str:
+    """One capacity's line; `steps` were deduplicated and checked once, by main."""
+    res = {name: _run(steps, capacity, name, decay) for name in ("belady", "lfu", "lru")}
     best = res["belady"].hit_rate
 
     def ratio(name: str) -> str:
@@ -243,11 +255,14 @@ def main(argv: list[str] | None = None) -> int:
         steps = load_trace(args.trace)
         if args.per_layer:
             steps = split_per_layer(steps)
-        n_access = sum(len(set(s)) for s in steps)
+        steps = _dedup(steps)  # once, for every policy and capacity
+        need = _need(steps)
+        n_access = sum(len(s) for s in steps)
         n_keys = len({k for s in steps for k in s})
         print(f"{args.trace}: {len(steps)} steps, {n_access} accesses, {n_keys} distinct keys, "
               f"lfu decay {args.decay}")
         for capacity in args.capacity:
+            _check_capacity(capacity, need)
             print(_report(steps, capacity, args.decay))
     except (OSError, ValueError) as exc:
         print(f"policy_sim: error: {exc}", file=sys.stderr)

@@ -18,6 +18,9 @@ from typing import Any, ClassVar
 
 import msgpack
 
+# Where a system daemon (systemd/moestream-iod.service) listens; clients default to these.
+DEFAULT_ENDPOINT = "ipc:///run/moestream/iod.sock"
+DEFAULT_STATUS_ENDPOINT = "ipc:///run/moestream/status.sock"
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 256 << 10  # requests are small; anything bigger is refused unparsed
 MAX_REPLY_BYTES = 16 << 20  # status replies and welcomes can carry tables

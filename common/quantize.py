@@ -18,9 +18,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants as gq
 
 QK_K = 256
-# Types encode() and random_blocks() handle.
-ENCODABLE: frozenset[Q] = frozenset((Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q6_K))
-_GGUF_PY = frozenset((Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1))
+_GGUF_PY = frozenset((Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1))  # gguf-py quantizes these
+# Types encode() and random_blocks() handle: gguf-py's, plus our own K-quant encoders.
+ENCODABLE: frozenset[Q] = _GGUF_PY | {Q.Q4_K, Q.Q6_K}
 
 
 def qtype_of(name: str | Q) -> Q:
@@ -32,14 +32,6 @@ def qtype_of(name: str | Q) -> Q:
     except KeyError:
         known = ", ".join(t.name for t in sorted(ENCODABLE))
         raise ValueError(f"unknown quant type {name!r} (writable: {known})") from None
-
-
-def approximates(qtype: Q) -> bool:
-    """True when `encode` reproduces the given values up to the type's rounding error.
-
-    Every type we encode does; the function exists so callers (the exporter) can check
-    instead of assuming, should a type ever be produced from random codes only."""
-    return qtype in ENCODABLE
 
 
 def check_row(name: str, row_len: int, qtype: Q) -> None:
@@ -57,11 +49,8 @@ def row_bytes(row_len: int, qtype: Q) -> int:
     return row_len // block * type_size
 
 
-def encode(values: np.ndarray, qtype: Q, rng: np.random.Generator | None = None, *, name: str = "tensor") -> np.ndarray:
-    """Quantize float rows (last axis) to uint8 block bytes of shape [..., row_bytes].
-
-    `rng` is unused: every encoder here is deterministic and approximates `values`
-    (see `approximates`); it is accepted so random and given-value paths share a signature."""
+def encode(values: np.ndarray, qtype: Q, *, name: str = "tensor") -> np.ndarray:
+    """Quantize float rows (last axis) to uint8 block bytes of shape [..., row_bytes] (deterministic)."""
     values = np.ascontiguousarray(values, dtype=np.float32)
     check_row(name, values.shape[-1], qtype)
     if qtype in _GGUF_PY:

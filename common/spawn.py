@@ -71,11 +71,26 @@ def spawn_daemon(model: str | Path, *, run_dir: Path | None = None, arena_slots:
                  ready_timeout_s: float = 30.0) -> DaemonProcess:
     """Start a daemon serving `model` on ipc endpoints inside `run_dir` (a fresh temp dir by default)."""
     own = run_dir is None
+    # mkdtemp's name is the prefix plus 8 characters: check the length before creating anything
+    _check_path_length(Path(tempfile.gettempdir()) / ("moestream-" + "x" * 8) if own else Path(run_dir))
     run_dir = Path(tempfile.mkdtemp(prefix="moestream-")) if own else Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    endpoint, status_endpoint = f"ipc://{run_dir}/iod.sock", f"ipc://{run_dir}/status.sock"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return _start(model, run_dir, own, arena_slots, arena_bytes, extra_args, ready_timeout_s)
+    except BaseException:
+        if own:  # (a started daemon's stop() has removed it already; rmtree tolerates that)
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+def _check_path_length(run_dir: Path) -> None:
     if len(str(run_dir)) > 90:  # sun_path is 108 bytes
         raise DaemonStartError(f"run dir {run_dir} is too long for an ipc socket path")
+
+
+def _start(model: str | Path, run_dir: Path, own: bool, arena_slots: int | None, arena_bytes: int | None,
+           extra_args: Sequence[str], ready_timeout_s: float) -> DaemonProcess:
+    endpoint, status_endpoint = f"ipc://{run_dir}/iod.sock", f"ipc://{run_dir}/status.sock"
     args = [sys.executable, "-m", "moestream.iod.main", "--model", str(model), "--endpoint", endpoint,
             "--status-endpoint", status_endpoint]
     if arena_slots is not None:
@@ -92,7 +107,11 @@ def spawn_daemon(model: str | Path, *, run_dir: Path | None = None, arena_slots:
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
             daemon = DaemonProcess(proc, run_dir, endpoint, status_endpoint, log_path, own)
-            _wait_ready(daemon, ns, ready_timeout_s)
+            try:
+                _wait_ready(daemon, ns, ready_timeout_s)
+            except BaseException:  # e.g. Ctrl-C while waiting: no daemon left running
+                daemon.stop()
+                raise
         finally:
             notify_path.unlink(missing_ok=True)
     return daemon

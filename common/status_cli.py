@@ -16,7 +16,6 @@ import zmq
 from . import protocol as P
 from .client import IodError, IodRequestError, IodUnavailable
 
-DEFAULT_STATUS_ENDPOINT = "ipc:///run/moestream/status.sock"
 
 
 def get_status(endpoint: str, timeout_s: float = 3.0) -> dict:
@@ -29,6 +28,10 @@ def get_status(endpoint: str, timeout_s: float = 3.0) -> dict:
         if not sock.poll(int(timeout_s * 1000)):
             raise IodUnavailable(f"no status from {endpoint} within {timeout_s}s (is moestream-iod running?)")
         msg = P.decode_reply(sock.recv())
+    except zmq.ZMQError as e:
+        raise IodUnavailable(f"cannot reach {endpoint!r}: {e}") from None
+    except P.ProtocolError as e:
+        raise IodError(f"bad status reply from {endpoint}: {e}") from None
     finally:
         sock.close()
     if isinstance(msg, P.Error):
@@ -40,8 +43,8 @@ def get_status(endpoint: str, timeout_s: float = 3.0) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moestream status", description="Show a running moestream-iod's status.")
-    p.add_argument("--endpoint", default=DEFAULT_STATUS_ENDPOINT,
-                   help=f"the daemon's status endpoint (default {DEFAULT_STATUS_ENDPOINT})")
+    p.add_argument("--endpoint", default=P.DEFAULT_STATUS_ENDPOINT,
+                   help=f"the daemon's status endpoint (default {P.DEFAULT_STATUS_ENDPOINT})")
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
     p.add_argument("--watch", type=float, metavar="N", help="refresh every N seconds until Ctrl-C")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer (default 3)")

@@ -15,10 +15,11 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import gguf
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 TOKENIZER_VERSION = 2
 # Qwen2's pre-tokenizer split (what `tokenizer.ggml.pre = "qwen2"` means to llama.cpp and
@@ -29,7 +30,7 @@ QWEN2_SPLIT_REGEX = (
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CORPUS_MAX_BYTES = 2 << 20  # 2 MiB of stdlib source: a few seconds of training
-TOKEN_NORMAL, TOKEN_CONTROL = 1, 3  # llama.cpp token types
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4  # llama.cpp token types
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS) + 1  # byte alphabet + specials + at least one merge
 
 QWEN_CHAT_TEMPLATE = (
@@ -60,17 +61,23 @@ def corpus_files(max_bytes: int = CORPUS_MAX_BYTES) -> list[Path]:
     return out
 
 
-def _iter_texts(files: list[Path]):
+def _iter_texts(files: list[Path]) -> Iterator[str]:
     for path in files:
         yield path.read_text(encoding="utf-8", errors="replace")
 
 
-def train_tokenizer(vocab: int) -> Tokenizer:
-    """Train a byte-level BPE with exactly `vocab` tokens (specials included), uncached."""
+def train_tokenizer(vocab: int, texts: Iterable[str] | None = None, *,
+                    normalizer: normalizers.Normalizer | None = None, pad: bool = True) -> Tokenizer:
+    """Train a byte-level BPE (Qwen2 split) with exactly `vocab` tokens, specials included, uncached.
+
+    `texts` default to the stdlib sample of `corpus_files()`. A corpus that runs out of merges
+    before `vocab` gets reserved special tokens when `pad`, else raises RuntimeError."""
     if vocab < MIN_VOCAB:
         raise ValueError(f"vocab size {vocab} is too small: a byte-level BPE needs at least {MIN_VOCAB} "
                          f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens + 1 merge)")
     tok = Tokenizer(models.BPE())
+    if normalizer is not None:
+        tok.normalizer = normalizer
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
@@ -82,15 +89,15 @@ def train_tokenizer(vocab: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_iter_texts(corpus_files()), trainer=trainer)
-    _pad_vocab(tok, vocab)
+    tok.train_from_iterator(_iter_texts(corpus_files()) if texts is None else texts, trainer=trainer)
+    _pad_vocab(tok, vocab, pad)
     return tok
 
 
-def _pad_vocab(tok: Tokenizer, vocab: int) -> None:
+def _pad_vocab(tok: Tokenizer, vocab: int, pad: bool) -> None:
     # A small corpus may run out of merges before `vocab`; the embedding rows must equal vocab.
     missing = vocab - tok.get_vocab_size(with_added_tokens=True)
-    if missing > 0:
+    if missing > 0 and pad:
         tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(missing)])
     if tok.get_vocab_size(with_added_tokens=True) != vocab:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size(with_added_tokens=True)} tokens, wanted {vocab}")

@@ -34,13 +34,13 @@ class AheadPrefetches:
         """Send `fetch ahead` for predicted experts not resident; the receiver lands them."""
         self.prefetch_ahead({layer: experts})
 
-    def prefetch_ahead(self, predictions: Mapping[int, Sequence[int]], before: int | None = None) -> None:
+    def prefetch_ahead(self, predictions: Mapping[int, Sequence[int]], defer: bool = False) -> None:
         """`prefetch` for several layers in one `fetch ahead` message.
 
-        With `before` (a layer whose `acquire` comes next), the message waits until that
-        layer's own experts are pinned and its demand fetch is sent, so the prefetch neither
-        evicts what the layer is about to use nor delays its misses at the daemon."""
-        if before is None:
+        With `defer` (made before a layer's `acquire`), the message waits until that layer's
+        own experts are pinned and its demand fetch is sent, so the prefetch neither evicts
+        what the layer is about to use nor delays its misses at the daemon."""
+        if not defer:
             self._send_ahead(predictions)
             return
         for layer, experts in predictions.items():
@@ -49,7 +49,8 @@ class AheadPrefetches:
     def _send_ahead(self, predictions: Mapping[int, Sequence[int]]) -> None:
         """Claim slots for the predicted experts not resident and send one `fetch ahead`."""
         keys: list[Key] = []
-        room = self.cache.n_slots - self.reserve - self.cache.pinned()  # leave slots for demand misses
+        eager = self.landing == "eager"
+        room = self.cache.n_slots - self.reserve - self.cache.pinned() if eager else 0  # leave slots for misses
         for layer, experts in predictions.items():
             self._predicted[layer] = {int(e) for e in experts}
             ahead = self._ahead.setdefault(layer, {})
@@ -57,7 +58,7 @@ class AheadPrefetches:
                 key = (layer, e)
                 if e in ahead or key in self.cache:
                     continue
-                if self.landing == "lazy":  # no slot yet: a wrong guess evicts nothing
+                if not eager:  # lazy: no slot yet, a wrong guess evicts nothing
                     keys.append(key)
                     continue
                 if room <= 0 or self.cache.claim(key) is None:

@@ -87,15 +87,12 @@ class Run:
 
     def streamed(self, slots: int, prefetch: int) -> Any:
         from .prefetch import Prefetcher
-        from .slot_cache import DeviceSlotCache
-        from .streamed import StreamedExperts, default_landing
-        from ..common.client import IodClient
+        from .streamed import open_streamed
 
-        cache = DeviceSlotCache(self.layout.experts, slots, self.cfg.torch_device,
-                                slot_format=self.cfg.resolved_slot_format, dtype=self.cfg.torch_dtype)
-        client = IodClient(self.endpoint, expect_fingerprint=self.layout.fingerprint.as_dict(), name="bench-decode")
-        landing = default_landing(cache) if self.args.landing == "auto" else self.args.landing
-        source = StreamedExperts(client, self.layout, cache, owns_client=True, landing=landing)
+        landing = None if self.args.landing == "auto" else self.args.landing
+        source = open_streamed(self.layout, self.endpoint, device=self.cfg.torch_device, dtype=self.cfg.torch_dtype,
+                               slots=slots, slot_format=self.cfg.resolved_slot_format, name="bench-decode",
+                               landing=landing)
         return source, (Prefetcher(self.model, source, prefetch, at=self.args.prefetch_at) if prefetch else None)
 
 
@@ -254,10 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\nmoestream bench decode: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        from ..common.client import IodError
-        from ..common.spawn import DaemonStartError
+        from .cli import expected_error
 
-        if not isinstance(e, (ValueError, OSError, KeyError, IodError, DaemonStartError)):
+        if not expected_error(e):
             raise
         print(f"moestream bench decode: {e}", file=sys.stderr)
         return 1

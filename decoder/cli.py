@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> DecoderConfig:
     values = {k: v for k, v in vars(args).items() if k != "config"}
     if values.get("cache_bytes") is not None:
-        from ..common.make_model import parse_size
+        from ..common.units import parse_size
 
         values["cache_bytes"] = parse_size(values["cache_bytes"])
     return DecoderConfig.build(args.config, **values)
@@ -80,7 +80,7 @@ def open_streamed(cfg: DecoderConfig, layout: Any, model: Any) -> tuple[Any, Cal
         from .streamed import open_streamed as connect
     except ImportError as e:
         raise ConfigError(f"streamed mode not available ({e}); use --resident") from None
-    sized = {"cache_bytes": cfg.cache_bytes} if cfg.cache_bytes and not cfg.slots else \
+    sized = {"cache_bytes": cfg.cache_bytes} if cfg.cache_bytes else \
         {"slots": cfg.slots or default_slots(layout.hparams)}
     source = connect(layout, cfg.iod, device=cfg.torch_device, dtype=cfg.torch_dtype,
                      slot_format=cfg.resolved_slot_format, fetch_timeout_s=cfg.fetch_timeout_s,
@@ -93,7 +93,12 @@ def prompt_ids(cfg: DecoderConfig, tok: Any) -> list[list[int]]:
     return [tok.encode(t) for t in texts]
 
 
-def run(cfg: DecoderConfig) -> int:
+def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
+        header: Callable[[DecoderConfig, Any], None] | None = None) -> int:
+    """Generate for `cfg` and print the text (streamed as it comes for a single prompt).
+
+    `echo_prompt` prints a single prompt's text before its continuation; `header(cfg, layout)`
+    runs once the model is loaded, before generating (the demo's description of the setup)."""
     from ..common.layout import ModelLayout
     from .generate import TextStream, generate
     from .models import load_model
@@ -108,6 +113,10 @@ def run(cfg: DecoderConfig) -> int:
     source, hook = opener(cfg, layout, model)
     load_s = time.perf_counter() - t0
     single = len(ids) == 1
+    if header is not None:
+        header(cfg, layout)
+    if single and echo_prompt:
+        print(cfg.prompts[0], end="", flush=True)
     stream = TextStream(tok.decode, lambda _i, text: print(text, end="", flush=True)) if single else None
     with source:
         result = generate(model, source, ids, cfg.max_new_tokens, cfg.sampling, tok.stop_ids, tok.pad_id,
@@ -151,21 +160,23 @@ def main(argv: list[str] | None = None) -> int:
         print("\nmoestream generate: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # one clear line, not a traceback, for every expected failure
-        if not _expected(e):
+        if not expected_error(e):
             raise
         print(f"moestream generate: {e}", file=sys.stderr)
         return 1
 
 
-def _expected(e: Exception) -> bool:
-    """Errors of the input or the environment (bad file, bad option, daemon gone)."""
+def expected_error(e: BaseException) -> bool:
+    """Errors of the input or the environment (bad file, bad option, daemon gone or not
+    starting): worth one clear line. Anything else is a bug and keeps its traceback."""
     if isinstance(e, (ValueError, OSError, KeyError)):
         return True
     try:
         from ..common.client import IodError
-    except ImportError:
+        from ..common.spawn import DaemonStartError
+    except ImportError:  # streamed extras not installed: nothing of theirs can have raised
         return False
-    return isinstance(e, IodError)
+    return isinstance(e, (IodError, DaemonStartError))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import argparse
 import os
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -113,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\nmoestream demo: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        if not _expected(e):
+        from .cli import expected_error
+
+        if not expected_error(e):
             raise
         print(f"moestream demo: {e}", file=sys.stderr)
         return 1
@@ -140,47 +141,23 @@ def run(args: argparse.Namespace) -> int:
 
 def generate_streamed(args: argparse.Namespace, model_path: Path, endpoint: str) -> int:
     from ..common.layout import ModelLayout
-    from .cli import open_streamed, prompt_ids
+    from .cli import run as generate_run
     from .config import DecoderConfig
-    from .generate import TextStream, generate
-    from .models import load_model
-    from .tokenizer import GGUFTokenizer
 
-    layout = ModelLayout(model_path)
-    hp = layout.hparams
+    hp = ModelLayout(model_path).hparams
     slots = args.slots or max(2 * hp.n_expert_used, hp.n_layer * hp.n_expert // 4)
     cfg = DecoderConfig(model=str(model_path), prompts=[args.prompt], iod=endpoint, slots=slots,
                         prefetch=args.prefetch, max_new_tokens=args.max_new_tokens, device=args.device,
-                        temperature=args.temperature, top_p=args.top_p, seed=args.seed, progress=False)
-    tok = GGUFTokenizer.from_layout(layout)
-    model = load_model(layout, cfg.torch_device, cfg.torch_dtype)
-    print(f"model: {model_path.name}: {hp.arch}, {hp.n_layer} layers x {hp.n_expert} experts (top {hp.n_expert_used}); "
-          f"device slot cache {slots} of {hp.n_layer * hp.n_expert} experts ({cfg.resolved_slot_format} slots, "
-          f"{cfg.torch_device}), prefetch {cfg.prefetch}", flush=True)
-    source, hook = open_streamed(cfg, layout, model)
-    print(args.prompt, end="", flush=True)
-    stream = TextStream(tok.decode, lambda _i, text: print(text, end="", flush=True))
-    with source:
-        t0 = time.perf_counter()
-        result = generate(model, source, prompt_ids(cfg, tok), cfg.max_new_tokens, cfg.sampling, tok.stop_ids,
-                          tok.pad_id, on_token=stream, after_layer=hook)
-        wall = time.perf_counter() - t0
-        stats = source.stats()
-    stream.flush()
-    print()
-    print(f"{result.new_tokens} tokens in {wall:.2f} s (decode {result.decode_tok_s():.1f} tok/s)")
-    from .streamed import describe_stats
-
-    print(describe_stats(stats))
-    return 0
+                        temperature=args.temperature, top_p=args.top_p, seed=args.seed, progress=False, stats=True)
+    return generate_run(cfg, echo_prompt=True, header=print_header)
 
 
-def _expected(e: Exception) -> bool:
-    """Input or environment failures get one line; anything else is a bug and keeps its traceback."""
-    from ..common.client import IodError
-    from ..common.spawn import DaemonStartError
-
-    return isinstance(e, (ValueError, OSError, KeyError, IodError, DaemonStartError))
+def print_header(cfg: Any, layout: Any) -> None:
+    """What the demo runs: the model, and the slot cache against the expert set."""
+    hp = layout.hparams
+    print(f"model: {Path(cfg.model).name}: {hp.arch}, {hp.n_layer} layers x {hp.n_expert} experts "
+          f"(top {hp.n_expert_used}); device slot cache {cfg.slots} of {hp.n_layer * hp.n_expert} experts "
+          f"({cfg.resolved_slot_format} slots, {cfg.torch_device}), prefetch {cfg.prefetch}", flush=True)
 
 
 if __name__ == "__main__":

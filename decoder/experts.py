@@ -9,9 +9,10 @@ streamed and resident decoding are bit-identical).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ..common.layout import ExpertPart, ModelLayout
@@ -25,13 +26,10 @@ class ExpertWeights:
     gate: torch.Tensor  # [ff, d]
     up: torch.Tensor  # [ff, d]
     down: torch.Tensor  # [d, ff]
-    # Per-expert extras some architectures store next to the weights (e.g. "down.bias"); empty for qwen3moe.
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.gate, self.up, self.down, *self.extras.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down))
 
 
 def blob_to_weights(
@@ -43,10 +41,12 @@ def blob_to_weights(
     """Dequantize one expert blob (uint8 bytes on the compute device) into `ExpertWeights`.
 
     `ranges[part.name] = (offset inside blob, nbytes)`. A fused `gate_up` part holds the gate
-    rows first, then the up rows.
+    rows first, then the up rows. Any other part is an error (no architecture has one).
     """
     mats: dict[str, torch.Tensor] = {}
     for part in parts:
+        if part.name not in _PART_NAMES:
+            raise ValueError(f"expert part {part.name!r} is not one of {', '.join(_PART_NAMES)}")
         if part.name not in ranges:
             raise ValueError(f"expert blob has no byte range for part {part.name!r} (has {sorted(ranges)})")
         off, n = ranges[part.name]
@@ -59,7 +59,10 @@ def blob_to_weights(
         gate, up = mats.pop("gate_up").chunk(2, dim=0)  # [2ff, d] -> 2 x [ff, d]
     else:
         gate, up = mats.pop("gate"), mats.pop("up")
-    return ExpertWeights(gate=gate, up=up, down=mats.pop("down"), extras=mats)
+    return ExpertWeights(gate=gate, up=up, down=mats.pop("down"))
+
+
+_PART_NAMES = ("gate", "up", "down", "gate_up")
 
 
 class ExpertSource(ABC):
@@ -91,16 +94,18 @@ class ExpertSource(ABC):
         self.close()
 
 
-def read_blob(layout: ModelLayout, layer: int, expert: int) -> tuple[list[ExpertPart], bytes, dict[str, tuple[int, int]]]:
-    """An expert's parts read straight from the file's memory map, packed back to back."""
+def read_blob(layout: ModelLayout, layer: int,
+              expert: int) -> tuple[list[ExpertPart], np.ndarray, dict[str, tuple[int, int]]]:
+    """An expert's parts read straight from the file's memory map, packed back to back
+    into one new uint8 array (the only host copy)."""
     parts = layout.experts.parts(layer, expert)
     data = layout.reader.data  # np.memmap of the whole file, uint8
-    chunks, ranges, off = [], {}, 0
+    ranges, off = {}, 0
     for p in parts:
-        chunks.append(bytes(data[p.offset:p.offset + p.nbytes]))
         ranges[p.name] = (off, p.nbytes)
         off += p.nbytes
-    return parts, b"".join(chunks), ranges
+    blob = np.concatenate([data[p.offset:p.offset + p.nbytes] for p in parts])  # [blob bytes]
+    return parts, blob, ranges
 
 
 class ResidentExperts(ExpertSource):
@@ -131,7 +136,7 @@ class ResidentExperts(ExpertSource):
             keys = tqdm(keys, desc="experts", unit="expert", leave=False)
         for key in keys:
             parts, raw, ranges = read_blob(self.layout, *key)
-            blob = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device)  # [blob bytes]
+            blob = torch.from_numpy(raw).to(self.device)  # [blob bytes]; on the CPU no copy
             if self.slot_format == "raw":
                 self._raw[key] = (parts, blob, ranges)
             else:

@@ -66,19 +66,12 @@ def _matches(key: str, pattern: str, n_layer: int) -> bool:
     return any(key == pattern.format(i=i) for i in range(n_layer)) if "{i}" in pattern else key == pattern
 
 
-def hparams(cfg: dict) -> dict:
-    """The train config in `HParams` field names, as `write_moe_gguf` takes them."""
-    return dict(n_layer=cfg["layers"], n_embd=cfg["hidden"], n_head=cfg["heads"], n_head_kv=cfg["kv_heads"],
-                head_dim=cfg["head_dim"], n_expert=cfg["experts"], n_expert_used=cfg["top_k"],
-                n_ff_exp=cfg["expert_ff"], n_vocab=cfg["vocab"], context_length=cfg["context"],
-                rope_base=float(cfg["rope_base"]), rms_eps=1e-6, norm_topk_prob=True)
-
-
 def export(run: Path, out_dir: Path, quants: list[str]) -> list[Path]:
     """Write one GGUF per quant type; returns their paths."""
     from tokenizers import Tokenizer
 
     from ..common.gguf_write import write_moe_gguf
+    from .train_tiny import gguf_hparams
 
     cfg, state = load_run(run)
     tensors = gguf_tensors(state, cfg["layers"])
@@ -86,7 +79,7 @@ def export(run: Path, out_dir: Path, quants: list[str]) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for q in quants:
-        report = write_moe_gguf(model_path(out_dir, q), "qwen3moe", hparams(cfg), tensors, q, tok,
+        report = write_moe_gguf(model_path(out_dir, q), "qwen3moe", gguf_hparams(cfg), tensors, q, tok,
                                 name=f"moestream {MODEL_STEM} (trained on the Python stdlib)")
         for note in report.notes:
             print(f"note: {note}")

@@ -120,28 +120,37 @@ def latest_tokens(batch: _Batch) -> torch.Tensor:
 
 
 class TextStream:
-    """Turns tokens into text pieces per sequence, holding back incomplete UTF-8 characters."""
+    """Turns tokens into text pieces per sequence, holding back incomplete UTF-8 characters.
+
+    Each call decodes a short window, not the whole sequence: the tokens since the last
+    emitted piece plus the token before them (`_start`) as context, since a token's text may
+    depend on its neighbour (a leading space, a byte of a multi-byte character). The piece is
+    what the window adds to the text of its context alone.
+    """
 
     def __init__(self, decode: Callable[[list[int]], str], on_text: Callable[[int, str], None]):
         self.decode, self.on_text = decode, on_text
         self.ids: dict[int, list[int]] = {}
-        self.sent: dict[int, int] = {}
+        self._start: dict[int, int] = {}  # first token of the context window
+        self._read: dict[int, int] = {}  # first token not emitted yet
 
     def __call__(self, seq: int, token: int) -> None:
-        ids = self.ids.setdefault(seq, [])
-        ids.append(token)
-        text = self.decode(ids)
-        if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
-            return
-        done = self.sent.get(seq, 0)
-        if len(text) > done:
-            self.on_text(seq, text[done:])
-            self.sent[seq] = len(text)
+        self.ids.setdefault(seq, []).append(token)
+        self._emit(seq, final=False)
 
     def flush(self) -> None:
         """Emit what was held back (a stream that ended inside a character)."""
-        for seq, ids in self.ids.items():
-            text, done = self.decode(ids), self.sent.get(seq, 0)
-            if len(text) > done:
-                self.on_text(seq, text[done:])
-                self.sent[seq] = len(text)
+        for seq in self.ids:
+            self._emit(seq, final=True)
+
+    def _emit(self, seq: int, final: bool) -> None:
+        ids, start, read = self.ids[seq], self._start.get(seq, 0), self._read.get(seq, 0)
+        if read == len(ids):
+            return
+        context = self.decode(ids[start:read])
+        text = self.decode(ids[start:])
+        if not final and text.endswith("\ufffd"):  # a multi-byte character is not complete yet
+            return
+        if len(text) > len(context):
+            self.on_text(seq, text[len(context):])
+        self._start[seq], self._read[seq] = read, len(ids)

@@ -19,7 +19,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,9 +27,6 @@ from ..common.client import IodClient
 from .slot_cache import DeviceSlotCache, Key
 
 log = logging.getLogger("moestream.prefetch")
-
-Landed = Callable[[Key, int, BaseException | None], None]  # (key, bytes copied, error or None)
-
 
 class Receiver:
     """Lands fetched experts from the arena into the slot cache, on its own thread.
@@ -41,14 +37,14 @@ class Receiver:
     anyway). Whoever `_take`s a key first lands it; the other one skips it.
     """
 
-    def __init__(self, client: IodClient, cache: DeviceSlotCache, on_landed: Landed | None = None):
-        self.client, self.cache, self.on_landed = client, cache, on_landed
+    def __init__(self, client: IodClient, cache: DeviceSlotCache):
+        self.client, self.cache = client, cache
         self._queue: queue.SimpleQueue[tuple[Key, cf.Future] | None] = queue.SimpleQueue()
         self._outstanding = 0  # futures submitted and not yet handled
         self._cond = threading.Condition()
         self._submitted: set[cf.Future] = set()  # not handled yet (futures: a key may come back later)
         self._taken: set[cf.Future] = set()  # submitted, and someone has started landing it
-        self.landed = self.failed = self.bytes = self.stolen = 0
+        self.bytes = self.stolen = 0  # bytes landed here, landings the compute thread took over
         self.copy_s = 0.0
         self._thread = threading.Thread(target=self._run, name="moestream-receiver", daemon=True)
         self._thread.start()
@@ -75,11 +71,6 @@ class Receiver:
         self.stolen += 1
         self._land(key, future)
         return True
-
-    @property
-    def outstanding(self) -> int:
-        with self._cond:
-            return self._outstanding
 
     def drain(self, timeout: float) -> bool:
         """Wait until every submitted future has been handled; False on timeout."""
@@ -126,32 +117,22 @@ class Receiver:
                     self._cond.notify_all()
 
     def _land(self, key: Key, future: cf.Future) -> None:
-        err: BaseException | None = None
-        nbytes = 0
         try:
             lease = future.result(0)
-        except BaseException as e:  # cancelled, request error, daemon gone
-            err = e
-        else:
-            t0 = time.perf_counter()
-            try:
-                parts = {name: self.client.part_view(lease, name) for name in lease.parts}
-                self.cache.write(key, parts)
-                self.cache.unpin(key)  # the in-flight pin; the source's hold pin stays until its layer runs
-                nbytes = sum(n for _, n in lease.parts.values())
-            except BaseException as e:
-                err = e
-            finally:
-                self.client.release(lease)
-            self.copy_s += time.perf_counter() - t0
-        if err is not None:
+        except BaseException:  # cancelled, request error, daemon gone: waiters see FetchFailed
             self.cache.abort(key)
-            self.failed += 1
-        else:
-            self.landed += 1
-            self.bytes += nbytes
-        if self.on_landed is not None:
-            self.on_landed(key, nbytes, err)
+            return
+        t0 = time.perf_counter()
+        try:
+            parts = {name: self.client.part_view(lease, name) for name in lease.parts}
+            self.cache.write(key, parts)
+            self.cache.unpin(key)  # the in-flight pin; the source's hold pin stays until its layer runs
+            self.bytes += sum(n for _, n in lease.parts.values())
+        except BaseException:
+            self.cache.abort(key)
+        finally:
+            self.client.release(lease)
+            self.copy_s += time.perf_counter() - t0
 
 
 class Prefetcher:
@@ -163,7 +144,7 @@ class Prefetcher:
     - ``"attention"``: after layer L's attention, from the post-attention residual (a less
       accurate guess, but the fetch overlaps all of layer L's MoE block). The source sends it
       once layer L's own experts are pinned and its misses requested (`prefetch_ahead(...,
-      before=L)`), so a prefetch never evicts what the current layer is about to use.
+      defer=True)`), so a prefetch never evicts what the current layer is about to use.
     The model calls `after_attention` when its hook has one (see `qwen3moe.Model.forward`).
     `source` is any `ExpertSource`; one with `prefetch_ahead` gets all of a call's layers in
     one message, others get one `prefetch(layer, experts)` per layer.
@@ -186,28 +167,27 @@ class Prefetcher:
     def __call__(self, layer: int, h: torch.Tensor) -> None:
         """After `layer`: h [n, d] are the real tokens' hidden rows."""
         if self.at == "layer":
-            self._hint(layer, h, None)
+            self._hint(layer, h, defer=False)
 
     def after_attention(self, layer: int, h: torch.Tensor) -> None:
         """After `layer`'s attention, before its MoE block: h [n, d] real tokens' residual rows."""
         if self.at == "attention":
-            self._hint(layer, h, layer)
+            self._hint(layer, h, defer=True)
 
     @torch.inference_mode()
-    def _hint(self, layer: int, h: torch.Tensor, before: int | None) -> None:
-        if h.shape[0] == 0:
+    def _hint(self, layer: int, h: torch.Tensor, defer: bool) -> None:
+        layers = range(layer + 1, min(layer + 1 + self.depth, self.n_layer))
+        if h.shape[0] == 0 or not layers:
             return
         t0 = time.perf_counter()
-        predictions = {}
-        for nxt in range(layer + 1, min(layer + 1 + self.depth, self.n_layer)):
-            logits = self.model.router_logits(nxt, h)  # [n, E]
-            ids = torch.topk(logits, self.top_k, dim=-1).indices  # [n, k]; softmax keeps the order
-            predictions[nxt] = sorted(set(ids.flatten().tolist()))
-            self.predictions += len(predictions[nxt])
+        # top-k of the router logits: softmax keeps their order
+        ids = [torch.topk(self.model.router_logits(nxt, h), self.top_k, dim=-1).indices for nxt in layers]  # [n, k]
+        picked = torch.stack(ids).flatten(1).tolist()  # [layers][n*k]: one host sync for all of them
+        predictions = {nxt: sorted(set(row)) for nxt, row in zip(layers, picked)}
+        self.predictions += sum(len(es) for es in predictions.values())
         send = getattr(self.source, "prefetch_ahead", None)
         if send is not None:
-            if predictions:
-                send(predictions, before=before)
+            send(predictions, defer=defer)
         else:
             for nxt, experts in predictions.items():
                 self.source.prefetch(nxt, experts)

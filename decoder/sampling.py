@@ -60,10 +60,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] on any device -> token ids [B] (int64, cpu)."""
-        logits = logits.detach().float().cpu()  # [B, V]
         p = self.params
-        if p.greedy:
-            return logits.argmax(-1)
+        if p.greedy:  # argmax where the logits are: only [B] ids cross to the host
+            return logits.detach().argmax(-1).cpu()
+        logits = logits.detach().float().cpu()  # [B, V]
         logits = filter_top_p(filter_top_k(logits / p.temperature, p.top_k), p.top_p)
         probs = torch.softmax(logits, dim=-1)  # [B, V]
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)  # [B]

@@ -11,7 +11,7 @@ Slot formats (``raw`` quantized blobs, ``dequant`` float tensors) and their size
 Thread-safety: the compute thread and the prefetch receiver thread both call in; one lock
 guards the policy and the maps, bytes are copied outside it. On CUDA, copies run on a side
 stream: a slot's fill records an event the compute stream waits on (`wait`), and the compute
-stream's last use of a slot (`mark_used`) is an event the side stream waits on before it
+stream's last use of a slot (`release_many`) is an event the side stream waits on before it
 overwrites the slot, since the host unpins before the GPU has finished reading.
 """
 
@@ -101,14 +101,6 @@ class DeviceSlotCache:
         with self._lock:
             return len(self._entries)
 
-    def state(self, key: Key) -> str:
-        """'absent', 'filling' (slot claimed, bytes in flight) or 'ready'."""
-        with self._lock:
-            entry = self._entries.get(key)
-        if entry is None:
-            return "absent"
-        return "ready" if entry.ready.is_set() and not entry.failed else "filling"
-
     def slot_of(self, key: Key) -> int | None:
         with self._lock:
             entry = self._entries.get(key)
@@ -123,14 +115,6 @@ class DeviceSlotCache:
         return out
 
     # -- pins and accesses -----------------------------------------------------------------
-    def lookup_pin(self, key: Key) -> bool:
-        """If `key` is resident (ready or filling): count an access, pin it, return True."""
-        with self._lock:
-            if self.policy.lookup(key) is None:  # counts the hit or miss
-                return False
-            self.policy.pin(key)
-            return True
-
     def pin_present(self, layer: int, experts: list[int]) -> tuple[dict[int, SlotEntry], list[int]]:
         """One layer's lookups under one lock: each resident expert counts a hit and is pinned
         (returned with its entry), each absent one counts a miss (returned in the list)."""
@@ -150,13 +134,18 @@ class DeviceSlotCache:
         return present, missing
 
     def release_many(self, layer: int, experts: list[int]) -> None:
-        """The layer's compute is enqueued: mark each slot used and drop one pin, under one lock."""
-        if self._cuda:
-            for e in experts:
-                self.mark_used((layer, e))
+        """The layer's compute is enqueued: drop one pin per expert under one lock. On CUDA the
+        compute stream's last read of their slots is one event, which a refill waits for."""
+        event = None
+        if self._cuda and experts:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
         with self._lock:
             for e in experts:
-                if (layer, e) in self._entries:
+                entry = self._entries.get((layer, e))
+                if entry is not None:
+                    if event is not None:
+                        self._last_use[entry.slot] = event
                     self.policy.unpin((layer, e))
 
     def pin(self, key: Key) -> None:
@@ -167,7 +156,7 @@ class DeviceSlotCache:
     def pinned(self) -> int:
         """How many entries hold at least one pin."""
         with self._lock:
-            return self.policy.stats()["pinned"]
+            return self.policy.pinned
 
     def unpin(self, key: Key) -> None:
         """Drop one pin; a key already dropped by `abort` is ignored."""
@@ -315,16 +304,6 @@ class DeviceSlotCache:
             return self._views[slot]
         lay = self.layouts[layer]
         return blob_to_weights(list(lay.parts), self.blobs[slot], lay.ranges, self.dtype)
-
-    def mark_used(self, key: Key) -> None:
-        """The compute stream has enqueued its last read of `key`'s slot (CUDA bookkeeping)."""
-        if not self._cuda:
-            return
-        slot = self.slot_of(key)
-        if slot is not None:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self._last_use[slot] = event
 
     def bypass_weights(self, layer: int, parts: Mapping[str, Any]) -> ExpertWeights:
         """Weights straight from host buffers, without a slot (the fallback when all are pinned)."""

@@ -80,8 +80,7 @@ def bytes_per_slot(index: ExpertIndex, slot_format: str, dtype: torch.dtype = to
     if slot_format == "raw":
         return max(lay.nbytes for lay in layouts)
     if slot_format == "dequant":
-        elem = torch.empty((), dtype=dtype).element_size()
-        return sum(a * b for a, b in dequant_shapes(layouts).values()) * elem
+        return sum(a * b for a, b in dequant_shapes(layouts).values()) * dtype.itemsize
     raise ValueError(f"slot_format must be one of {SLOT_FORMATS}, got {slot_format!r}")
 
 

@@ -89,6 +89,7 @@ class StreamedExperts(AheadPrefetches, ExpertSource):
                     out[e] = self._wait(layer, e, pinned, (ahead or {}).get(e))
                 self.stall_s += time.perf_counter() - t0
         except BaseException:
+            self._bypassed.pop(layer, None)  # nothing is released after a failed acquire
             for e in pinned:
                 self.cache.unpin((layer, e))
             raise
@@ -147,7 +148,7 @@ class StreamedExperts(AheadPrefetches, ExpertSource):
         joined = joined or {}
         slotted = {e for e in missing if self._claim((layer, e))}
         pinned += sorted(slotted)
-        self._bypassed[layer] = set(missing) - slotted
+        self._bypassed.setdefault(layer, set()).update(set(missing) - slotted)  # `_wait` may refetch: add
         fresh = [e for e in missing if e not in joined]
         self.c["misses"] += len(fresh)
         self.c["bypassed"] += len(missing) - len(slotted)

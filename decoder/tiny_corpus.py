@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+from ..common.tokenizer_data import SPECIAL_TOKENS, TOKEN_CONTROL, TOKEN_NORMAL
+
 EXCLUDED_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "encodings", "__pycache__"})
 HELD_OUT_MOD = 20
 
@@ -49,36 +50,27 @@ def split_texts(split: str, root: Path | None = None) -> list[str]:
 # -- tokenizer --------------------------------------------------------------------------------
 def train_tokenizer(texts: list[str], vocab: int):
     """Byte-level BPE trained with the same split (Qwen2 regex + NFC) the decoder rebuilds from GGUF."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
+    from ..common.tokenizer_data import train_tokenizer as train_bpe
     from .tokenizer import build_bpe
 
-    probe = build_bpe(["a"], [], None, "qwen2")  # the decoder's own pre-tokenizer and normalizer
-    tok = Tokenizer(models.BPE())
-    tok.normalizer, tok.pre_tokenizer = probe.normalizer, probe.pre_tokenizer
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(SPECIALS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer=trainer)
-    if tok.get_vocab_size(with_added_tokens=True) != vocab:
-        raise RuntimeError(f"tokenizer has {tok.get_vocab_size(with_added_tokens=True)} tokens, wanted {vocab}")
-    return tok
+    probe = build_bpe(["a"], [], None, "qwen2")  # the decoder's own normalizer (NFC) for "qwen2"
+    # no padding: reserved tokens would be special here but normal to inference_tokenizer
+    return train_bpe(vocab, texts, normalizer=probe.normalizer, pad=False)
 
 
 def inference_tokenizer(tok):
     """`tok` as the decoder rebuilds it from GGUF metadata, so training ids == inference ids."""
     from ..common.tokenizer_data import merges_list, vocab_list
-
-    from .tokenizer import TOKEN_CONTROL, build_bpe
+    from .tokenizer import build_bpe
 
     tokens = vocab_list(tok)
-    types = [TOKEN_CONTROL if t in SPECIALS else 1 for t in tokens]
+    types = [TOKEN_CONTROL if t in SPECIAL_TOKENS else TOKEN_NORMAL for t in tokens]
     return build_bpe(tokens, merges_list(tok), types, "qwen2")
 
 
 def encode_texts(tok, texts: list[str]) -> np.ndarray:
     """All texts as one id stream, each document followed by <|endoftext|>."""
-    eot = tok.token_to_id(SPECIALS[0])
+    eot = tok.token_to_id(SPECIAL_TOKENS[0])  # <|endoftext|>
     ids: list[int] = []
     for enc in tok.encode_batch(texts, add_special_tokens=False):
         ids.extend(enc.ids)

@@ -13,20 +13,19 @@ from typing import Any, Callable
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+from ..common.tokenizer_data import QWEN2_SPLIT_REGEX, TOKEN_CONTROL, TOKEN_USER_DEFINED
+
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # tokenizer.ggml.pre -> (split regex or None for GPT-2's built-in one, NFC-normalize)
 PRE_TOKENIZERS: dict[str, tuple[str | None, bool]] = {
-    "qwen2": (_QWEN2, True),
+    "qwen2": (QWEN2_SPLIT_REGEX, True),
     "llama-bpe": (_LLAMA3, False),
     "gpt-2": (None, False),
     "default": (None, False),
     "olmo": (None, False),
 }
-TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # llama.cpp token types
 
 
 class TokenizerError(ValueError):

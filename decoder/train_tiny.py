@@ -77,17 +77,28 @@ class TrainConfig:
 
 
 # -- model ------------------------------------------------------------------------------------
+def gguf_hparams(cfg: dict) -> dict:
+    """The train config (as saved in config.json) in `HParams` field names: the one place the
+    model's fixed choices (RMSNorm eps, renormalized top-k) are made, for HF and for the GGUF."""
+    return dict(n_layer=cfg["layers"], n_embd=cfg["hidden"], n_head=cfg["heads"], n_head_kv=cfg["kv_heads"],
+                head_dim=cfg["head_dim"], n_expert=cfg["experts"], n_expert_used=cfg["top_k"],
+                n_ff_exp=cfg["expert_ff"], n_vocab=cfg["vocab"], context_length=cfg["context"],
+                rope_base=float(cfg["rope_base"]), rms_eps=1e-6, norm_topk_prob=True)
+
+
 def hf_config(cfg: dict):
     """A transformers Qwen3MoeConfig for a TrainConfig (as a dict, as saved in config.json)."""
     from transformers import Qwen3MoeConfig
 
+    hp = gguf_hparams(cfg)
     return Qwen3MoeConfig(
-        vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], num_hidden_layers=cfg["layers"],
-        num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv_heads"], head_dim=cfg["head_dim"],
-        num_experts=cfg["experts"], num_experts_per_tok=cfg["top_k"], moe_intermediate_size=cfg["expert_ff"],
-        intermediate_size=cfg["expert_ff"], max_position_embeddings=cfg["context"], rope_theta=cfg["rope_base"],
-        rms_norm_eps=1e-6, norm_topk_prob=True, tie_word_embeddings=False, output_router_logits=True,
-        router_aux_loss_coef=cfg["aux_coef"], experts_implementation="grouped_mm",  # ~20x faster than eager on CPU
+        vocab_size=hp["n_vocab"], hidden_size=hp["n_embd"], num_hidden_layers=hp["n_layer"],
+        num_attention_heads=hp["n_head"], num_key_value_heads=hp["n_head_kv"], head_dim=hp["head_dim"],
+        num_experts=hp["n_expert"], num_experts_per_tok=hp["n_expert_used"], moe_intermediate_size=hp["n_ff_exp"],
+        intermediate_size=hp["n_ff_exp"], max_position_embeddings=hp["context_length"], rope_theta=hp["rope_base"],
+        rms_norm_eps=hp["rms_eps"], norm_topk_prob=hp["norm_topk_prob"], tie_word_embeddings=False,
+        output_router_logits=True, router_aux_loss_coef=cfg["aux_coef"],
+        experts_implementation="grouped_mm",  # ~20x faster than eager on CPU
         attn_implementation="sdpa", bos_token_id=0, eos_token_id=2, pad_token_id=0,
     )
 

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-from moestream.common.layout import ModelLayout
+from moestream.common.layout import PAGE, ModelLayout, round_up
 
-from .readers import open_reader, plan_reads, proc_read_bytes
+from .readers import BACKENDS, open_reader, plan_reads, proc_read_bytes
 
 Key = tuple[int, int]
 RUNS = ("cold_raw_fio", "cold_raw_preadv", "cold", "warm_raw", "warm")
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(cold/warm then depend on what it already holds)")
     p.add_argument("--status-endpoint", help="with --iod: its status endpoint (for bytes read from disk)")
     p.add_argument("--experts", type=int, help="how many experts to move (default: all of them)")
-    p.add_argument("--backend", default="auto", choices=("auto", "uring", "threads"), help="spawned daemon's reader")
+    p.add_argument("--backend", default="auto", choices=BACKENDS, help="spawned daemon's reader")
     p.add_argument("--depth", type=int, default=32, help="reads in flight, daemon and raw (default 32)")
     p.add_argument("--direct", action="store_true", help="O_DIRECT reads for the daemon and the raw limit "
                    "(cold without evicting the page cache)")
@@ -116,11 +116,12 @@ def raw_cold_preadv(layout: ModelLayout, keys: list[Key], depth: int, direct: bo
             reader.submit(ops, on_done)
         done.wait()
         seconds, disk = time.perf_counter() - t0, proc_read_bytes() - io0
+        read = reader.stats()["bytes"]
         del ops
     ring.close()
     if errors:
         raise RuntimeError(f"raw preadv failed: {errors[0]}")
-    return phase("cold raw", _useful(layout, keys), seconds, disk, tool=f"preadv x{depth}")
+    return phase("cold raw", _useful(layout, keys), seconds, disk, tool=f"preadv x{depth}", read_bytes=read)
 
 
 def raw_cold_fio(layout: ModelLayout, keys: list[Key], depth: int, direct: bool, fio: str) -> dict:
@@ -277,11 +278,11 @@ def delivery_phase(args: argparse.Namespace, name: str, keys: list[Key], dst: np
 
     with daemon(args) as (endpoint, status_ep, pid), IodClient(endpoint, name="bench-io") as client:
         _map_arena(client)
-        io0 = _proc_io(pid)
+        io0 = proc_read_bytes(pid) if pid else -1
         seconds, copied = deliver(client, keys, dst)
-        io1 = _proc_io(pid)
+        io1 = proc_read_bytes(pid) if pid else -1
         status = get_status(status_ep) if status_ep else {}
-        result = phase(name, copied, seconds, io1 - io0 if io0 is not None and io1 is not None else None,
+        result = phase(name, copied, seconds, io1 - io0 if min(io0, io1) >= 0 else None,
                        backend=status.get("backend", {}), served_bytes=status.get("bytes_served"))
         if copied != _useful(layout, keys):
             raise RuntimeError(f"{name}: delivered {copied} bytes, expected {_useful(layout, keys)}")
@@ -326,13 +327,13 @@ def run(args: argparse.Namespace) -> dict:
                                            hits=args.hits if i == args.repeat - 1 else 0))
     out: dict = {"model": str(layout.path), "experts": len(keys), "bytes": _useful(layout, keys),
                  "depth": args.depth, "direct": args.direct, "repeat": args.repeat, "notes": []}
+    out["hit"] = runs["warm"][-1].pop("hit")  # before the medians copy that run
     out.update({name: _median(phases) for name, phases in runs.items() if phases})
-    out["hit"] = runs["warm"][-1].pop("hit")
     # The cold limit is the better raw method measured in this run.
     out["cold_raw"] = max((out[k] for k in ("cold_raw_fio", "cold_raw_preadv") if k in out), key=lambda ph: ph["gb_s"])
     out["cold_ratio"] = out["cold"]["gb_s"] / out["cold_raw"]["gb_s"]
     out["warm_ratio"] = out["warm"]["gb_s"] / out["warm_raw"]["gb_s"]
-    _add_notes(out, args)
+    _add_notes(out, args, fio)
     return out
 
 
@@ -342,9 +343,9 @@ def _median(phases: list[dict]) -> dict:
     return {**ordered[(len(ordered) - 1) // 2], "runs_gb_s": [round(ph["gb_s"], 3) for ph in phases]}
 
 
-def _add_notes(out: dict, args: argparse.Namespace) -> None:
+def _add_notes(out: dict, args: argparse.Namespace, fio: str | None) -> None:
     notes = out["notes"]
-    if not shutil.which("fio") and not args.no_fio:
+    if not fio and not args.no_fio:
         notes.append("fio not installed (apt-get install fio): cold raw limit from the batched preadv pool only")
     disk = out["cold"]["disk_read_bytes"]
     if disk is not None and disk < 0.5 * out["bytes"] and not args.direct:
@@ -399,21 +400,12 @@ def _useful(layout: ModelLayout, keys: list[Key]) -> int:
 
 
 def _aligned(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    return [(off - off % 4096, -(-(off % 4096 + n) // 4096) * 4096) for off, n in ranges]
+    """The enclosing page-aligned range of each, as O_DIRECT reads them."""
+    return [(off - off % PAGE, round_up(off % PAGE + n, PAGE)) for off, n in ranges]
 
 
 def _map_arena(client) -> None:
     """Touch one byte per page of the arena view: a long-running decoder has it mapped already,
     and first-touch page faults would otherwise halve the copy rate of a fresh client."""
     for i in range(client.arena.n_slots):
-        int(np.frombuffer(client.arena.slot(i), dtype=np.uint8)[::4096].sum())
-
-
-def _proc_io(pid: int | None) -> int | None:
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/io") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
-    except (OSError, StopIteration, ValueError):
-        return None
+        int(np.frombuffer(client.arena.slot(i), dtype=np.uint8)[::PAGE].sum())

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import typing
 import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moestream.common import units
+from moestream.common.protocol import DEFAULT_ENDPOINT, DEFAULT_STATUS_ENDPOINT
+
+from .readers import BACKENDS, MAX_DEPTH
+
 DEFAULT_CONFIG = Path("/etc/moestream/iod.toml")
-DEFAULT_ENDPOINT = "ipc:///run/moestream/iod.sock"
-DEFAULT_STATUS_ENDPOINT = "ipc:///run/moestream/status.sock"
 DEFAULT_ARENA_BYTES = 1 << 30
-BACKENDS = ("auto", "uring", "threads")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1000, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-          "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
 
 
 class ConfigError(ValueError):
@@ -25,13 +26,10 @@ class ConfigError(ValueError):
 
 
 def parse_size(text: str | int) -> int:
-    """'4GiB' -> 4294967296; plain ints pass through."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"bad size {text!r} (examples: 4GiB, 512MiB, 1000000)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    try:
+        return units.parse_size(text)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def parse_mode(text: str | int) -> int:
@@ -74,6 +72,8 @@ class IodConfig:
         if self.arena_bytes is not None and self.arena_slots is not None:
             raise ConfigError("give arena_bytes or arena_slots, not both")
         _positive(self, "arena_bytes", "arena_slots", "queue_depth", "lease_timeout_s", "max_queued", "ahead_max_age_s")
+        if self.queue_depth > MAX_DEPTH:
+            raise ConfigError(f"queue_depth {self.queue_depth} is above the maximum of {MAX_DEPTH}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend {self.backend!r} not one of {', '.join(BACKENDS)}")
         if self.log_level not in LOG_LEVELS:
@@ -130,6 +130,9 @@ def load_config(argv: list[str] | None = None) -> IodConfig:
     args = build_parser().parse_args(argv)
     values = _read_toml(args.config)
     cli = {k: v for k, v in vars(args).items() if v is not None and k != "config"}
+    for one, other in (("arena_bytes", "arena_slots"), ("arena_slots", "arena_bytes")):
+        if one in cli:  # the CLI's choice of arena sizing replaces the file's, whichever it was
+            values.pop(other, None)
     values.update(cli)
     return make_config(values)
 
@@ -146,10 +149,24 @@ def make_config(values: dict[str, Any]) -> IodConfig:
     for key, conv in (("arena_bytes", parse_size), ("socket_mode", parse_mode)):
         if key in v and v[key] is not None:
             v[key] = conv(v[key])
+    _check_types(v)
     try:
         return IodConfig(**v)
     except TypeError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_types(values: dict[str, Any]) -> None:
+    """TOML gives strings where a bool was meant (`direct = "false"` is truthy): refuse, naming the key."""
+    hints = typing.get_type_hints(IodConfig)
+    for key, value in values.items():
+        allowed = tuple(t for t in typing.get_args(hints[key]) or (hints[key],) if t is not type(None))
+        if float in allowed:
+            allowed += (int,)
+        ok = value is None and type(None) in typing.get_args(hints[key]) or isinstance(value, allowed)
+        if not ok or (isinstance(value, bool) and bool not in allowed):
+            names = " or ".join(t.__name__ for t in allowed)
+            raise ConfigError(f"{key} must be {names}, got {value!r}")
 
 
 def _read_toml(path: Path | None) -> dict[str, Any]:

@@ -34,7 +34,6 @@ class HostCache:
         self.arena = arena
         self.policy = SlotPolicy(arena.n_slots, decay)
         self.slots = [SlotInfo() for _ in range(arena.n_slots)]
-        self.leased_slots = 0  # slots with leases > 0
 
     def lookup_ready(self, key: Key) -> int | None:
         """The slot holding `key` complete (counted as a policy access), else None."""
@@ -78,7 +77,6 @@ class HostCache:
         assert info.ready and info.key is not None
         self.policy.pin(info.key)
         info.leases += 1
-        self.leased_slots += info.leases == 1
         return info.generation
 
     def release(self, slot: int, generation: int) -> None:
@@ -86,7 +84,6 @@ class HostCache:
         info = self.slots[slot]
         assert info.leases > 0 and info.generation == generation
         info.leases -= 1
-        self.leased_slots -= info.leases == 0
         self.policy.unpin(info.key)
 
     def step(self) -> None:
@@ -100,6 +97,6 @@ class HostCache:
             "arena_bytes": self.arena.n_slots * self.arena.slot_bytes,
             "resident": ready,
             "loading": len(self.policy) - ready,
-            "leased_slots": self.leased_slots,
+            "leased_slots": sum(1 for s in self.slots if s.leases),
             "leases": sum(s.leases for s in self.slots),
         }

@@ -60,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated:
         log.info("terminated before serving; cleaned up")
         return 0
-    except (ModelFormatError, ArenaError, ConfigError, ReadError, FatalError, OSError, zmq.ZMQError) as e:
+    except ConfigError as e:  # found once the model is known, e.g. an arena too small for one slot
+        print(f"moestream-iod: error: {e}", file=sys.stderr)
+        return 2
+    except (ModelFormatError, ArenaError, ReadError, FatalError, OSError, zmq.ZMQError) as e:
         print(f"moestream-iod: error: {e}", file=sys.stderr)
         notify(f"STATUS=failed: {e}")
         return 1
@@ -104,10 +107,11 @@ async def _serve(server: Server) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     notify(f"READY=1\nSTATUS=serving {server.layout.path.name}\nMAINPID={os.getpid()}")
-    waiter = loop.create_task(stop.wait())
     serving = loop.create_task(server.serve(stop))
-    await waiter
+    waiter = loop.create_task(stop.wait())
+    await asyncio.wait({waiter, serving}, return_when=asyncio.FIRST_COMPLETED)  # serve may fail first
     notify("STOPPING=1")
+    waiter.cancel()
     await serving
 
 
@@ -134,9 +138,8 @@ def _bind(server: Server, cfg: IodConfig) -> None:
         raise FatalError(f"cannot bind {cfg.endpoint} / {cfg.status_endpoint}: {e}") from None
     finally:
         os.umask(old)
-    for path in cfg.ipc_paths():
-        os.chmod(path, cfg.socket_mode)
-        if cfg.socket_group:
+    if cfg.socket_group:
+        for path in cfg.ipc_paths():
             os.chown(path, -1, grp.getgrnam(cfg.socket_group).gr_gid)
 
 

@@ -8,29 +8,17 @@ from __future__ import annotations
 import os
 import threading
 
-from .readers import Batch, Chunk, OnDone, PendingQueue, ReadError, ReaderCounters, ReadOp, open_fd, run_shortfall
+from .readers import Chunk, ReadError, ReaderBase, chunk_errors
 
 
-class ThreadsReader(ReaderCounters):
+class ThreadsReader(ReaderBase):
     name = "threads"
 
     def __init__(self, path: str, *, depth: int = 32, direct: bool = False):
-        self.note = ""
-        self.path, self.depth, self.direct = path, depth, direct
-        self.fd = open_fd(path, direct)
-        self.size = os.fstat(self.fd).st_size
-        self.queue = PendingQueue()
-        super().__init__()
+        super().__init__(path, depth, direct)
         self._threads = [threading.Thread(target=self._worker, name=f"iod-read-{i}", daemon=True) for i in range(depth)]
         for t in self._threads:
             t.start()
-
-    def submit(self, ops: list[ReadOp], on_done: OnDone) -> None:
-        """Queue `ops`; `on_done(None | exception)` runs once, from a reader thread, after the last one."""
-        if not ops:
-            raise ValueError("submit: no ops")
-        batch = Batch(len(ops), on_done)
-        self.queue.put([Chunk(op, batch) for op in ops])
 
     def _worker(self) -> None:
         while True:
@@ -41,20 +29,16 @@ class ThreadsReader(ReaderCounters):
             del run  # hold no slot memory while waiting: the arena must be closable
 
     def _serve(self, run: list[Chunk]) -> None:
-        live = [c for c in run if c.batch.error is None]  # a failed batch's other reads are skipped
-        error = self._read(live) if live else None
+        # Every chunk of a merged run is read, even one whose batch already failed elsewhere:
+        # dropping it would leave a gap in the vectored read.
+        errors = self._read(run)
+        self._count(run, errors)
         with self._lock:
-            self._stats["ops"] += len(live)
-            self._stats["bytes"] += sum(c.length for c in live) if error is None else 0
-            self._stats["preadv_calls"] += 1 if live else 0
-            self._stats["errors"] += error is not None
-        ids = {id(c) for c in live}
-        for c in run:
-            c.dest = None
-            c.batch.finish(1, error if id(c) in ids else None)
+            self._stats["preadv_calls"] += 1
+        self._finish_chunks(run, errors)
 
-    def _read(self, run: list[Chunk]) -> BaseException | None:
-        """One vectored read of adjacent chunks (retrying short reads); the error, if any."""
+    def _read(self, run: list[Chunk]) -> list[ReadError | None]:
+        """One vectored read of adjacent chunks (retrying short reads); each chunk's error, if any."""
         bufs = [c.dest for c in run]
         base, total, got = run[0].offset, sum(c.length for c in run), 0
         try:
@@ -64,27 +48,18 @@ class ThreadsReader(ReaderCounters):
                     break
                 got += n
         except OSError as e:
-            return ReadError(e.errno, f"reading bytes [{base}, {base + total}) of {self.path}: {e.strerror}")
-        return run_shortfall(run, got)
+            return [ReadError(e.errno, f"reading bytes [{base}, {base + total}) of {self.path}: {e.strerror}")] * len(run)
+        return chunk_errors(run, got)
 
     def close(self) -> None:
         """Stop the workers (after their current read), fail whatever never started, close the file."""
         left = self.queue.close()
         for t in self._threads:
             t.join()
-        closed = ReadError(125, "reader closed before this read started")
-        for c in left:
-            c.dest = None
-            c.batch.finish(1, closed)
+        self._fail_unstarted(left)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-    def __enter__(self) -> ThreadsReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _skip(bufs: list[memoryview], n: int) -> list[memoryview]:

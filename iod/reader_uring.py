@@ -12,7 +12,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-from .readers import Batch, Chunk, OnDone, PendingQueue, ReadError, ReaderCounters, ReadOp, open_fd, run_shortfall
+from .readers import Chunk, ReadError, ReaderBase, chunk_errors
 from .uring_ring import OP_READV, Ring, RingUnavailable
 
 WAKE = 0  # user_data of the eventfd read
@@ -31,7 +31,6 @@ class _Flight:
     """A coalesced run in the kernel's hands: its buffers stay referenced until it completes."""
 
     run: list[Chunk]
-    live: list[Chunk]
     addrs: list[int]
     anchors: list[ctypes.c_char]
     got: int = 0
@@ -39,27 +38,22 @@ class _Flight:
 
     @property
     def total(self) -> int:
-        return sum(c.length for c in self.live)
+        return sum(c.length for c in self.run)
 
 
-class UringReader(ReaderCounters):
+class UringReader(ReaderBase):
     name = "uring"
 
     def __init__(self, path: str, *, depth: int = 32, direct: bool = False):
-        self.note = ""
-        self.path, self.depth, self.direct = path, depth, direct
-        self.fd = open_fd(path, direct)
+        super().__init__(path, depth, direct)
         try:
             self.ring = Ring(_pow2(depth + 1))  # +1: the wake-up read
         except RingUnavailable as e:
             os.close(self.fd)
             raise UringUnavailable(str(e)) from None
-        self.size = os.fstat(self.fd).st_size
         self.efd = os.eventfd(0, os.EFD_CLOEXEC)
         self._wake_buf = ctypes.create_string_buffer(8)
         self._wake_iov = _Iovec(ctypes.addressof(self._wake_buf), 8)
-        self.queue = PendingQueue()
-        super().__init__()
         self._flights: dict[int, _Flight] = {}
         self._next_id = WAKE + 1
         self._wake_armed = False
@@ -82,13 +76,8 @@ class UringReader(ReaderCounters):
             raise UringUnavailable(f"io_uring probe read returned {done!r}, expected [(0, 8)]")
         self._wake_armed = False
 
-    def submit(self, ops: list[ReadOp], on_done: OnDone) -> None:
-        """Queue `ops`; `on_done(None | exception)` runs once, from the ring thread, after the last one."""
-        if not ops:
-            raise ValueError("submit: no ops")
-        batch = Batch(len(ops), on_done)
-        self.queue.put([Chunk(op, batch) for op in ops])
-        os.eventfd_write(self.efd, 1)
+    def _wake(self) -> None:
+        os.eventfd_write(self.efd, 1)  # the ring thread sleeps in io_uring_enter on the wake read
 
     # -- ring thread ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -129,22 +118,19 @@ class UringReader(ReaderCounters):
             run = self.queue.take(block=False)
             if run is None:
                 return
-            live = [c for c in run if c.batch.error is None]  # a failed batch's other reads are skipped
+            # Every chunk of a merged run is read, even one whose batch already failed elsewhere:
+            # dropping it would leave a gap in the vectored read.
             try:
-                anchors = [ctypes.c_char.from_buffer(c.dest) for c in live]
+                anchors = [ctypes.c_char.from_buffer(c.dest) for c in run]
             except (TypeError, ValueError) as e:  # read-only or odd buffer: this run fails, the ring goes on
-                self._finish(_Flight(run, [], [], []), ReadError(22, f"destination buffer not writable: {e}"), live)
+                self._finish(_Flight(run, [], []), ReadError(22, f"destination buffer not writable: {e}"))
                 continue
-            flight = _Flight(run, live, [ctypes.addressof(a) for a in anchors], anchors)
-            if live:
-                self._issue(flight)
-            else:
-                self._finish(flight, None)
+            self._issue(_Flight(run, [ctypes.addressof(a) for a in anchors], anchors))
 
     def _issue(self, f: _Flight) -> None:
         """Queue the READV for whatever part of the run is still missing."""
         iovs, skip = [], f.got
-        for c, addr in zip(f.live, f.addrs):
+        for c, addr in zip(f.run, f.addrs):
             if skip >= c.length:
                 skip -= c.length
                 continue
@@ -153,32 +139,27 @@ class UringReader(ReaderCounters):
         f.iov = (_Iovec * len(iovs))(*iovs)
         uid, self._next_id = self._next_id, self._next_id + 1
         self._flights[uid] = f
-        self.ring.prep(OP_READV, self.fd, ctypes.addressof(f.iov), len(iovs), f.live[0].offset + f.got, uid)
+        self.ring.prep(OP_READV, self.fd, ctypes.addressof(f.iov), len(iovs), f.run[0].offset + f.got, uid)
         with self._lock:
             self._stats["preadv_calls"] += 1
 
     def _complete(self, uid: int, res: int) -> None:
         f = self._flights.pop(uid)
-        base = f.live[0].offset
+        base = f.run[0].offset
         if res < 0:
             err = ReadError(-res, f"reading bytes [{base}, {base + f.total}) of {self.path}: {os.strerror(-res)}")
             return self._finish(f, err)
         f.got += res
         if res > 0 and f.got < f.total and base + f.got < self.size:
             return self._issue(f)  # short read inside the file: read the rest
-        self._finish(f, run_shortfall(f.live, f.got))
+        self._finish(f, chunk_errors(f.run, f.got))
 
-    def _finish(self, f: _Flight, error: BaseException | None, failed: list[Chunk] | None = None) -> None:
-        failed = f.live if failed is None else failed
+    def _finish(self, f: _Flight, error: BaseException | None | list) -> None:
+        """Complete the run's chunks with one error for all, or one per chunk (a list)."""
+        errors = error if isinstance(error, list) else [error] * len(f.run)
         f.anchors.clear()
-        with self._lock:
-            self._stats["ops"] += len(failed)
-            self._stats["bytes"] += f.total if error is None else 0
-            self._stats["errors"] += error is not None
-        ids = {id(c) for c in failed}
-        for c in f.run:
-            c.dest = None  # hold no slot memory once done: the arena must be closable
-            c.batch.finish(1, error if id(c) in ids else None)
+        self._count(f.run, errors)
+        self._finish_chunks(f.run, errors)
 
     # -- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:
@@ -188,10 +169,7 @@ class UringReader(ReaderCounters):
         left = self.queue.close()
         os.eventfd_write(self.efd, 1)
         self._thread.join()
-        closed = ReadError(125, "reader closed before this read started")
-        for c in left:
-            c.dest = None
-            c.batch.finish(1, closed)
+        self._fail_unstarted(left)
         self._teardown()
 
     def _teardown(self) -> None:
@@ -200,12 +178,6 @@ class UringReader(ReaderCounters):
             if fd >= 0:
                 os.close(fd)
         self.fd = self.efd = -1
-
-    def __enter__(self) -> UringReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _pow2(n: int) -> int:

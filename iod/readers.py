@@ -19,10 +19,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from moestream.common.layout import PAGE, ExpertPart, round_up
+from moestream.common.layout import PAGE, ExpertPart, round_up, slot_offsets
 
 OnDone = Callable[[BaseException | None], None]
 BACKENDS = ("auto", "uring", "threads")
+MAX_DEPTH = 4096  # reads in flight; far beyond what any device queue uses
 MAX_RUN_BYTES = 8 << 20  # a coalesced read stops growing here, so depth still spreads the work
 MAX_RUN_IOVECS = 64  # well under IOV_MAX (1024)
 
@@ -67,43 +68,81 @@ class Reader(Protocol):
 
 # -- planning -------------------------------------------------------------------------------
 def plan_reads(parts: Sequence[ExpertPart], slot: memoryview, *, direct: bool) -> tuple[list[ReadOp], dict[str, tuple[int, int]]]:
-    """Where each part of an expert goes in `slot`, and the reads that put it there.
+    """The reads that put an expert's parts where `layout.slot_offsets` says they sit in `slot`.
 
-    Parts start at 4096-aligned slot offsets. With `direct`, the enclosing 4096-aligned file
-    range is read and the reported offset points at the part's first byte inside it.
-    Returns (ops, {part name: (offset inside slot, nbytes)}).
+    With `direct`, each read covers the enclosing 4096-aligned file range. Returns
+    (ops, {part name: (offset of its first byte inside the slot, nbytes)}).
     """
-    ops: list[ReadOp] = []
-    where: dict[str, tuple[int, int]] = {}
-    pos = 0
+    first, need = slot_offsets(parts, direct)
+    if need > len(slot):
+        raise ValueError(f"plan_reads: parts need {need} bytes, more than the slot's {len(slot)}")
+    ops = []
     for p in parts:
-        start = p.offset - p.offset % PAGE if direct else p.offset
-        lead = p.offset - start
+        lead = p.offset % PAGE if direct else 0
         length = round_up(lead + p.nbytes, PAGE) if direct else p.nbytes
-        if pos + length > len(slot):
-            raise ValueError(f"plan_reads: parts need more than the slot's {len(slot)} bytes (part {p.name!r})")
-        ops.append(ReadOp(start, length, slot[pos : pos + length], required=lead + p.nbytes))
-        where[p.name] = (pos + lead, p.nbytes)
-        pos = round_up(pos + length, PAGE)
-    return ops, where
+        at = first[p.name] - lead
+        ops.append(ReadOp(p.offset - lead, length, slot[at : at + length], required=lead + p.nbytes))
+    return ops, {p.name: (first[p.name], p.nbytes) for p in parts}
 
 
 # -- shared machinery -----------------------------------------------------------------------
-class ReaderCounters:
-    """Counters both backends keep, and the `stats()` they report (bytes the disk really read included)."""
+class ReaderBase:
+    """What both backends share: the file, the pending queue, `submit`, counters, closing."""
 
-    def __init__(self) -> None:
+    name = "?"
+
+    def __init__(self, path: str, depth: int, direct: bool):
+        self.note = ""
+        self.path, self.depth, self.direct = path, depth, direct
+        self.fd = open_fd(path, direct)
+        self.size = os.fstat(self.fd).st_size
+        self.queue = PendingQueue()
         self._lock = threading.Lock()
         self._stats = {"ops": 0, "bytes": 0, "preadv_calls": 0, "errors": 0}
         self._io0 = proc_read_bytes()
+
+    def submit(self, ops: list[ReadOp], on_done: OnDone) -> None:
+        """Queue `ops`; `on_done(None | exception)` runs once, from a reader thread, after the last one."""
+        if not ops:
+            raise ValueError("submit: no ops")
+        batch = Batch(len(ops), on_done)
+        self.queue.put([Chunk(op, batch) for op in ops])
+        self._wake()
+
+    def _wake(self) -> None:
+        """Tell the backend's thread(s) work is queued (the queue's condition already does for threads)."""
+
+    def _count(self, run: list[Chunk], errors: list[BaseException | None]) -> None:
+        with self._lock:
+            self._stats["ops"] += len(run)
+            self._stats["bytes"] += sum(c.length for c, e in zip(run, errors) if e is None)
+            self._stats["errors"] += any(e is not None for e in errors)
+
+    @staticmethod
+    def _finish_chunks(run: list[Chunk], errors: list[BaseException | None]) -> None:
+        for c, e in zip(run, errors):
+            c.dest = None  # hold no slot memory once done: the arena must be closable
+            c.batch.finish(1, e)
+
+    def _fail_unstarted(self, left: list[Chunk]) -> None:
+        self._finish_chunks(left, [ReadError(125, "reader closed before this read started")] * len(left))
 
     def stats(self) -> dict:
         with self._lock:
             out = dict(self._stats)
         io = proc_read_bytes()
         out["disk_read_bytes"] = io - self._io0 if io >= 0 and self._io0 >= 0 else None
-        out.update(backend=self.name, depth=self.depth, direct=self.direct)  # type: ignore[attr-defined]
+        out.update(backend=self.name, depth=self.depth, direct=self.direct)
         return out
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> ReaderBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Batch:
@@ -206,10 +245,10 @@ class PendingQueue:
             return left
 
 
-def proc_read_bytes() -> int:
-    """Bytes this process caused to be fetched from storage (`/proc/self/io` read_bytes), -1 if unknown."""
+def proc_read_bytes(pid: int | str = "self") -> int:
+    """Bytes a process caused to be fetched from storage (`/proc/PID/io` read_bytes), -1 if unknown."""
     try:
-        with open("/proc/self/io") as f:
+        with open(f"/proc/{pid}/io") as f:
             for line in f:
                 if line.startswith("read_bytes:"):
                     return int(line.split()[1])
@@ -229,15 +268,13 @@ def open_fd(path: str, direct: bool) -> int:
     return fd
 
 
-def run_shortfall(run: list[Chunk], got: int) -> ReadError | None:
-    """The error for a run whose vectored read stopped after `got` bytes, or None if every chunk has what it needs."""
+def chunk_errors(run: list[Chunk], got: int) -> list[ReadError | None]:
+    """Per chunk of a run whose vectored read stopped after `got` bytes: None if it has what it needs."""
     base = run[0].offset
-    for c in run:
-        need_end = c.offset - base + c.required
-        if got < need_end:
-            return ReadError(5, f"short read: wanted bytes [{c.offset}, {c.offset + c.required}) of the file "
-                                f"but the read stopped at byte {base + got} (end of file?)")
-    return None
+    return [None if got >= c.offset - base + c.required else
+            ReadError(5, f"short read: wanted bytes [{c.offset}, {c.offset + c.required}) of the file "
+                         f"but the read stopped at byte {base + got} (end of file?)")
+            for c in run]
 
 
 # -- factory --------------------------------------------------------------------------------
@@ -245,8 +282,8 @@ def open_reader(path: str | os.PathLike[str], *, backend: str = "auto", depth: i
     """A reader over `path`: `uring`, `threads`, or `auto` (uring if it works here, else threads with a note)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown reader backend {backend!r} (choose from {', '.join(BACKENDS)})")
-    if not 1 <= depth <= 4096:
-        raise ValueError(f"reader depth must be in [1, 4096], got {depth}")
+    if not 1 <= depth <= MAX_DEPTH:
+        raise ValueError(f"reader depth must be in [1, {MAX_DEPTH}], got {depth}")
     path = os.fspath(path)
     from .reader_threads import ThreadsReader
 

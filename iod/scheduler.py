@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .host_cache import HostCache, Key
@@ -98,18 +98,12 @@ class Scheduler:
     def _next(self, now: float) -> Load | None:
         if self.queues["now"]:
             return next(iter(self.queues["now"].values()))
-        ahead = self.queues["ahead"]
-        while ahead:
-            load = next(iter(ahead.values()))
-            if now - load.t_queued <= self.ahead_max_age_s:
-                return load
-            ahead.popitem(last=False)
-            self._drop(load, f"stale prefetch (queued {now - load.t_queued:.1f}s)")
-        return None
+        self.drop_stale(now)
+        return next(iter(self.queues["ahead"].values()), None)
 
-    def drop_stale(self) -> None:
-        """Drop stale prefetches even while no read can start (arena full of leases)."""
-        now, ahead = time.monotonic(), self.queues["ahead"]
+    def drop_stale(self, now: float | None = None) -> None:
+        """Drop queued prefetches older than `ahead_max_age_s` (also while no read can start)."""
+        now, ahead = time.monotonic() if now is None else now, self.queues["ahead"]
         while ahead:
             load = next(iter(ahead.values()))
             if now - load.t_queued <= self.ahead_max_age_s:
@@ -121,18 +115,26 @@ class Scheduler:
         """The read of `load` completed (or failed): it no longer counts against capacity."""
         del self.reading[load.key]
 
-    def remove_waiters(self, match: Callable[[Waiter], bool]) -> int:
-        """Forget matching requests; queued loads left with no waiter are not read at all."""
+    def remove_waiters(self, match: Callable[[Waiter], bool], keys: Iterable[Key] | None = None) -> int:
+        """Forget matching requests (only among `keys`' loads when given, else all); queued loads
+        left with no waiter are not read at all, running reads go on and stay cached."""
+        loads = [self.find(k) for k in keys] if keys is not None else \
+            [*self.queues["now"].values(), *self.queues["ahead"].values(), *self.reading.values()]
         removed = 0
-        for q in self.queues.values():
-            for key in list(q):
-                load = q[key]
-                removed += _filter(load, match)
-                if not load.waiters:
-                    del q[key]
-        for load in self.reading.values():  # the read goes on; its result stays cached
+        for load in loads:
+            if load is None:
+                continue
             removed += _filter(load, match)
+            if not load.waiters and load.slot < 0:  # queued, not reading: nobody wants it any more
+                self.queues[load.priority].pop(load.key, None)
         return removed
+
+    def take_queued(self) -> list[Load]:
+        """Every queued (not yet reading) load, removed from the queues (shutdown)."""
+        out = [*self.queues["now"].values(), *self.queues["ahead"].values()]
+        for q in self.queues.values():
+            q.clear()
+        return out
 
     def _drop(self, load: Load, why: str) -> None:
         self.dropped += 1

@@ -25,6 +25,7 @@ from .config import IodConfig
 from .host_cache import HostCache
 from .readers import Reader, plan_reads
 from .scheduler import Load, Scheduler, Waiter
+from .sockets import drain, router
 from .status import Stats, StatusEndpoint, build_status
 
 log = logging.getLogger("moestream.iod")
@@ -43,8 +44,8 @@ class Server:
         self.stats = Stats()
         self.clients: dict[bytes, ClientState] = {}
         self.closing = False
-        self.sock = _router(ctx)
-        self.status = StatusEndpoint(self, _router(ctx))
+        self.sock = router(ctx)
+        self.status = StatusEndpoint(self, router(ctx))
         self.loop: asyncio.AbstractEventLoop | None = None
         self._drain_scheduled = self._draining = False
         self.heartbeat_s = min(5.0, cfg.lease_timeout_s / 4)
@@ -71,10 +72,8 @@ class Server:
     async def _shutdown(self, grace_s: float = 5.0) -> None:
         """Refuse new work, let running reads land, tell clients, then return."""
         self.closing = True
-        for load in list(self.sched.queues["now"].values()) + list(self.sched.queues["ahead"].values()):
+        for load in self.sched.take_queued():
             self._fail_load(load, P.ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
-        self.sched.queues["now"].clear()
-        self.sched.queues["ahead"].clear()
         deadline = time.monotonic() + grace_s
         while self.sched.reading and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -85,10 +84,13 @@ class Server:
         period = min(1.0, self.cfg.lease_timeout_s / 4)
         while True:
             await asyncio.sleep(period)
-            self._expire_clients()
-            self.sched.drop_stale()
-            self.cache.step()  # hotness decays with time: the daemon does not see tokens
-            self.sched.pump()
+            try:
+                self._expire_clients()
+                self.sched.drop_stale()
+                self.cache.step()  # hotness decays with time: the daemon does not see tokens
+                self.sched.pump()
+            except Exception:  # noqa: BLE001 — one bad tick must not end lease expiry for good
+                log.exception("periodic work failed")
 
     def _expire_clients(self) -> None:
         cutoff = time.monotonic() - self.cfg.lease_timeout_s
@@ -109,25 +111,16 @@ class Server:
 
     # -- socket plumbing ----------------------------------------------------------------------
     def _drain(self) -> None:
-        """Handle every request waiting (up to a batch), then return to the loop.
-
-        zmq's FD is edge-triggered and only re-arms after `EVENTS` reports nothing to read, so
-        the loop ends on that check; it also sees requests that arrived while we sent (a send
-        can consume the edge). Sends made outside `_drain` (read completions, the ticker)
-        schedule one `_drain` for the same reason."""
+        """Handle the requests waiting (a batch), then return to the loop. Sends made outside
+        `_drain` (read completions, the ticker) schedule one, as a send can consume zmq's edge."""
         self._drain_scheduled = False
         self._draining = True
-        sock, handle = self.sock, self._handle_frames
         try:
-            for _ in range(DRAIN_BATCH):
-                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    return
-                handle(sock.recv_multipart(zmq.NOBLOCK, copy=True))
-        except zmq.Again:  # EVENTS said readable but the message went (cannot happen on one thread)
-            return
+            more = drain(self.sock, self._handle_frames, DRAIN_BATCH)
         finally:
             self._draining = False
-        self._schedule_drain()  # more waiting: yield to completions first
+        if more:
+            self._schedule_drain()  # yield to completions first
 
     def _schedule_drain(self) -> None:
         if not self._drain_scheduled and self.loop is not None:
@@ -175,8 +168,8 @@ class Server:
         elif isinstance(msg, P.Status):
             self._send(ident, P.StatusReply(build_status(self)).encode())
         elif c is None:
-            rid = getattr(msg, "rid", None)
-            raise P.ProtocolError(P.ErrorCode.NO_HELLO, f"send hello before {msg.op}", rid if isinstance(msg, P.Fetch) else None)
+            rid = msg.rid if isinstance(msg, P.Fetch) else None
+            raise P.ProtocolError(P.ErrorCode.NO_HELLO, f"send hello before {msg.op}", rid)
         elif isinstance(msg, P.Fetch):
             self._fetch(c, msg)
         elif isinstance(msg, P.Release):
@@ -237,9 +230,8 @@ class Server:
             self._answer_error(w, P.ErrorCode.BUSY, "request queue full")
 
     def _cancel(self, c: ClientState, msg: P.Cancel) -> None:
-        keys = None if msg.keys is None else set(msg.keys)
-        n = self.sched.remove_waiters(
-            lambda w: w.client == c.ident and w.rid == msg.rid and (keys is None or w.key in keys))
+        keys = None if msg.keys is None else {tuple(k) for k in msg.keys}
+        n = self.sched.remove_waiters(lambda w: w.client == c.ident and w.rid == msg.rid, keys)
         c.answered(msg.rid, n)
 
     def _release(self, c: ClientState, msg: P.Release) -> None:
@@ -284,7 +276,7 @@ class Server:
         ops, load.parts = plan_reads(parts, self.arena.slot(load.slot), direct=self.cfg.direct)
         loop = self.loop
         try:
-            self.reader.submit(ops, lambda exc: loop.call_soon_threadsafe(self._read_done, load, exc))
+            self.reader.submit(ops, lambda exc: _call_soon(loop, self._read_done, load, exc))
         except Exception as e:  # noqa: BLE001 — e.g. reader closed: fail this load, not the loop
             loop.call_soon(self._read_done, load, e)
 
@@ -308,12 +300,10 @@ class Server:
         self.sched.pump()
 
 
-def _router(ctx: zmq.Context) -> zmq.Socket:
-    s = ctx.socket(zmq.ROUTER)
-    s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sends to vanished peers fail instead of vanishing
-    s.setsockopt(zmq.LINGER, 200)
-    # Frames over MAX_FRAME_BYTES get a `too_large` reply; absurd ones cost the peer its connection.
-    s.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
-    s.setsockopt(zmq.SNDHWM, 1 << 16)
-    s.setsockopt(zmq.RCVHWM, 1 << 16)
-    return s
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:  # noqa: ANN001
+    """From a reader thread: a read that outlived the shutdown grace lands on a closed loop."""
+    if not loop.is_closed():
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # closed between the check and the call
+            pass

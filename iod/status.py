@@ -18,7 +18,8 @@ import zmq
 
 from moestream.common import protocol as P
 
-from .readers import proc_read_bytes
+from .sockets import drain
+
 
 if TYPE_CHECKING:
     import asyncio
@@ -58,7 +59,6 @@ class Stats:
     recent_reads: deque = field(default_factory=deque)  # (t_done, nbytes) in the last window
     clients_seen: int = 0
     clients_expired: int = 0
-    io0: int = field(default_factory=proc_read_bytes)
 
     def read_done(self, nbytes: int) -> None:
         now = time.monotonic()
@@ -87,7 +87,7 @@ def build_status(server: Server) -> dict[str, Any]:
     """The `status` reply: plain msgpack-able types only."""
     st, cfg, layout = server.stats, server.cfg, server.layout
     t = st.totals
-    io = proc_read_bytes()
+    reader = server.reader.stats()
     return {
         "pid": server.pid,
         "uptime_s": round(time.monotonic() - st.started_mono, 3),
@@ -98,7 +98,7 @@ def build_status(server: Server) -> dict[str, Any]:
         "index": layout.experts.summary(),
         "endpoint": cfg.endpoint,
         "backend": {"name": server.reader.name, "note": server.reader.note, "direct": cfg.direct,
-                    "queue_depth": cfg.queue_depth},
+                    "queue_depth": cfg.queue_depth},  # as configured; `reader` has its live counters
         "arena": {"name": server.arena.name, **server.cache.stats()},
         "requests": t.requests, "hits": t.hits, "joined": t.joined, "misses": t.misses,
         "hit_rate": (t.hits + t.joined) / t.requests if t.requests else 0.0,
@@ -106,9 +106,9 @@ def build_status(server: Server) -> dict[str, Any]:
         "errors_by_code": dict(st.errors_by_code),
         "reads": st.reads, "read_errors": st.read_errors, "bytes_read": st.bytes_read,
         "bytes_served": t.bytes_served,
-        "disk_read_bytes": io - st.io0 if io >= 0 and st.io0 >= 0 else None,
+        "disk_read_bytes": reader["disk_read_bytes"],  # since the reader opened the file
         "read_mb_s": round(st.read_mb_s(), 3),
-        "reader": server.reader.stats(),
+        "reader": reader,
         "queues": server.sched.stats(),
         "latency": {"all": percentiles(st.latency_all), "miss": percentiles(st.latency_miss)},
         "clients": [c.describe() for c in server.clients.values()],
@@ -134,16 +134,14 @@ class StatusEndpoint:
             self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
 
     def _drain(self) -> None:
-        for _ in range(64):
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                self.sock.send_multipart([*frames[:-1], self._answer(frames[-1])], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass  # the asker left
-        self.loop.call_soon(self._drain)
+        if drain(self.sock, self._reply, 64):
+            self.loop.call_soon(self._drain)
+
+    def _reply(self, frames: list[bytes]) -> None:
+        try:
+            self.sock.send_multipart([*frames[:-1], self._answer(frames[-1])], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the asker left
 
     def _answer(self, frame: bytes) -> bytes:
         try:

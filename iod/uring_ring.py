@@ -26,7 +26,7 @@ SYS_IO_URING_SETUP, SYS_IO_URING_ENTER = 425, 426  # same numbers on every archi
 OFF_SQ_RING, OFF_CQ_RING, OFF_SQES = 0, 0x8000000, 0x10000000
 FEAT_SINGLE_MMAP = 1 << 0
 ENTER_GETEVENTS = 1 << 0
-OP_NOP, OP_READV = 0, 1
+OP_READV = 1
 _SQE = struct.Struct("<BBHiQQIIQ24x")  # 64 bytes
 _CQE = struct.Struct("<QiI")  # 16 bytes
 

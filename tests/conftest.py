@@ -5,27 +5,35 @@ Other suites append their fixtures below the marked sections; keep each one smal
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from pathlib import Path
 from typing import Callable
 
 import pytest
+from hypothesis import settings
+from leakcheck import leaked_shm, session_processes, shm_entries
 
-from leakcheck import child_processes, leaked_shm, shm_entries
+# CI runs the same examples every time (no example database, no random seed).
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
+
 
 # -- leak check ---------------------------------------------------------------------------
 @pytest.fixture(scope="session", autouse=True)
 def _no_leaks():
     """Fail the run if tests left shared-memory segments or child processes behind."""
-    shm_before, kids_before = shm_entries(), set(child_processes())
+    shm_before, kids_before = shm_entries(), set(session_processes())
     yield
     shm = leaked_shm(shm_before)
-    leaked_kids = {pid: cmd for pid, cmd in child_processes().items() if pid not in kids_before}
+    leaked_kids = {pid: cmd for pid, cmd in session_processes().items() if pid not in kids_before}
     problems = []
     if shm:
         problems.append(f"/dev/shm entries left behind: {shm}")
     if leaked_kids:
-        problems.append(f"child processes left running: {leaked_kids}")
+        problems.append(f"processes left running: {leaked_kids}")
     if problems:
         pytest.fail("leak check: " + "; ".join(problems), pytrace=False)
 
@@ -72,8 +80,9 @@ def start_daemon(tmp_path: Path):
         return d
 
     yield start
-    for d in started:
-        d.stop()
+    with contextlib.ExitStack() as stack:  # every daemon is stopped even if one stop fails
+        for d in started:
+            stack.callback(d.stop)
 
 
 @pytest.fixture

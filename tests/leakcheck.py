@@ -1,19 +1,24 @@
-"""Leak detection for the test session: shared-memory segments and child processes left behind.
+"""Leak detection for the test session: shared-memory segments and processes left behind.
 
-A plain module (not conftest) so tests can import it by name without picking up another
-directory's conftest.
+Every process this session starts inherits `SESSION_VAR` in its environment, so a daemon
+orphaned by a dead grandchild is still recognised as ours (and another session's is not).
+A plain module (not conftest) so tests can import it by name.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import uuid
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "moestream"
+SESSION_VAR = "MOESTREAM_TEST_SESSION"
+os.environ.setdefault(SESSION_VAR, uuid.uuid4().hex)
+_MARK = f"{SESSION_VAR}={os.environ[SESSION_VAR]}".encode()
 # Helper processes Python itself keeps for the interpreter's lifetime: not leaks.
-_BENIGN_CHILDREN = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+_BENIGN = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
 def shm_entries() -> set[str]:
@@ -26,26 +31,22 @@ def _proc_stat(pid: str) -> list[str]:
     return (Path("/proc") / pid / "stat").read_text().rsplit(")", 1)[1].split()  # state ppid ...
 
 
-def _our_tree() -> set[str]:
-    """This process and its descendants, as /proc pid strings."""
-    parent: dict[str, str] = {}
+def _session_pids() -> set[str]:
+    """Processes started by this session (they carry its mark), this one included."""
+    out = {str(os.getpid())}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                parent[entry.name] = _proc_stat(entry.name)[1]
+                if _MARK in (entry / "environ").read_bytes().split(b"\0"):
+                    out.add(entry.name)
             except OSError:
                 continue
-    tree, grew = {str(os.getpid())}, True
-    while grew:
-        new = {pid for pid, pp in parent.items() if pp in tree and pid not in tree}
-        tree |= new
-        grew = bool(new)
-    return tree
+    return out
 
 
 def _mapped_elsewhere(names: set[str]) -> set[str]:
-    """Segments some process outside our tree maps: another test session's, not our leak."""
-    ours, found = _our_tree(), set()
+    """Segments some process outside this session maps: another session's, not our leak."""
+    ours, found = _session_pids(), set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or entry.name in ours:
             continue
@@ -67,17 +68,16 @@ def leaked_shm(before: set[str]) -> list[str]:
     return sorted(new)
 
 
-def child_processes() -> dict[int, str]:
-    """Children of this process, zombies included (unwaited is leaked too): pid -> command line."""
-    me, out = os.getpid(), {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+def session_processes() -> dict[int, str]:
+    """Processes of this session other than this one (children, and orphans of dead children),
+    zombies included (unwaited is leaked too): pid -> command line."""
+    out = {}
+    for pid in _session_pids() - {str(os.getpid())}:
         try:
-            fields = _proc_stat(entry.name)
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            state = _proc_stat(pid)[0]
+            cmd = (Path("/proc") / pid / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             continue  # exited while we looked
-        if int(fields[1]) == me and not any(b in cmd for b in _BENIGN_CHILDREN):
-            out[int(entry.name)] = f"{cmd or '?'} [{fields[0]}]"
+        if not any(b in cmd for b in _BENIGN):
+            out[int(pid)] = f"{cmd or '?'} [{state}]"
     return out

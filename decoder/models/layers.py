@@ -151,23 +151,45 @@ def _qkv(x: torch.Tensor, w: Weights, a: AttnShape, B: int, T: int) -> tuple[tor
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(kv), T, hd]
 
 
-def attention(x: torch.Tensor, w: Weights, a: AttnShape, layer: int, cache: KVCache,
-              positions: torch.Tensor, start: int) -> torch.Tensor:
-    """Self-attention of rows x [B*T, d] (already normed); writes this step's K/V into the cache."""
+@dataclass(frozen=True)
+class StepAttn:
+    """What every layer's attention shares in one forward pass, computed once per pass."""
+
+    start: int  # cache index of this step's first token
+    T: int  # tokens per sequence in this step
+    cos: torch.Tensor  # [B, T, hd]
+    sin: torch.Tensor  # [B, T, hd]
+    mask: torch.Tensor  # [B, 1, rep*T, S] bool, rows repeated for the query heads folded per kv head
+
+
+def step_attn(a: AttnShape, cache: KVCache, positions: torch.Tensor, start: int) -> StepAttn:
+    """Rope tables and mask of one step (they depend on positions and the cache, not the layer)."""
     B, T = positions.shape
-    q, k, v = _qkv(x, w, a, B, T)
     cos, sin = rope_cos_sin(positions, a.head_dim, a.rope_base, a.rope)  # [B, T, hd]
+    mask = attention_mask(cache, start, T)  # [B, 1, T, S]
+    rep = a.n_head // a.n_head_kv
+    if rep > 1:  # query rows of one kv head: rep heads x T tokens, head-major (see `attention`)
+        mask = mask.repeat(1, 1, rep, 1)  # [B, 1, rep*T, S]
+    return StepAttn(start, T, cos, sin, mask)
+
+
+def attention(x: torch.Tensor, w: Weights, a: AttnShape, layer: int, cache: KVCache, st: StepAttn) -> torch.Tensor:
+    """Self-attention of rows x [B*T, d] (already normed); writes this step's K/V into the cache.
+
+    GQA without copying K/V: the `rep` query heads that share a kv head are folded into its
+    query rows ([B, Hkv, rep*T, hd]), so every query attends to its kv head's keys as they are.
+    """
+    B, T, start = x.shape[0] // st.T, st.T, st.start
+    q, k, v = _qkv(x, w, a, B, T)
     rope = _APPLY_ROPE[a.rope]
-    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    q, k = rope(q, st.cos, st.sin), rope(k, st.cos, st.sin)  # [B, H, T, hd], [B, Hkv, T, hd]
     cache.k[layer][:, :, start:start + T] = k
     cache.v[layer][:, :, start:start + T] = v
     keys = cache.k[layer][:, :, :start + T]  # [B, Hkv, S, hd]
     vals = cache.v[layer][:, :, :start + T]  # [B, Hkv, S, hd]
-    rep = a.n_head // a.n_head_kv  # query heads per kv head (GQA)
-    keys, vals = keys.repeat_interleave(rep, dim=1), vals.repeat_interleave(rep, dim=1)  # [B, H, S, hd]
-    mask = attention_mask(cache, start, T)  # [B, 1, T, S]
-    out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)  # [B, H, T, hd]
-    out = out.transpose(1, 2).reshape(B * T, a.n_head * a.head_dim)  # [N, H*hd]
+    q = q.reshape(B, a.n_head_kv, -1, a.head_dim)  # [B, Hkv, rep*T, hd]; head h uses kv head h // rep
+    out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=st.mask)  # [B, Hkv, rep*T, hd]
+    out = out.view(B, a.n_head, T, a.head_dim).transpose(1, 2).reshape(B * T, a.n_head * a.head_dim)  # [N, H*hd]
     return _proj(out, w, "attn_output")  # [N, d]
 
 

@@ -13,11 +13,8 @@ permutation for anyone who needs HF's layout (the HF comparison test).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
-from ...common.layout import HParams
 from . import qwen3moe
 
 ARCH = "llama"
@@ -26,8 +23,7 @@ ROPE = "norm"
 
 # GGUF name -> Hugging Face `MixtralForCausalLM` state-dict name ("{i}" = layer). q/k also
 # need `unpermute_qk` (see HF_UNPERMUTE); gate/up go into the fused `gate_up_proj`.
-_QK_NORMS = ("blk.{i}.attn_q_norm.weight", "blk.{i}.attn_k_norm.weight")
-TENSOR_NAMES: dict[str, str] = {g: h for g, h in qwen3moe.TENSOR_NAMES.items() if g not in _QK_NORMS}
+TENSOR_NAMES: dict[str, str] = qwen3moe.names_without_qk_norms()
 HF_FUSED: dict[str, tuple[str, ...]] = dict(qwen3moe.HF_FUSED)
 # GGUF tensors whose rows llama.cpp permuted -> the HParams field with their head count.
 HF_UNPERMUTE: dict[str, str] = {"blk.{i}.attn_q.weight": "n_head", "blk.{i}.attn_k.weight": "n_head_kv"}
@@ -45,7 +41,4 @@ class Model(qwen3moe.Model):
     """Qwen3-MoE's forward pass without q/k norms and with interleaved rope."""
 
     qk_norm = QK_NORM
-
-    def __init__(self, hparams: HParams, dense: dict[str, torch.Tensor]):
-        super().__init__(hparams, dense)
-        self.attn = replace(self.attn, rope=ROPE)
+    rope = ROPE

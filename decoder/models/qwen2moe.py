@@ -18,9 +18,8 @@ from .layers import shared_expert
 ARCH = "qwen2moe"
 QK_NORM = "none"
 
-_QK_NORMS = ("blk.{i}.attn_q_norm.weight", "blk.{i}.attn_k_norm.weight")
 # GGUF name -> Hugging Face `Qwen2MoeForCausalLM` state-dict name ("{i}" = layer).
-TENSOR_NAMES: dict[str, str] = {g: h for g, h in qwen3moe.TENSOR_NAMES.items() if g not in _QK_NORMS}
+TENSOR_NAMES: dict[str, str] = qwen3moe.names_without_qk_norms()
 TENSOR_NAMES.update({
     "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
     "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ...common.layout import HParams
 from ..experts import ExpertSource
-from .layers import AttnShape, KVCache, Weights, attention, moe, rms_norm
+from .layers import AttnShape, KVCache, StepAttn, Weights, attention, moe, rms_norm, step_attn
 
 ARCH = "qwen3moe"
 QK_NORM = "head"
@@ -43,6 +43,12 @@ HF_FUSED: dict[str, tuple[str, ...]] = {
 AfterLayer = Callable[[int, torch.Tensor], None]
 
 
+def names_without_qk_norms() -> dict[str, str]:
+    """TENSOR_NAMES for the families without q/k norm weights (Mixtral, Qwen2-MoE)."""
+    qk_norms = ("blk.{i}.attn_q_norm.weight", "blk.{i}.attn_k_norm.weight")
+    return {g: h for g, h in TENSOR_NAMES.items() if g not in qk_norms}
+
+
 def layer_weights(dense: dict[str, torch.Tensor], layer: int) -> Weights:
     """One layer's dense tensors keyed by short name: `attn_q`, `attn_q.bias`, ..."""
     prefix = f"blk.{layer}."
@@ -58,6 +64,7 @@ class Model:
     """Forward pass over dense weights (materialized at start) and an `ExpertSource`."""
 
     qk_norm = QK_NORM
+    rope = "neox"
 
     def __init__(self, hparams: HParams, dense: dict[str, torch.Tensor]):
         self.hparams = hp = hparams
@@ -65,7 +72,8 @@ class Model:
         self.norm = dense["output_norm.weight"]  # [d]
         self.lm_head = dense.get("output.weight", self.embed)  # [V, d]; tied when absent
         self.layers = [layer_weights(dense, i) for i in range(hp.n_layer)]
-        self.attn = AttnShape(hp.n_head, hp.n_head_kv, hp.head_dim, hp.rope_base, hp.rms_eps, self.qk_norm)
+        self.attn = AttnShape(hp.n_head, hp.n_head_kv, hp.head_dim, hp.rope_base, hp.rms_eps,
+                              self.qk_norm, self.rope)
         self.device, self.dtype = self.embed.device, self.embed.dtype
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
@@ -82,14 +90,14 @@ class Model:
         hp = self.hparams
         return moe(x, self.layers[layer]["ffn_gate_inp"], experts, layer, hp.n_expert_used, hp.norm_topk_prob)
 
-    def _block(self, layer: int, h: torch.Tensor, active: torch.Tensor, cache: KVCache,
-               positions: torch.Tensor, start: int, experts: ExpertSource,
-               after_attention: AfterLayer | None = None) -> torch.Tensor:
+    def _block(self, layer: int, h: torch.Tensor, active: torch.Tensor, cache: KVCache, st: StepAttn,
+               experts: ExpertSource, after_attention: AfterLayer | None = None) -> torch.Tensor:
         w, eps = self.layers[layer], self.hparams.rms_eps
-        h = h + attention(rms_norm(h, w["attn_norm"], eps), w, self.attn, layer, cache, positions, start)  # [N, d]
+        h = h + attention(rms_norm(h, w["attn_norm"], eps), w, self.attn, layer, cache, st)  # [N, d]
+        real = h[active]  # [n, d] real tokens only: pads fetch no experts
         if after_attention is not None:
-            after_attention(layer, h[active])  # [n, d]
-        x = rms_norm(h[active], w["ffn_norm"], eps)  # [n, d] real tokens only: pads fetch no experts
+            after_attention(layer, real)
+        x = rms_norm(real, w["ffn_norm"], eps)  # [n, d]
         return h.index_put((active,), self.ffn(layer, x, experts), accumulate=True)  # [N, d]
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, experts: ExpertSource,
@@ -106,11 +114,12 @@ class Model:
         valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid.to(torch.bool)
         positions, start = cache.advance(valid)  # [B, T]
         active = valid.reshape(-1).nonzero().squeeze(1)  # [n] row indices of real tokens
+        st = step_attn(self.attn, cache, positions, start)  # rope tables and mask, shared by every layer
         experts.begin_step()
         after_attention = getattr(after_layer, "after_attention", None)
         h = F.embedding(tokens.reshape(-1), self.embed)  # [N, d]
         for i in range(self.hparams.n_layer):
-            h = self._block(i, h, active, cache, positions, start, experts, after_attention)
+            h = self._block(i, h, active, cache, st, experts, after_attention)
             if after_layer is not None:
                 after_layer(i, h[active])
         h = h.view(B, T, -1)[:, -1] if last_only else h.view(B, T, -1)  # [B, d] | [B, T, d]

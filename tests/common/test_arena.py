@@ -71,3 +71,17 @@ def test_remove_stale_spares_live_arenas():
         assert os.path.exists(live.path)
     finally:
         live.close()
+
+
+def test_close_twice_and_with_slot_views_held():
+    """Both sides close cleanly while a caller still holds a slot view; a second close is a no-op."""
+    a = Arena.create(2, 4096)
+    v = ArenaView.attach(a.name, 2, 4096)
+    mine, theirs = a.slot(0), v.slot(1)  # views still exported at close time
+    v.close()
+    v.close()
+    a.close()
+    a.close()
+    assert not os.path.exists(a.path)
+    mine[0] = 7  # the memory lives on with the last view
+    assert theirs[0] == 0

@@ -11,19 +11,23 @@ from moestream.common.inspect import main
 
 
 def test_inspect_json_numbers(make_tiny_model, capsys):
-    path = make_tiny_model(arch="qwen2moe", quant="Q4_0", experts=6, hidden=64, expert_ff=96)
+    path = make_tiny_model(arch="qwen2moe", quant="Q4_0", experts=6, hidden=64, expert_ff=160)
     assert main([str(path), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     reader = GGUFReader(path)
     exps = [t for t in reader.tensors if "_exps." in t.name]
     dense = [t for t in reader.tensors if "_exps." not in t.name]
     assert d["architecture"] == "qwen2moe"
-    assert d["hparams"]["n_expert"] == d["experts"]["experts_per_layer"] == 6
+    assert d["hparams"]["n_expert"] == d["experts"]["n_expert"] == 6
+    assert d["experts"]["n_layer"] == 2 and d["experts"]["parts"] == ["gate", "up", "down"]
     assert d["experts"]["total_bytes"] == sum(int(t.n_bytes) for t in exps)
     assert d["dense_bytes"] == sum(int(t.n_bytes) for t in dense)
-    blob = 3 * 96 * (64 // 32) * 18  # gate/up/down of one expert, Q4_0: 18 B per 32 values
-    assert d["experts"]["blob_bytes_max"] == blob
-    assert d["experts"]["slot_bytes"] % 4096 == 0 and d["experts"]["slot_bytes"] >= blob
+    gate = up = 160 * (64 // 32) * 18  # one expert's [160, 64] slice, Q4_0: 18 B per 32 values
+    down = 64 * (160 // 32) * 18  # [64, 160]
+    assert d["experts"]["max_blob_bytes"] == gate + up + down
+    # each part starts on a page of the slot; O_DIRECT gives every part one more page of slack
+    assert d["experts"]["slot_bytes"] == sum(-(-n // 4096) * 4096 for n in (gate, up, down)) == 3 * 8192
+    assert d["experts"]["slot_bytes_direct_io"] == 3 * 8192 + 3 * 4096
     counts: dict[str, int] = {}
     for t in reader.tensors:
         counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from gguf import quants as gq
 
 from moestream.common import make_model as mm
 from moestream.common.gguf_write import write_moe_gguf
-from moestream.common.layout import PAGE, SUPPORTED_QTYPES, ModelFormatError, ModelLayout
+from moestream.common.layout import PAGE, SUPPORTED_QTYPES, ExpertPart, ModelFormatError, ModelLayout, slot_offsets
 
 ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe")
 QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
@@ -65,6 +66,27 @@ def test_blob_and_slot_sizes(make_tiny_model):
     assert layout.experts.max_blob_bytes == 3 * part
     assert layout.experts.slot_bytes() == 3 * -(-part // PAGE) * PAGE
     assert layout.experts.total_bytes == 3 * part * 4 * 2
+
+
+def test_slot_offsets_rule():
+    """Each part on its own page-aligned run of the slot; O_DIRECT: + the part's offset in its page."""
+    parts = [ExpertPart("gate", Q.Q8_0, (64, 96), 10 * PAGE + 100, 5000),
+             ExpertPart("up", Q.Q8_0, (64, 96), 20 * PAGE, 4096),
+             ExpertPart("down", Q.Q8_0, (96, 64), 30 * PAGE + 4000, 1)]
+    assert slot_offsets(parts, direct=False) == ({"gate": 0, "up": 2 * PAGE, "down": 3 * PAGE}, 4 * PAGE)
+    where, size = slot_offsets(parts, direct=True)
+    assert (where, size) == ({"gate": 100, "up": 3 * PAGE, "down": 5 * PAGE + 4000}, 7 * PAGE)
+    for p in parts:  # the aligned read [first byte - lead, round_up(lead + n)) stays inside the part's room
+        lead = p.offset % PAGE
+        assert where[p.name] - lead + -(-(lead + p.nbytes) // PAGE) * PAGE <= size
+
+
+def test_fingerprint_hashes_header(tiny_model):
+    layout = ModelLayout(tiny_model)
+    header = tiny_model.read_bytes()[: GGUFReader(tiny_model).data_offset]  # independent of our reader
+    fp = layout.fingerprint
+    assert fp.header_sha256 == hashlib.sha256(header).hexdigest()
+    assert (fp.size, fp.mtime_ns) == (tiny_model.stat().st_size, tiny_model.stat().st_mtime_ns)
 
 
 # -- bad files ----------------------------------------------------------------------------

@@ -45,17 +45,6 @@ def test_encode_rejects_bad_row_length():
         encode(np.zeros((2, 64), np.float32), Q.Q4_K, name="blk.0.ffn_up_exps.weight")
 
 
-@pytest.mark.parametrize("text,n", [("2GiB", 2 << 30), ("500MB", 500_000_000), ("1234", 1234), ("1.5 KiB", 1536)])
-def test_parse_size(text, n):
-    assert mm.parse_size(text) == n
-
-
-@pytest.mark.parametrize("text", ["2 parsecs", "GiB", "-1MB"])
-def test_parse_size_rejects(text):
-    with pytest.raises(ValueError, match="bad size"):
-        mm.parse_size(text)
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tensor_names_are_llama_cpp_names(make_tiny_model, arch):
     """Every tensor written is one llama.cpp's table (gguf.constants) allows for that arch."""
@@ -80,9 +69,9 @@ def test_writer_stores_given_values(tmp_path):
     for name, x in given.items():
         t = by_name[name]
         assert t.tensor_type == report.qtypes[name]
-        y = gq.dequantize(np.asarray(t.data), t.tensor_type).reshape(x.shape)
-        assert np.array_equal(y, gq.dequantize(encode(x, t.tensor_type), t.tensor_type)), name
-        assert np.sqrt(np.mean((y - x) ** 2)) < 0.12 * x.std(), name
+        y = gq.dequantize(np.asarray(t.data), t.tensor_type).reshape(x.shape)  # independent decoder
+        rel = np.sqrt(np.mean((y - x) ** 2)) / x.std()
+        assert rel <= REL_ERR[t.tensor_type] + 1e-7, f"{name} ({t.tensor_type.name}): relative RMS error {rel:.4f}"
 
 
 def test_tokenizer_metadata(make_tiny_model):

@@ -19,7 +19,7 @@ def check_invariants(p: SlotPolicy) -> None:
     assert len(set(slots)) == len(slots) and all(0 <= s < p.capacity for s in slots)
     s = p.stats()
     assert s["resident"] == len(p) == s["inserts"] - s["evictions"] - s["removes"]
-    assert s["pinned"] == sum(1 for k in p.keys() if p.pin_count(k) > 0)
+    assert s["pinned"] == p.pinned == sum(1 for k in p.keys() if p.pin_count(k) > 0)
 
 
 # -- construction and basics ---------------------------------------------------------------

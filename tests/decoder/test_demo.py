@@ -6,9 +6,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from moestream.common import spawn
 from moestream.common.client import IodClient
+from moestream.common.layout import ModelLayout
 from moestream.decoder import demo
 
 
@@ -52,13 +52,18 @@ def test_demo_from_fresh_machine(fresh, capsys):
     cache, spawned = fresh
     assert demo.main(["--cache-dir", str(cache), "-n", "6"]) == 0
     out = capsys.readouterr().out
-    assert demo.DEFAULT_PROMPT in out and "6 tokens in" in out
+    assert demo.DEFAULT_PROMPT in out and "(6 tokens, " in out
     assert "hit rate" in out and "slot cache:" in out and "stopped moestream-iod (exit code 0)" in out
     spawned.assert_clean()
-    if demo.shipped_model() is None:  # the made model is cached: a second run reuses it
-        made = cache / demo.DEMO_FILE
-        mtime = made.stat().st_mtime_ns
-        assert demo.default_model(cache) == made and made.stat().st_mtime_ns == mtime
+
+
+def test_without_a_shipped_model_the_demo_makes_one_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(demo, "shipped_model", lambda: None)
+    made = demo.default_model(tmp_path)
+    assert made == tmp_path / demo.DEMO_FILE and ModelLayout(made).hparams.arch == "qwen3moe"
+    mtime = made.stat().st_mtime_ns
+    assert demo.default_model(tmp_path) == made and made.stat().st_mtime_ns == mtime  # reused, not remade
+    assert sorted(p.name for p in tmp_path.iterdir()) == [demo.DEMO_FILE]  # no half-written leftovers
 
 
 def test_demo_stops_its_daemon_on_ctrl_c(fresh, capsys, monkeypatch):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import moestream.decoder.dequant as dq
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
-from gguf.quants import dequantize as gguf_dequantize, quant_shape_to_byte_shape
-
-import moestream.decoder.dequant as dq
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quant_shape_to_byte_shape
 from moestream.common.layout import SUPPORTED_QTYPES
 from moestream.decoder.dequant import SUPPORTED, byte_size, dequantize
 

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from moestream.common.layout import ModelLayout
 from moestream.decoder import cli
 from moestream.decoder.experts import ResidentExperts
 from moestream.decoder.generate import TextStream, generate
 from moestream.decoder.models import load_model
-from moestream.decoder.sampling import Sampler, SamplingParams, filter_top_k, filter_top_p
+from moestream.decoder.sampling import (
+    Sampler,
+    SamplingParams,
+    filter_top_k,
+    filter_top_p,
+)
 from moestream.decoder.tokenizer import GGUFTokenizer
 
 PROMPTS = [[5, 17, 200, 33, 41, 9, 300, 12], [77, 3], [450, 451, 452, 1, 2]]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from moestream.common.layout import ModelLayout
 from moestream.decoder.experts import ExpertSource, ResidentExperts
 from moestream.decoder.models import architectures, load_model

@@ -9,7 +9,6 @@ import threading
 
 import pytest
 import torch
-
 from moestream.common.client import IodClient, IodRequestError
 from moestream.common.layout import ModelLayout
 from moestream.common.spawn import spawn_daemon
@@ -22,6 +21,12 @@ from moestream.decoder.slot_cache import DeviceSlotCache
 from moestream.decoder.streamed import StreamedExperts
 
 MODEL = dict(arch="qwen3moe", quant="Q8_0", layers=3, experts=8, top_k=2)
+PROMPTS = [[5, 17, 99, 3, 250, 41], [7, 300]]
+
+
+def same(got, want, experts):
+    return all(torch.equal(got[e].gate, want[e].gate) and torch.equal(got[e].up, want[e].up)
+               and torch.equal(got[e].down, want[e].down) for e in experts)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +96,7 @@ def test_prefetches_land_on_the_receiver_thread(setup):
         assert src.receiver.drain(10.0)
         got = src.acquire(1, [2, 6])
         want = resident.acquire(1, [2, 6])
-        assert all(torch.equal(got[e].down, want[e].down) and torch.equal(got[e].gate, want[e].gate) for e in (2, 6))
+        assert same(got, want, (2, 6))
         src.release(1, [2, 6])
         st = src.stats()
     assert writers == {(1, 2): "moestream-receiver", (1, 6): "moestream-receiver"}
@@ -137,7 +142,7 @@ def test_failed_prefetch_is_fetched_again_on_demand(setup):
         src.client = src.receiver.client = failing
         src.begin_step()
         src.prefetch(0, [4])
-        assert src.cache.state((0, 4)) == "filling"
+        assert (0, 4) in src.cache and not src.cache.wait((0, 4), timeout=0)  # claimed, in flight
         boom = threading.Timer(0.2, lambda: failing.pending[0].set_exception(IodRequestError("read_failed", "boom")))
         boom.start()
         got = src.acquire(0, [4])  # waits on the in-flight prefetch, which fails, then fetches now
@@ -160,14 +165,6 @@ def test_every_prefetch_is_judged_in_a_real_decode(setup):
     assert st["prefetch_sent"] == st["useful"] + st["wasted"] + st["cancelled"]
     assert 0 < st["hidden_share"] <= 1 and st["useful"] == st["hidden"] + st["late"]
     assert st["cache"]["pinned"] == 0
-
-
-PROMPTS = [[5, 17, 99, 3, 250, 41], [7, 300]]
-
-
-def same(got, want, experts):
-    return all(torch.equal(got[e].gate, want[e].gate) and torch.equal(got[e].up, want[e].up)
-               and torch.equal(got[e].down, want[e].down) for e in experts)
 
 
 def test_lazy_prefetch_claims_no_slot_and_lands_on_use(setup):
@@ -251,22 +248,9 @@ def test_attention_point_hints_are_sent_after_the_layer_pins_its_own(setup):
             calls.append(("acquire", layer))
             return super().acquire(layer, experts)
 
-        def prefetch_ahead(self, predictions, before=None):
-            calls.append(("hint", before, sorted(predictions)))
+        def prefetch_ahead(self, predictions, defer=False):
+            calls.append(("hint", defer, sorted(predictions)))
 
     hook = Prefetcher(model, Source(layout), 2, at="attention")
     model.forward(torch.tensor([[5, 17, 99]]), model.new_cache(1, 4), hook.source, after_layer=hook)
-    assert calls == [("hint", 0, [1, 2]), ("acquire", 0), ("hint", 1, [2]), ("acquire", 1), ("acquire", 2)]
-
-
-def test_pin_present_counts_and_pins_under_one_call(setup):
-    layout = setup[0]
-    cache = DeviceSlotCache(layout.experts, 4)
-    cache.claim((0, 1))
-    cache.unpin((0, 1))
-    present, missing = cache.pin_present(0, [1, 2])
-    assert list(present) == [1] and missing == [2]
-    assert cache.policy.pin_count((0, 1)) == 1 and cache.policy.hits == 1 and cache.policy.misses == 1
-    cache.release_many(0, [1])
-    assert cache.policy.pin_count((0, 1)) == 0
-    cache.check()
+    assert calls == [("hint", True, [1, 2]), ("acquire", 0), ("hint", True, [2]), ("acquire", 1), ("acquire", 2)]

@@ -8,14 +8,14 @@ import threading
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
-
 from moestream.common.layout import ExpertIndex, TensorInfo
-from moestream.common.policy import SlotPolicy
 from moestream.common.quantize import random_blocks
 from moestream.decoder.slot_cache import DeviceSlotCache, FetchFailed
 from moestream.decoder.slot_format import bytes_per_slot, slot_layouts, slots_for_bytes
+from policy_check import CheckedPolicy
 
 D, FF = 64, 32
 
@@ -109,7 +109,7 @@ def test_fill_matches_gguf_reference(qtype, fused, fmt):
     f = FakeFile(qtype, fused=fused)
     cache = DeviceSlotCache(f.index, 3, slot_format=fmt)
     for key in [(0, 0), (1, 7), (0, 0), (0, 5), (1, 2), (0, 0)]:  # 4 distinct keys through 3 slots
-        if cache.lookup_pin(key):
+        if cache.pin_present(key[0], [key[1]])[0]:
             cache.wait(key)
         else:
             fill(cache, f, key)
@@ -144,10 +144,10 @@ def test_wait_blocks_until_another_thread_writes_and_abort_wakes_waiters():
     cache = DeviceSlotCache(f.index, 4)
     cache.claim((0, 3))
     cache.claim((1, 3))
-    assert cache.state((0, 3)) == "filling" and cache.wait((0, 3), timeout=0.01) is False
+    assert (0, 3) in cache and cache.wait((0, 3), timeout=0.01) is False  # claimed, still filling
     writer = threading.Timer(0.05, lambda: cache.write((0, 3), f.parts(0, 3)))
     writer.start()
-    assert cache.wait((0, 3), timeout=5.0) and cache.state((0, 3)) == "ready"
+    assert cache.wait((0, 3), timeout=5.0) and cache.wait((0, 3), timeout=0)
     writer.join()
     assert_weights(cache, f, (0, 3))
     threading.Timer(0.05, lambda: cache.abort((1, 3))).start()
@@ -156,24 +156,6 @@ def test_wait_blocks_until_another_thread_writes_and_abort_wakes_waiters():
     assert (1, 3) not in cache
     cache.unpin((1, 3))  # a dropped key's pin is gone with it
     cache.check()
-
-
-class CheckedPolicy(SlotPolicy):
-    """Checks, at every insert, that the victim is unpinned and capacity holds."""
-
-    def __init__(self, capacity: int):
-        super().__init__(capacity)
-        self.checked_inserts = self.checked_evictions = 0
-
-    def insert(self, key, *, pin=False):
-        victim = self.victim() if len(self) == self.capacity else None
-        if victim is not None:
-            assert self.pin_count(victim) == 0, f"would evict pinned {victim}"
-        slot, evicted = super().insert(key, pin=pin)
-        assert evicted == victim and len(self) <= self.capacity
-        self.checked_inserts += 1
-        self.checked_evictions += evicted is not None
-        return slot, evicted
 
 
 @pytest.mark.parametrize("fmt", ["raw", "dequant"])
@@ -192,7 +174,7 @@ def test_long_random_decode_keeps_pins_and_capacity(fmt):
             held = []
             for e in rng.sample(range(16), 2):
                 key = (layer, e)
-                if cache.lookup_pin(key):
+                if cache.pin_present(key[0], [key[1]])[0]:
                     held.append(key)
                 elif cache.claim(key) is not None:
                     cache.write(key, f.parts(*key))
@@ -206,5 +188,17 @@ def test_long_random_decode_keeps_pins_and_capacity(fmt):
                 assert torch.equal(w.down, refs[key]["down"]) and torch.equal(w.gate, refs[key]["gate"]), (step, key)
                 cache.unpin(key)
             cache.check()
-    assert policy.checked_inserts > 100 and policy.checked_evictions > 50
+    assert policy.checked > 100 and policy.evicted > 50
     assert cache.stats()["pinned"] == 0
+
+
+def test_pin_present_counts_and_pins_under_one_call():
+    cache = DeviceSlotCache(FakeFile(Q.Q8_0).index, 4)
+    cache.claim((0, 1))
+    cache.unpin((0, 1))
+    present, missing = cache.pin_present(0, [1, 2])
+    assert list(present) == [1] and missing == [2]
+    assert cache.policy.pin_count((0, 1)) == 1 and cache.policy.hits == 1 and cache.policy.misses == 1
+    cache.release_many(0, [1])
+    assert cache.policy.pin_count((0, 1)) == 0
+    cache.check()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from moestream.common.client import IodClient, IodUnavailable
 from moestream.common.layout import ModelLayout
 from moestream.common.policy import SlotPolicy
@@ -17,6 +16,7 @@ from moestream.decoder.sampling import SamplingParams
 from moestream.decoder.slot_cache import DeviceSlotCache
 from moestream.decoder.streamed import StreamedExperts, open_streamed
 from moestream.decoder.weights import load_dense
+from policy_check import CheckedPolicy
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 128, 9], [400, 2, 33]]
 N_NEW = 8
@@ -101,23 +101,6 @@ def test_deeper_prefetch_is_bit_identical_too(benches):
     assert st["prefetch_sent"] > 0
 
 
-class CheckedPolicy(SlotPolicy):
-    """At every insert: the victim is unpinned, and the cache stays within capacity."""
-
-    def __init__(self, capacity: int):
-        super().__init__(capacity)
-        self.checked = self.evicted = 0
-
-    def insert(self, key, *, pin=False):
-        victim = self.victim() if len(self) == self.capacity else None
-        assert victim is None or self.pin_count(victim) == 0, f"would evict pinned {victim}"
-        slot, evicted = super().insert(key, pin=pin)
-        assert evicted == victim and len(self) <= self.capacity and 0 <= slot < self.capacity
-        self.checked += 1
-        self.evicted += evicted is not None
-        return slot, evicted
-
-
 def test_long_random_decode_never_evicts_pinned_or_overfills(benches):
     b = benches("Q8_0")
     policy = CheckedPolicy(4)
@@ -126,6 +109,45 @@ def test_long_random_decode_never_evicts_pinned_or_overfills(benches):
     assert sum(len(t) for t in result.tokens) > 40
     assert policy.checked > 100 and policy.evicted > 50 and policy.checked == st["cache"]["inserts"]
     assert st["cache"]["pinned"] == 0 and st["cache"]["resident"] <= 4
+
+
+def _failing_refill(src, key, error):
+    """Make `key`'s resident entry look in flight, then fail like a lost prefetch (abort + `error`)."""
+    ready, wait, once = src.cache.ready_weights, src.cache.wait, [error]
+
+    def fake_ready(layer, entry):
+        return None if once and (layer, entry.slot) == (key[0], src.cache.slot_of(key)) else ready(layer, entry)
+
+    def fake_wait(k, timeout=None):
+        if k == key and once:
+            src.cache.abort(key)
+            raise once.pop()
+        return wait(k, timeout)
+
+    src.cache.ready_weights, src.cache.wait = fake_ready, fake_wait
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_refetch_keeps_earlier_bypasses_and_failure_forgets_them(benches, fails):
+    """2 slots: expert 0 resident, acquire [0, 1, 2] -> 1 gets the free slot, 2 is bypassed; 0's
+    fill then fails and is refetched in the same acquire (it must not forget that 2 bypassed),
+    or the acquire fails (nothing of it may stay behind for a later release)."""
+    from moestream.decoder.slot_cache import FetchFailed
+
+    b = benches("Q8_0")
+    with open_streamed(b.layout, b.endpoint, slots=2, landing="lazy") as src:
+        src.acquire(0, [0])
+        src.release(0, [0])
+        _failing_refill(src, (0, 0), IodUnavailable("gone") if fails else FetchFailed("lost"))
+        if fails:
+            with pytest.raises(IodUnavailable):
+                src.acquire(0, [0, 1, 2])
+            assert src._bypassed == {}
+        else:
+            got = src.acquire(0, [0, 1, 2])
+            assert set(got) == {0, 1, 2} and src._bypassed == {0: {2}} and src.c["refetched"] == 1
+            src.release(0, [0, 1, 2])
+        assert src.cache.pinned() == 0 and src._bypassed == {}
 
 
 def test_open_streamed_checks_capacity_arguments(benches):

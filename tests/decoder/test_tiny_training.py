@@ -8,13 +8,18 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from moestream.common.layout import ModelLayout
 from moestream.decoder.experts import ResidentExperts
 from moestream.decoder.generate import generate
 from moestream.decoder.models import load_model
-from moestream.decoder.tiny_corpus import (EXCLUDED_DIRS, corpus_files, inference_tokenizer, is_held_out,
-                                           stdlib_dir, train_tokenizer)
+from moestream.decoder.tiny_corpus import (
+    EXCLUDED_DIRS,
+    corpus_files,
+    inference_tokenizer,
+    is_held_out,
+    stdlib_dir,
+    train_tokenizer,
+)
 from moestream.decoder.tokenizer import GGUFTokenizer
 from moestream.decoder.trace_stats import predictability, skew
 from moestream.decoder.traces import Recorder
@@ -88,9 +93,8 @@ def test_export_reproduces_the_hf_model_in_our_decoder(tiny_run, tmp_path):
 
 
 def test_gguf_tokenizer_encodes_like_the_training_tokenizer(tiny_run, tmp_path):
-    from tokenizers import Tokenizer
-
     from moestream.decoder.export_gguf import export
+    from tokenizers import Tokenizer
 
     run, texts = tiny_run
     (path,) = export(run, tmp_path, ["Q8_0"])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 from gguf import GGUFReader
-
 from moestream.common.layout import ModelLayout
 from moestream.decoder.tokenizer import GGUFTokenizer, TokenizerError
 
@@ -71,9 +70,8 @@ def test_special_tokens(ours):
 
 def test_plain_prose_matches_the_factory_tokenizer(ours, tiny_model):
     """On prose both pre-tokenizer regexes split alike, so the ids must equal the trained JSON's."""
-    from tokenizers import Tokenizer
-
     from moestream.common.tokenizer_data import get_tokenizer
+    from tokenizers import Tokenizer
 
     trained: Tokenizer = get_tokenizer(ModelLayout(tiny_model).hparams.n_vocab)
     text = "The quick brown fox jumps over the lazy dog while reading the source of a module"

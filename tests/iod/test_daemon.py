@@ -14,33 +14,17 @@ import threading
 import time
 from pathlib import Path
 
+import checker
 import pytest
-
-from moestream.common.client import FingerprintMismatch, IodClient, IodRequestError, IodUnavailable
+from checker import check_all
+from moestream.common.client import (
+    FingerprintMismatch,
+    IodClient,
+    IodRequestError,
+    IodUnavailable,
+)
 from moestream.common.layout import ModelLayout
 from moestream.common.status_cli import get_status
-
-# A client that checks every expert's bytes against the file, then prints what it saw.
-CHECK_ALL = r"""
-import json, sys
-from moestream.common.client import IodClient
-from moestream.common.layout import ModelLayout
-endpoint, model = sys.argv[1], sys.argv[2]
-lay = ModelLayout(model)
-raw = open(model, "rb").read()
-checked = served = 0
-with IodClient(endpoint, expect_fingerprint=lay.fingerprint.as_dict(), name="checker") as c:
-    for layer in range(lay.experts.n_layer):
-        futs = c.fetch([(layer, e) for e in range(lay.experts.n_expert)])
-        for f in futs:
-            lease = f.result(10)
-            for p in lay.experts.parts(lease.layer, lease.expert):
-                assert bytes(c.part_view(lease, p.name)) == raw[p.offset:p.offset + p.nbytes], (lease, p.name)
-                served += p.nbytes
-            checked += 1
-            c.release(lease)
-print(json.dumps({"checked": checked, "served": served}))
-"""
 
 # Takes leases, says so, then waits to be killed.
 HOLD_LEASES = r"""
@@ -54,24 +38,12 @@ time.sleep(60)
 
 
 def run_check_all(endpoint: str, model: Path, mode: str) -> dict:
-    if mode == "subprocess":
-        out = subprocess.run([sys.executable, "-c", CHECK_ALL, endpoint, str(model)], capture_output=True,
-                             text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        return json.loads(out.stdout)
-    g = {"__name__": "checker"}
-    import contextlib
-    import io
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        old = sys.argv
-        sys.argv = ["x", endpoint, str(model)]
-        try:
-            exec(CHECK_ALL, g)
-        finally:
-            sys.argv = old
-    return json.loads(buf.getvalue())
+    if mode == "inprocess":
+        return check_all(endpoint, str(model))
+    out = subprocess.run([sys.executable, str(Path(checker.__file__)), endpoint, str(model)], capture_output=True,
+                         text=True, timeout=90)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
 
 
 @pytest.mark.parametrize("mode", ["inprocess", "subprocess"])
@@ -154,7 +126,7 @@ def test_now_served_before_ahead_and_backpressure(tiny_model, start_daemon):
     assert s["queues"]["reads_started_now"] == 2 + 2 and s["queues"]["reads_started_ahead"] == 4
 
 
-def test_cancel_queued_prefetch_is_never_read(tiny_model, start_daemon, wait_status):
+def test_cancel_queued_prefetch_is_never_read(tiny_model, start_daemon):
     d = start_daemon(tiny_model, arena_slots=1)
     with IodClient(d.endpoint) as c:
         first = c.fetch([(0, 0)])[0].result(10)

@@ -34,6 +34,8 @@ def test_toml_then_cli_overrides(tmp_path):
     assert cfg.lease_timeout_s == 3.5 and cfg.socket_mode == 0o640 and cfg.direct is True
     assert cfg.endpoint == DEFAULT_ENDPOINT and cfg.backend == "auto"
     assert load_config(["--config", str(toml), "--no-direct"]).direct is False
+    by_slots = load_config(["--config", str(toml), "--arena-slots", "64"])  # the CLI's sizing replaces the file's
+    assert by_slots.arena_slots == 64 and by_slots.arena_bytes is None
 
 
 @pytest.mark.parametrize("args,match", [
@@ -41,11 +43,22 @@ def test_toml_then_cli_overrides(tmp_path):
     (["--model", "m", "--endpoint", "http://x"], "endpoint"),
     (["--model", "m", "--socket-mode", "0666"], "others"),
     (["--model", "m", "--queue-depth", "0"], "positive"),
+    (["--model", "m", "--queue-depth", "5000"], "above the maximum of 4096"),
     (["--model", "m", "--endpoint", "ipc:///a", "--status-endpoint", "ipc:///a"], "differ"),
 ])
 def test_bad_configs(args, match):
     with pytest.raises(ConfigError, match=match):
         load_config(args)
+
+
+@pytest.mark.parametrize("line,match", [('direct = "false"', "direct must be bool"),
+                                        ('queue_depth = "8"', "queue_depth must be int"),
+                                        ("backend = 1", "backend must be str"),
+                                        ("queue_depth = true", "queue_depth must be int")])
+def test_toml_values_are_type_checked(tmp_path, line, match):
+    (tmp_path / "t.toml").write_text(f'model = "m"\n{line}\n')
+    with pytest.raises(ConfigError, match=match):
+        load_config(["--config", str(tmp_path / "t.toml")])
 
 
 def test_bad_toml(tmp_path):

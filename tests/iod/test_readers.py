@@ -9,10 +9,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from moestream.common.layout import PAGE, ModelLayout
 from moestream.iod import reader_uring, readers
-from moestream.iod.readers import PendingQueue, ReadError, ReadOp, open_reader, plan_reads
+from moestream.iod.readers import (
+    PendingQueue,
+    ReadError,
+    ReadOp,
+    open_reader,
+    plan_reads,
+)
 
 
 def _uring_ok() -> str:
@@ -31,12 +36,8 @@ BACKENDS = [
 
 
 @pytest.fixture(scope="module")
-def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        make = request.getfixturevalue("make_tiny_model")
-    except pytest.FixtureLookupError:  # before the shared factory existed
-        return _write_tiny(tmp_path_factory.mktemp("model") / "tiny.gguf")
-    return make(layers=2, experts=8, quant="Q8_0")
+def model(make_tiny_model) -> Path:
+    return make_tiny_model(layers=2, experts=8, quant="Q8_0")
 
 
 class Waiter:
@@ -236,41 +237,3 @@ def test_no_readahead_inflation(tmp_path: Path, backend: str) -> None:
     if disk == 0:
         pytest.skip("the file stayed in the page cache (fadvise DONTNEED had no effect here)")
     assert disk <= 2 * 32 * PAGE, f"read {disk} bytes from disk for 32 pages"
-
-
-def _write_tiny(path: Path) -> Path:
-    """A minimal qwen3moe GGUF (random Q8_0 experts), used only until tests/conftest.py has `make_tiny_model`."""
-    import gguf
-
-    rng = np.random.default_rng(0)
-    hidden, ff, n_exp, layers, vocab = 64, 64, 8, 2, 32
-    w = gguf.GGUFWriter(path, "qwen3moe")
-    for k, v in dict(block_count=layers, embedding_length=hidden, expert_count=n_exp, expert_used_count=2,
-                     expert_feed_forward_length=ff, context_length=64).items():
-        w.add_uint32(f"qwen3moe.{k}", v)
-    w.add_uint32("qwen3moe.attention.head_count", 4)
-    w.add_uint32("qwen3moe.attention.head_count_kv", 2)
-
-    def add(name: str, shape: tuple[int, ...], quant: bool = False) -> None:
-        a = rng.standard_normal(shape).astype(np.float32)  # numpy order: reversed ggml shape
-        if quant:
-            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(name, a)
-
-    add("token_embd.weight", (vocab, hidden))
-    add("output_norm.weight", (hidden,))
-    for i in range(layers):
-        for t, shape in [("attn_norm", (hidden,)), ("attn_q", (hidden, hidden)), ("attn_k", (32, hidden)),
-                         ("attn_v", (32, hidden)), ("attn_output", (hidden, hidden)), ("ffn_norm", (hidden,)),
-                         ("ffn_gate_inp", (n_exp, hidden)), ("attn_q_norm", (16,)), ("attn_k_norm", (16,))]:
-            add(f"blk.{i}.{t}.weight", shape)
-        add(f"blk.{i}.ffn_gate_exps.weight", (n_exp, ff, hidden), quant=True)
-        add(f"blk.{i}.ffn_up_exps.weight", (n_exp, ff, hidden), quant=True)
-        add(f"blk.{i}.ffn_down_exps.weight", (n_exp, hidden, ff), quant=True)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
