@@ -1,7 +1,8 @@
 """`moestream inspect MODEL.gguf [--json]`: what a GGUF MoE holds, as moestream sees it.
 
 Prints the architecture, hyper-parameters, dense bytes, the expert index (experts per layer,
-largest blob, arena slot size, total expert bytes), quant types and the file fingerprint.
+largest blob, arena slot size, total expert bytes), quant types, the file fingerprint, and
+sizing: the arena (and `moestream-iod --memory`) that caches a quarter, half or all experts.
 """
 
 from __future__ import annotations
@@ -13,6 +14,12 @@ import sys
 from typing import Any
 
 from .layout import ModelFormatError, ModelLayout
+from .units import format_size
+
+SIZING_PERCENTS = (25, 50, 100)  # of all experts: the cache sizes an operator usually weighs
+# The daemon's own memory beside its arena (a Python process with its libraries: ~50 MiB measured,
+# plus the margin it adds); `moestream-iod --memory` measures the real figure at start and logs it.
+IOD_OWN_BYTES_GUESS = 96 << 20
 
 
 def describe(layout: ModelLayout) -> dict[str, Any]:
@@ -29,7 +36,18 @@ def describe(layout: ModelLayout) -> dict[str, Any]:
                     "slot_bytes_direct_io": ex.slot_bytes(direct_io=True)},
         "quant_types": layout.quant_types(),
         "fingerprint": layout.fingerprint.as_dict(),
+        "sizing": sizing(ex.n_layer * ex.n_expert, ex.slot_bytes(direct_io=False)),
     }
+
+
+def sizing(n_experts: int, slot_bytes: int) -> dict[str, Any]:
+    """Arena bytes (one slot per cached expert) and the `--memory` that gives them, per share of experts."""
+    rows = []
+    for pct in SIZING_PERCENTS:
+        slots = max(1, -(-n_experts * pct // 100))  # rounded up: at least that share fits
+        rows.append({"percent": pct, "slots": slots, "arena_bytes": slots * slot_bytes,
+                     "memory_bytes": slots * slot_bytes + IOD_OWN_BYTES_GUESS})
+    return {"slot_bytes": slot_bytes, "daemon_bytes_guess": IOD_OWN_BYTES_GUESS, "budgets": rows}
 
 
 def _mib(n: int) -> str:
@@ -52,8 +70,18 @@ def format_text(d: dict[str, Any]) -> str:
         "quant types      " + ", ".join(f"{k} x{v}" for k, v in sorted(d["quant_types"].items())),
         f"fingerprint      sha256 {d['fingerprint']['header_sha256'][:16]}... "
         f"size {d['fingerprint']['size']} mtime_ns {d['fingerprint']['mtime_ns']}",
+        *_sizing_lines(d["sizing"]),
     ]
     return "\n".join(lines)
+
+
+def _sizing_lines(sz: dict[str, Any]) -> list[str]:
+    out = [f"sizing           arena slot {format_size(sz['slot_bytes'])} per cached expert; "
+           f"--memory adds ~{format_size(sz['daemon_bytes_guess'])} for the daemon itself"]
+    for r in sz["budgets"]:
+        out.append(f"  {r['percent']:>3}% of experts  {r['slots']:>7,} slots  arena {format_size(r['arena_bytes']):>10}"
+                   f"  --memory {format_size(r['memory_bytes'], up=True)}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,6 +77,9 @@ def format_status(s: dict[str, Any]) -> str:
                   f"disk {_mib(s['disk_read_bytes'])}; {s['read_mb_s']:.1f} MB/s (last 10 s)"),
         ("queues", f"now {q['queued_now']}, ahead {q['queued_ahead']}, reading {q['reading']}/{q['max_inflight']}; "
                    f"dropped {q['dropped']}, busy {q['refused_busy']}"),
+        ("in flight", f"expert loads peak {q['in_flight']['peak']}, mean {q['in_flight']['mean']:.1f} (prefetch <= "
+                      f"{q['ahead_max_inflight']}); device reads peak {s['reader']['in_flight']['peak']}, "
+                      f"mean {s['reader']['in_flight']['mean']:.1f}"),
         ("latency", f"all p50 {lat['all']['p50_ms']:.3f} ms p99 {lat['all']['p99_ms']:.3f} ms; "
                     f"miss p50 {lat['miss']['p50_ms']:.3f} ms p99 {lat['miss']['p99_ms']:.3f} ms"),
         ("errors", f"{s['errors']:,} " + (json.dumps(s["errors_by_code"]) if s["errors_by_code"] else "")),

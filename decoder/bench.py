@@ -1,13 +1,16 @@
 """`moestream bench decode`: decode tok/s with experts streamed vs resident, in one run.
 
-Phases, all on the same prompt, sampling seed and number of tokens, against one daemon:
+Phases, all on the same prompt, sampling seed and number of tokens:
   resident     every expert in process (the reference and the compute bound);
-  working set  streamed, a slot cache that holds every expert: the streaming overhead
+  working set  streamed, a cache that holds every expert: the streaming overhead
                (goal: >= 0.95 of resident);
   tight        streamed, a cache of --tight (default 25 %) of the experts, prefetch on and off in
                the same run: tok/s beside the bound min(compute, bandwidth / missed bytes per token);
-  bandwidth    every expert fetched once more and copied into a device slot: expert bytes/s
-               delivered from the daemon to this process, measured in this run, for the bound.
+  bandwidth    every expert fetched once more (and copied into a device slot where the format has
+               one): expert bytes/s delivered from the daemon to this process, for the bound.
+The cache is the daemon's arena with the CPU's 'quant' format (experts computed where they lie:
+each streamed phase gets its own daemon with an arena of that many slots), else the decoder's
+device slot cache (one daemon for every phase).
 Every phase first runs once untimed (warm-up; it also fills the slot caches), then the timed
 runs alternate between phases --repeat times; the median tok/s counts (decode steps only).
 """
@@ -15,6 +18,7 @@ runs alternate between phases --repeat times; the median tok/s counts (decode st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -49,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed and prompt (default 0)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per phase, median reported (default 3)")
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
-    p.add_argument("--slot-format", default="auto", choices=("auto", "raw", "dequant"),
-                   help="device slot format (auto: raw on cuda, dequant on cpu); resident uses the same")
+    p.add_argument("--slot-format", default="auto", choices=("auto", "quant", "raw", "dequant"),
+                   help="expert format (auto: quant on cpu, raw on cuda); resident uses the same")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice); on a small, "
                    "busy CPU 1 is often fastest, since waiting OMP threads get preempted")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -60,13 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
 class Run:
     """The model, prompt and sampling shared by every phase."""
 
-    def __init__(self, args: argparse.Namespace, endpoint: str):
+    def __init__(self, args: argparse.Namespace, endpoint: str | None, stack: Any):
         from ..common.layout import ModelLayout
         from .config import DecoderConfig
         from .models import load_model
 
-        self.args, self.endpoint = args, endpoint
-        self.cfg = DecoderConfig(model=args.model, prompts=["bench"], iod=endpoint, device=args.device,
+        self.args, self.endpoint, self.stack = args, endpoint, stack
+        self.last_endpoint = endpoint
+        self.cfg = DecoderConfig(model=args.model, prompts=["bench"], iod=endpoint or "spawned", device=args.device,
                                  slot_format=args.slot_format, temperature=args.temperature, seed=args.seed,
                                  max_new_tokens=args.tokens, progress=False)
         self.layout = ModelLayout(args.model)
@@ -85,23 +90,40 @@ class Run:
             torch.cuda.synchronize(self.cfg.torch_device)
         return result.decode_tok_s()
 
-    def streamed(self, slots: int, prefetch: int) -> Any:
-        from .prefetch import Prefetcher
-        from .streamed import open_streamed
+    @property
+    def quant(self) -> bool:
+        return self.cfg.resolved_slot_format == "quant"
 
-        landing = None if self.args.landing == "auto" else self.args.landing
-        source = open_streamed(self.layout, self.endpoint, device=self.cfg.torch_device, dtype=self.cfg.torch_dtype,
-                               slots=slots, slot_format=self.cfg.resolved_slot_format, name="bench-decode",
-                               landing=landing)
-        return source, (Prefetcher(self.model, source, prefetch, at=self.args.prefetch_at) if prefetch else None)
+    def streamed(self, slots: int, prefetch: int) -> tuple[Any, Any, str | None]:
+        """(source, prefetch hook, status endpoint of a daemon of its own or None)."""
+        from .prefetch import Prefetcher
+
+        if self.quant:  # the arena is the cache: a daemon with `slots` arena slots
+            from ..common.spawn import spawn_daemon
+            from .arena_experts import open_arena
+
+            daemon = self.stack.enter_context(spawn_daemon(self.args.model, arena_slots=slots))
+            source, status = open_arena(self.layout, daemon.endpoint, name="bench-decode"), daemon.status_endpoint
+            self.last_endpoint = daemon.endpoint  # the tight cache's daemon: it reads, for the bandwidth
+        else:
+            from .streamed import open_streamed
+
+            landing = None if self.args.landing == "auto" else self.args.landing
+            source = open_streamed(self.layout, self.endpoint, device=self.cfg.torch_device,
+                                   dtype=self.cfg.torch_dtype, slots=slots, slot_format=self.cfg.resolved_slot_format,
+                                   name="bench-decode", landing=landing)
+            status = None
+        self.stack.enter_context(source)
+        return source, (Prefetcher(self.model, source, prefetch, at=self.args.prefetch_at) if prefetch else None), status
 
 
 class Phase:
     """One expert source under test; `once()` times one generation and accumulates its counters."""
 
-    def __init__(self, run: Run, source: Any, hook: Any = None, slots: int = 0, prefetch: int = 0):
+    def __init__(self, run: Run, source: Any, hook: Any = None, slots: int = 0, prefetch: int = 0,
+                 status: str | None = None):
         self.run, self.source, self.hook = run, source, hook
-        self.slots, self.prefetch = slots, prefetch
+        self.slots, self.prefetch, self.status = slots, prefetch, status
         self.tok_s: list[float] = []
         self.delta: dict[str, float] = {}
         run.decode(source, hook)  # warm-up, untimed: allocator, kernels, and the slot cache's contents
@@ -114,6 +136,14 @@ class Phase:
 
     def _counters(self) -> dict[str, float]:
         st = self.source.stats()
+        if self.status is not None:  # the arena source: its daemon counts what was read
+            from ..common.status_cli import get_status
+
+            d = get_status(self.status)
+            p = st["prefetch"]
+            return {"acquired": st["acquired"], "misses": d["reads"], "hits": st["acquired"] - d["reads"],
+                    "useful": p["useful"], "hidden": p["hidden"], "bytes_fetched": d["bytes_read"],
+                    "stall_s": st["stall_s"], "predicted": p["sent"], "predicted_right": p["useful"]}
         keys = ("acquired", "hits", "misses", "useful", "hidden", "bytes_fetched", "stall_s", "predicted",
                 "predicted_right")
         return {k: st[k] for k in keys if k in st}
@@ -125,8 +155,8 @@ class Phase:
             return out
         tokens = len(self.tok_s) * self.run.args.tokens  # the prefill's expert traffic is counted too
         would_miss = d["misses"] + d["useful"]
-        out.update(slots=self.slots, prefetch=self.prefetch, landing=getattr(self.source, "landing", None),
-                   prefetch_at=getattr(self.hook, "at", None), hit_rate=d["hits"] / d["acquired"],
+        out.update(slots=self.slots, prefetch=self.prefetch, landing=getattr(self.source, "landing", "arena"),
+                   prefetch_at=getattr(self.hook, "at", None), hit_rate=max(0.0, d["hits"] / d["acquired"]),
                    missed_bytes_per_token=d["bytes_fetched"] / tokens, stall_s=d["stall_s"],
                    hidden_share=d["hidden"] / would_miss if would_miss else 0.0,
                    prefetch_precision=d["predicted_right"] / d["predicted"] if d["predicted"] else 0.0)
@@ -136,46 +166,54 @@ class Phase:
 def make_phases(run: Run, stack: Any) -> dict[str, Phase]:
     """Every source at once, so the timed runs can alternate between them (a busy machine's
     load drifts; alternating spreads the drift over all phases instead of biasing one)."""
-    from .experts import ResidentExperts
-
     cfg, args = run.cfg, run.args
     tight = max(run.layout.hparams.n_expert_used, math.ceil(args.tight * run.n_experts))
-    resident = stack.enter_context(ResidentExperts(run.layout, cfg.torch_device, cfg.torch_dtype,
-                                                   cfg.resolved_slot_format))
+    if run.quant:
+        from .quant_experts import QuantResidentExperts
+
+        resident = stack.enter_context(QuantResidentExperts(run.layout))
+    else:
+        from .experts import ResidentExperts
+
+        resident = stack.enter_context(ResidentExperts(run.layout, cfg.torch_device, cfg.torch_dtype,
+                                                       cfg.resolved_slot_format))
     phases = {"resident": Phase(run, resident)}
     plan = [("working_set", run.n_experts, 0), ("tight", tight, args.prefetch)]
     if args.prefetch:
         plan.append(("tight_no_prefetch", tight, 0))
     for name, slots, depth in plan:
-        source, hook = run.streamed(slots, depth)
-        stack.enter_context(source)
-        phases[name] = Phase(run, source, hook, slots, depth)
+        source, hook, status = run.streamed(slots, depth)
+        phases[name] = Phase(run, source, hook, slots, depth, status)
     return phases
 
 
-def phase_bandwidth(run: Run, slot_format: str) -> dict[str, Any]:
+def phase_bandwidth(run: Run, slot_format: str, endpoint: str) -> dict[str, Any]:
     """Fetch every expert once, layer by layer, and put it into a device slot: expert bytes/s.
 
     With raw slots this is delivery (daemon -> arena -> device copy); with dequant slots it
-    includes dequantizing on insert, the real cost of a miss in that format."""
+    includes dequantizing on insert, the real cost of a miss in that format; with quant (no
+    slot: computed in the arena) it is the daemon's delivery alone."""
     from ..common.client import IodClient
     from .slot_cache import DeviceSlotCache
 
     hp = run.layout.hparams
-    cache = DeviceSlotCache(run.layout.experts, hp.n_expert, run.cfg.torch_device, slot_format=slot_format,
-                            dtype=run.cfg.torch_dtype)
+    fmt = "raw" if slot_format == "quant" else slot_format
+    cache = DeviceSlotCache(run.layout.experts, hp.n_expert, run.cfg.torch_device, slot_format=fmt,
+                            dtype=run.cfg.torch_dtype) if slot_format != "quant" else None
     nbytes = 0
-    with IodClient(run.endpoint, expect_fingerprint=run.layout.fingerprint.as_dict(), name="bench-bw") as client:
+    with IodClient(endpoint, expect_fingerprint=run.layout.fingerprint.as_dict(), name="bench-bw") as client:
         t0 = time.perf_counter()
         for layer in range(hp.n_layer):
-            for e in range(hp.n_expert):
+            for e in range(hp.n_expert if cache is not None else 0):
                 cache.claim((layer, e))  # evicts the previous layer's copies (unpinned once written)
             for fut in client.fetch([(layer, e) for e in range(hp.n_expert)], "now"):
                 lease = fut.result(60)
                 key = (lease.layer, lease.expert)
-                cache.write(key, {n: client.part_view(lease, n) for n in lease.parts})
+                if cache is not None:
+                    cache.write(key, {n: client.part_view(lease, n) for n in lease.parts})
                 client.release(lease)
-                cache.unpin(key)
+                if cache is not None:
+                    cache.unpin(key)
                 nbytes += sum(n for _, n in lease.parts.values())
         if run.cfg.torch_device.type == "cuda":
             torch.cuda.synchronize(run.cfg.torch_device)
@@ -184,21 +222,19 @@ def phase_bandwidth(run: Run, slot_format: str) -> dict[str, Any]:
 
 
 def measure(run: Run) -> dict[str, Any]:
-    import contextlib
-
     args = run.args
     out: dict[str, Any] = {"model": str(args.model), "device": str(run.cfg.torch_device),
                            "slot_format": run.cfg.resolved_slot_format, "experts": run.n_experts,
                            "tokens": args.tokens, "repeat": args.repeat, "threads": torch.get_num_threads()}
-    with contextlib.ExitStack() as stack:
-        phases = make_phases(run, stack)
-        for _ in range(args.repeat):
-            for phase in phases.values():
-                phase.once()
-        out.update({name: phase.result() for name, phase in phases.items()})
-    out["delivery"] = phase_bandwidth(run, "raw")
+    phases = make_phases(run, run.stack)
+    for _ in range(args.repeat):
+        for phase in phases.values():
+            phase.once()
+    out.update({name: phase.result() for name, phase in phases.items()})
     fmt = run.cfg.resolved_slot_format
-    out["bandwidth"] = out["delivery"] if fmt == "raw" else phase_bandwidth(run, fmt)
+    endpoint = run.endpoint or run.last_endpoint
+    out["delivery"] = phase_bandwidth(run, "quant" if fmt == "quant" else "raw", endpoint)
+    out["bandwidth"] = out["delivery"] if fmt in ("raw", "quant") else phase_bandwidth(run, fmt, endpoint)
     compute = out["resident"]["tok_s"]
     out["working_set"]["ratio"] = out["working_set"]["tok_s"] / compute
     for name in ("tight", "tight_no_prefetch"):
@@ -276,10 +312,15 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    with sigterm_as_exit():
+    with sigterm_as_exit(), contextlib.ExitStack() as stack:
+        run = Run(args, args.iod, stack)
+        if args.iod and run.quant:
+            raise ValueError("with the 'quant' format each phase needs its own daemon (the arena is the cache), so "
+                             "bench decode starts them: drop --iod, or use --slot-format raw/dequant")
         if args.iod:
-            return measure(Run(args, args.iod))
-        from ..common.spawn import spawn_daemon
+            return measure(run)
+        if not run.quant:  # one daemon for every phase's slot cache
+            from ..common.spawn import spawn_daemon
 
-        with spawn_daemon(args.model) as daemon:
-            return measure(Run(args, daemon.endpoint))
+            run.endpoint = stack.enter_context(spawn_daemon(args.model)).endpoint
+        return measure(run)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import Any, Callable
@@ -12,12 +13,15 @@ from .config import ConfigError, DecoderConfig
 DESCRIPTION = """\
 Generate text from a GGUF Mixture-of-Experts model. Dense weights are loaded onto the device
 at start; experts are either all resident in this process (--resident, the reference) or
-streamed from a moestream-iod daemon (--iod ENDPOINT) into a device slot cache.
+streamed from a moestream-iod daemon (--iod ENDPOINT).
 
-Slot format (--slot-format): 'raw' keeps the quantized blocks in the slots and dequantizes
-them on every use, 'dequant' dequantizes once on insert. 'auto' picks raw on CUDA (dequantize
-on use is cheap there, and more experts fit) and dequant on CPU (a vectorized torch Q8_0
-dequantizer runs at ~0.3 GB/s on a CPU, slower per token than the matmuls and the reads).
+Expert format (--slot-format):
+  quant    (CPU default) experts are computed on their quantized GGUF blocks where they lie:
+           resident, straight from the file's memory map (memory = the file's expert bytes);
+           streamed, straight from the daemon's shared-memory arena, which is then the only
+           expert cache (size it with `moestream-iod --memory`; no --slots here).
+  raw      (CUDA default) a device slot cache of quantized blocks, dequantized on every use.
+  dequant  a slot cache of experts dequantized once on insert (2-7x the memory of quant).
 """
 
 
@@ -31,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--resident", action="store_true", default=None, help="load every expert in process (no daemon)")
     ap.add_argument("--prompt", action="append", dest="prompts", metavar="TEXT",
                     help="prompt text; repeat for several prompts decoded together as a batch")
+    ap.add_argument("--prompt-ids", action="append", dest="prompt_ids", metavar="IDS", type=_ids,
+                    help="a prompt as comma-separated token ids (e.g. 1,15,27); repeatable; instead of --prompt")
     ap.add_argument("-n", "--max-new-tokens", type=int, dest="max_new_tokens", help="tokens to generate per prompt (default 32)")
     ap.add_argument("--chat", action="store_true", default=None, help="wrap each prompt in the model's chat template")
     ap.add_argument("--temperature", type=float, help="0 = greedy (default)")
@@ -40,17 +46,34 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     ap.add_argument("--dtype", help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16")
     cache = ap.add_mutually_exclusive_group()
-    cache.add_argument("--slots", type=int, help="device slot cache size in experts (streamed)")
-    cache.add_argument("--cache-bytes", dest="cache_bytes", help="device slot cache size in bytes, e.g. 512M (streamed)")
-    ap.add_argument("--slot-format", dest="slot_format", choices=["auto", "raw", "dequant"], help="see above (default auto)")
+    cache.add_argument("--slots", type=int, help="device slot cache size in experts (streamed, raw/dequant formats)")
+    cache.add_argument("--cache-bytes", dest="cache_bytes",
+                       help="device slot cache size in bytes, e.g. 512M (streamed, raw/dequant formats)")
+    ap.add_argument("--slot-format", dest="slot_format", choices=["auto", "quant", "raw", "dequant"],
+                    help="see above (default auto: quant on cpu, raw on cuda)")
     ap.add_argument("--prefetch", type=int,
-                    help="layers of router look-ahead for prefetching (default 1, 0 = off). It hides disk reads "
-                         "(cold cache: stall time 2-3x lower); on a CPU with experts already in the page cache a "
-                         "miss costs mostly its dequantization, which prefetching cannot hide, so it can cost a "
-                         "few %% there: `moestream bench decode` measures both on your model")
-    ap.add_argument("--stats", action="store_true", default=None, help="print tok/s and the expert source's counters")
+                    help="layers of router look-ahead for prefetching (default 1, 0 = off): after layer L the "
+                         "routers of layers L+1..L+N guess their experts, fetched `ahead` so disk reads overlap "
+                         "compute; deeper keeps more reads in flight when experts come from disk")
+    ap.add_argument("--stats", action="store_true", default=None,
+                    help="print tok/s and the expert source's counters (on stderr)")
+    ap.add_argument("--json", action="store_true", default=None,
+                    help="print one JSON object (tokens, text, timings, counters) instead of streaming text")
+    ap.add_argument("--trace-out", dest="trace_out", metavar="FILE.json",
+                    help="write the routing trace (one step per forward pass: its (layer, expert) keys); "
+                         "`moestream simulate` replays it")
     ap.add_argument("--no-progress", action="store_false", dest="progress", default=None, help="no loading progress bars")
     return ap
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"token ids must be comma-separated integers, got {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"token ids must be non-empty and >= 0, got {text!r}")
+    return ids
 
 
 def config_from_args(args: argparse.Namespace) -> DecoderConfig:
@@ -63,6 +86,10 @@ def config_from_args(args: argparse.Namespace) -> DecoderConfig:
 
 
 def open_resident(cfg: DecoderConfig, layout: Any, model: Any) -> tuple[Any, Callable | None]:
+    if cfg.resolved_slot_format == "quant":
+        from .quant_experts import QuantResidentExperts
+
+        return QuantResidentExperts(layout), None
     from .experts import ResidentExperts
 
     source = ResidentExperts(layout, cfg.torch_device, cfg.torch_dtype, cfg.resolved_slot_format, progress=cfg.progress)
@@ -76,26 +103,33 @@ def default_slots(hp: Any) -> int:
 
 def open_streamed(cfg: DecoderConfig, layout: Any, model: Any) -> tuple[Any, Callable | None]:
     try:
+        from .arena_experts import open_arena
         from .prefetch import Prefetcher
         from .streamed import open_streamed as connect
     except ImportError as e:
         raise ConfigError(f"streamed mode not available ({e}); use --resident") from None
-    sized = {"cache_bytes": cfg.cache_bytes} if cfg.cache_bytes else \
-        {"slots": cfg.slots or default_slots(layout.hparams)}
-    source = connect(layout, cfg.iod, device=cfg.torch_device, dtype=cfg.torch_dtype,
-                     slot_format=cfg.resolved_slot_format, fetch_timeout_s=cfg.fetch_timeout_s,
-                     name="moestream-generate", **sized)
+    if cfg.resolved_slot_format == "quant":
+        source = open_arena(layout, cfg.iod, fetch_timeout_s=cfg.fetch_timeout_s, name="moestream-generate")
+    else:
+        sized = {"cache_bytes": cfg.cache_bytes} if cfg.cache_bytes else \
+            {"slots": cfg.slots or default_slots(layout.hparams)}
+        source = connect(layout, cfg.iod, device=cfg.torch_device, dtype=cfg.torch_dtype,
+                         slot_format=cfg.resolved_slot_format, fetch_timeout_s=cfg.fetch_timeout_s,
+                         name="moestream-generate", **sized)
     return source, (Prefetcher(model, source, cfg.prefetch) if cfg.prefetch > 0 else None)
 
 
 def prompt_ids(cfg: DecoderConfig, tok: Any) -> list[list[int]]:
+    if cfg.prompt_ids:
+        return [list(ids) for ids in cfg.prompt_ids]
     texts = [tok.render_chat([{"role": "user", "content": p}]) if cfg.chat else p for p in cfg.prompts]
     return [tok.encode(t) for t in texts]
 
 
 def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
         header: Callable[[DecoderConfig, Any], None] | None = None) -> int:
-    """Generate for `cfg` and print the text (streamed as it comes for a single prompt).
+    """Generate for `cfg` and print the text (streamed as it comes for a single prompt), or
+    one JSON object with `cfg.json`.
 
     `echo_prompt` prints a single prompt's text before its continuation; `header(cfg, layout)`
     runs once the model is loaded, before generating (the demo's description of the setup)."""
@@ -103,6 +137,7 @@ def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
     from .generate import TextStream, generate
     from .models import load_model
     from .tokenizer import GGUFTokenizer
+    from .traces import RoutingRecorder
 
     layout = ModelLayout(cfg.model)
     tok = GGUFTokenizer.from_layout(layout)
@@ -111,23 +146,40 @@ def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
     model = load_model(layout, cfg.torch_device, cfg.torch_dtype, progress=cfg.progress)
     opener = open_resident if cfg.resident else open_streamed
     source, hook = opener(cfg, layout, model)
+    if cfg.trace_out:
+        source = RoutingRecorder(source)
     load_s = time.perf_counter() - t0
-    single = len(ids) == 1
+    single = len(ids) == 1 and not cfg.json
     if header is not None:
         header(cfg, layout)
-    if single and echo_prompt:
+    if single and echo_prompt and cfg.prompts:
         print(cfg.prompts[0], end="", flush=True)
     stream = TextStream(tok.decode, lambda _i, text: print(text, end="", flush=True)) if single else None
     with source:
         result = generate(model, source, ids, cfg.max_new_tokens, cfg.sampling, tok.stop_ids, tok.pad_id,
                           on_token=stream, after_layer=hook)
         stats = source.stats()
+    if cfg.trace_out:
+        source.write(cfg.trace_out, layout.hparams.n_layer, layout.hparams.n_expert)
     if stream is not None:
         stream.flush()
-    print_results(result, tok, single)
+    prefetch = hook.stats() if hook is not None else None
+    if cfg.json:
+        print(json.dumps(result_json(result, tok, ids, load_s, stats, prefetch)))
+    else:
+        print_results(result, tok, single)
     if cfg.stats:
-        print_stats(result, load_s, stats, hook.stats() if hook is not None else None)
+        print_stats(result, load_s, stats, prefetch)
     return 0
+
+
+def result_json(result: Any, tok: Any, ids: list[list[int]], load_s: float, stats: dict,
+                prefetch: dict | None) -> dict[str, Any]:
+    return {"prompt_tokens": [len(p) for p in ids], "tokens": result.tokens,
+            "text": [tok.decode(t) for t in result.tokens], "finish": result.finish,
+            "new_tokens": result.new_tokens, "steps": result.steps, "load_s": load_s,
+            "prefill_s": result.prefill_s, "decode_s": result.decode_s, "decode_tok_s": result.decode_tok_s(),
+            "stats": stats, "prefetch": prefetch}
 
 
 def print_results(result: Any, tok: Any, streamed: bool) -> None:
@@ -140,16 +192,22 @@ def print_results(result: Any, tok: Any, streamed: bool) -> None:
 
 
 def print_stats(result: Any, load_s: float, source_stats: dict, prefetch_stats: dict | None) -> None:
+    """Counters for people, on stderr (stdout carries the text)."""
+    out = sys.stderr
     print(f"stats: decode {result.decode_tok_s():.1f} tok/s ({result.new_tokens} tokens, {result.steps} decode steps), "
-          f"prefill {result.prefill_s * 1e3:.1f} ms, load {load_s:.2f} s")
-    if "hit_rate" in source_stats:  # streamed: the counters people read first
-        from .streamed import describe_stats
+          f"prefill {result.prefill_s * 1e3:.1f} ms, load {load_s:.2f} s", file=out)
+    st = source_stats
+    if st["source"] == "streamed" and st.get("slot_format") == "quant":
+        from .arena_experts import describe_stats
 
-        print(describe_stats(source_stats))
+        print(describe_stats(st), file=out)
+    elif st["source"] == "streamed":
+        from .streamed import describe_stats as describe_slots
+
+        print(describe_slots(st), file=out)
     else:
-        st = source_stats
         print(f"stats: experts: source=resident, {st['experts']} experts held ({st['slot_format']}, "
-              f"{st['bytes'] / 2**20:.1f} MiB), {st['acquired']} acquired")
+              f"{st['bytes'] / 2**20:.1f} MiB), {st['acquired']} acquired", file=out)
 
 
 def main(argv: list[str] | None = None) -> int:

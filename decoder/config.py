@@ -16,7 +16,7 @@ import torch
 from .sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SLOT_FORMATS = ("auto", "raw", "dequant")
+SLOT_FORMATS = ("auto", "quant", "raw", "dequant")
 
 
 class ConfigError(ValueError):
@@ -27,13 +27,14 @@ class ConfigError(ValueError):
 class DecoderConfig:
     model: str = ""  # GGUF file (required; a default so a TOML file may supply it)
     prompts: list[str] = field(default_factory=list)
+    prompt_ids: list[list[int]] = field(default_factory=list)  # prompts given as token ids
     iod: str | None = None  # moestream-iod endpoint (streamed experts)
     resident: bool = False  # every expert in process, no daemon
     device: str = "auto"  # auto -> cuda if available, else cpu
     dtype: str = "auto"  # auto -> bfloat16 on cuda, float32 on cpu
-    slots: int | None = None  # device slot cache size, in experts (streamed)
+    slots: int | None = None  # device slot cache size, in experts (streamed, raw/dequant slots)
     cache_bytes: int | None = None  # ... or in bytes
-    slot_format: str = "auto"  # auto -> raw on cuda, dequant on cpu
+    slot_format: str = "auto"  # auto -> raw on cuda, quant on cpu
     prefetch: int = 1  # layers of router look-ahead (0 = off)
     max_new_tokens: int = 32
     temperature: float = 0.0
@@ -42,6 +43,8 @@ class DecoderConfig:
     seed: int = 0
     chat: bool = False
     stats: bool = False
+    json: bool = False  # one JSON object on stdout instead of text
+    trace_out: str | None = None  # write the routing trace here (JSON, `moestream simulate` reads it)
     progress: bool = True
     fetch_timeout_s: float = 60.0
 
@@ -53,6 +56,7 @@ class DecoderConfig:
         if self.slot_format not in SLOT_FORMATS:
             raise ConfigError(f"slot_format must be one of {', '.join(SLOT_FORMATS)}, got {self.slot_format!r}")
         _ = self.torch_device  # validates the device name (and that CUDA exists when asked for)
+        self._check_slot_format()
         try:
             _ = self.sampling  # validates the sampling parameters
         except ValueError as e:
@@ -65,8 +69,12 @@ class DecoderConfig:
             raise ConfigError("choose exactly one expert source: --iod ENDPOINT (streamed) or --resident")
         if self.slots is not None and self.cache_bytes is not None:
             raise ConfigError("give --slots or --cache-bytes, not both")
-        if not self.prompts:
-            raise ConfigError("no prompt given (--prompt TEXT, repeatable)")
+        if not self.prompts and not self.prompt_ids:
+            raise ConfigError("no prompt given (--prompt TEXT or --prompt-ids IDS, repeatable)")
+        if self.prompts and self.prompt_ids:
+            raise ConfigError("give prompts as text (--prompt) or as token ids (--prompt-ids), not both")
+        if any(not ids for ids in self.prompt_ids):
+            raise ConfigError("an empty --prompt-ids list")
 
     def _check_numbers(self) -> None:
         for name, low in (("slots", 1), ("cache_bytes", 1), ("prefetch", 0), ("max_new_tokens", 1)):
@@ -75,6 +83,15 @@ class DecoderConfig:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
         if self.fetch_timeout_s <= 0:
             raise ConfigError(f"fetch_timeout_s must be > 0, got {self.fetch_timeout_s}")
+
+    def _check_slot_format(self) -> None:
+        fmt = self.resolved_slot_format
+        if fmt == "quant" and self.torch_device.type != "cpu":
+            raise ConfigError("slot format 'quant' (experts computed on their quantized blocks where they lie) "
+                              "is the CPU path; on CUDA use raw or dequant")
+        if fmt == "quant" and self.iod and (self.slots is not None or self.cache_bytes is not None):
+            raise ConfigError("with slot format 'quant' the daemon's arena is the only expert cache: size it with "
+                              "`moestream-iod --memory`, not --slots/--cache-bytes (those size raw/dequant slot caches)")
 
     @property
     def torch_device(self) -> torch.device:
@@ -96,10 +113,11 @@ class DecoderConfig:
 
     @property
     def resolved_slot_format(self) -> str:
-        """raw on CUDA (dequantize on use is cheap there); dequantized once on insert on CPU."""
+        """raw on CUDA (a device slot cache of raw blocks, dequantized on use); quant on CPU
+        (computed on the quantized blocks where they lie: the file's map or the daemon's arena)."""
         if self.slot_format != "auto":
             return self.slot_format
-        return "raw" if self.torch_device.type == "cuda" else "dequant"
+        return "raw" if self.torch_device.type == "cuda" else "quant"
 
     @property
     def sampling(self) -> SamplingParams:

@@ -3,8 +3,8 @@
 With no arguments: take the default model (`default_model()`: the model shipped in
 `src/moestream/data` when there is one, else a tiny random qwen3moe made once and cached under
 ~/.cache/moestream), start a private moestream-iod for it, generate a few tokens with a device
-slot cache holding a quarter of the experts, print the text and the streaming counters, and
-stop the daemon — also on Ctrl-C, SIGTERM or an error.
+expert cache holding a quarter of the experts (on CPU the daemon's arena, computed from in
+place; on CUDA a device slot cache), print the text and the streaming counters, and stop the daemon — also on Ctrl-C, SIGTERM or an error.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef main("
 
 DESCRIPTION = """\
 Make (once) a tiny MoE model, start a private moestream-iod for it, and generate text with the
-experts streamed into a device slot cache smaller than the expert set. Prints the text, then
+experts streamed through a cache smaller than the expert set: on CPU the daemon's arena (experts
+computed on their quantized blocks in place), on CUDA a device slot cache. Prints the text, then
 tok/s, the cache hit rate, bytes fetched and how much of the misses' I/O prefetching hid.
 The daemon it starts is stopped on exit, Ctrl-C included; with --iod it uses yours instead.
 """
@@ -79,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7; 0 = greedy)")
     ap.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    ap.add_argument("--slots", type=int, help="device slot cache size in experts (default: a quarter of them)")
+    ap.add_argument("--slots", type=int, help="expert cache size in experts: the private daemon's arena on CPU, the "
+                    "device slot cache on CUDA (default: a quarter of them)")
     ap.add_argument("--prefetch", type=int, default=1, help="layers of router look-ahead (default 1, 0 = off)")
     ap.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     ap.add_argument("--cache-dir", type=Path, help="where the demo model is made (default ~/.cache/moestream)")
@@ -130,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
         return generate_streamed(args, model_path, args.iod)
     from ..common.spawn import spawn_daemon
 
-    daemon = spawn_daemon(model_path)
+    slots = cache_slots(args, model_path)
+    daemon = spawn_daemon(model_path, arena_slots=None if device_slots(args) else slots)
     print(f"moestream demo: started moestream-iod (pid {daemon.pid}) at {daemon.endpoint}", flush=True)
     try:
         return generate_streamed(args, model_path, daemon.endpoint)
@@ -139,13 +142,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"moestream demo: stopped moestream-iod (exit code {code})", flush=True)
 
 
-def generate_streamed(args: argparse.Namespace, model_path: Path, endpoint: str) -> int:
+def cache_slots(args: argparse.Namespace, model_path: Path) -> int:
     from ..common.layout import ModelLayout
+
+    hp = ModelLayout(model_path).hparams
+    return args.slots or max(2 * hp.n_expert_used, hp.n_layer * hp.n_expert // 4)
+
+
+def device_slots(args: argparse.Namespace) -> bool:
+    """Whether the decoder keeps its own slot cache (CUDA) rather than computing from the arena (CPU)."""
+    import torch
+
+    return args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+
+
+def generate_streamed(args: argparse.Namespace, model_path: Path, endpoint: str) -> int:
     from .cli import run as generate_run
     from .config import DecoderConfig
 
-    hp = ModelLayout(model_path).hparams
-    slots = args.slots or max(2 * hp.n_expert_used, hp.n_layer * hp.n_expert // 4)
+    slots = cache_slots(args, model_path) if device_slots(args) else None
     cfg = DecoderConfig(model=str(model_path), prompts=[args.prompt], iod=endpoint, slots=slots,
                         prefetch=args.prefetch, max_new_tokens=args.max_new_tokens, device=args.device,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed, progress=False, stats=True)
@@ -153,11 +168,12 @@ def generate_streamed(args: argparse.Namespace, model_path: Path, endpoint: str)
 
 
 def print_header(cfg: Any, layout: Any) -> None:
-    """What the demo runs: the model, and the slot cache against the expert set."""
+    """What the demo runs: the model, and the expert cache against the expert set."""
     hp = layout.hparams
+    cache = f"device slot cache {cfg.slots}" if cfg.slots else "the daemon's arena as the expert cache"
     print(f"model: {Path(cfg.model).name}: {hp.arch}, {hp.n_layer} layers x {hp.n_expert} experts "
-          f"(top {hp.n_expert_used}); device slot cache {cfg.slots} of {hp.n_layer * hp.n_expert} experts "
-          f"({cfg.resolved_slot_format} slots, {cfg.torch_device}), prefetch {cfg.prefetch}", flush=True)
+          f"(top {hp.n_expert_used}); {cache} of {hp.n_layer * hp.n_expert} experts "
+          f"({cfg.resolved_slot_format}, {cfg.torch_device}), prefetch {cfg.prefetch}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,93 @@
-"""Expert sources: where the MoE block gets an expert's weights from.
+"""Expert sources: where the MoE block gets a layer's experts computed.
 
-The model never knows whether experts are resident or streamed: it asks an `ExpertSource`
-to `acquire` the experts a layer routed to, computes, then `release`s them. Both sources
-turn the same raw GGUF bytes into weights with `blob_to_weights` (one code path, so
-streamed and resident decoding are bit-identical).
+The model never knows where experts live: the MoE block routes, then asks its `ExpertSource`
+to `mix(layer, x, weights, ids)` (every routed expert's SwiGLU output, weighted and summed).
+
+- `QuantExperts` family (`quant_experts.py`, CPU): computed on the quantized GGUF blocks
+  where they lie: the file's memory map (`QuantResidentExperts`) or a leased slot of the
+  daemon's shared-memory arena (`arena_experts.ArenaExperts`); no dequantized copy is kept.
+- `AcquireSource` family: float weights per expert, `acquire`d for a layer and `release`d
+  after it: `ResidentExperts` below (dequantized at start, or raw and dequantized on use)
+  and the device slot cache of `streamed.StreamedExperts` (the GPU path).
+
+Every source sums its experts' outputs in ascending expert order (`combine`), whatever order
+they were computed or arrived in, so streamed and resident decoding are bit-identical.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..common.layout import ExpertPart, ModelLayout
 from .dequant import dequantize
+
+Predictions = Mapping[int, Sequence[int]]  # layer -> experts predicted for it
+
+
+def group_by_expert(ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """ids [N, k] -> {expert: (rows [n_e], slots [n_e])}, experts ascending, rows ascending.
+
+    One stable sort and one host sync for the whole layer (not one per expert on a GPU).
+    """
+    k = ids.shape[1]
+    flat = ids.flatten()  # [N*k]
+    order = torch.argsort(flat, stable=True)  # [N*k] grouped by expert, token order kept
+    counts = torch.bincount(flat).tolist()  # the one sync
+    out, start = {}, 0
+    for e, n in enumerate(counts):
+        if n:
+            pick = order[start:start + n]  # [n_e]
+            out[e] = (pick // k, pick % k)
+            start += n
+    return out
+
+
+def combine(x: torch.Tensor, outputs: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Sum weighted expert outputs {expert: (rows [n_e], y [n_e, d])} into [N, d], ascending experts.
+
+    A fixed order makes the sum independent of arrival order. (index_put_ with accumulate,
+    not index_add_: the latter's OpenMP path costs ~0.7 ms per call on a busy 2-core CPU;
+    each call's rows are distinct, so both are exact and deterministic.)
+    """
+    out = torch.zeros_like(x)  # [N, d]
+    for e in sorted(outputs):
+        rows, y = outputs[e]
+        out.index_put_((rows,), y, accumulate=True)
+    return out
+
+
+class ExpertSource(ABC):
+    """Computes a layer's routed experts. Calls come from the compute thread."""
+
+    def begin_step(self) -> None:
+        """One forward pass starts (policy decay tick; prefetches of the last one are given up)."""
+
+    def prefetch_ahead(self, predictions: Predictions, defer: bool = False) -> None:
+        """Hint that these layers' experts will probably be needed soon. With `defer` the
+        hint waits until the next `mix` has requested its own experts."""
+
+    @abstractmethod
+    def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sum_j weights[:, j] * expert_{ids[:, j]}(x) for rows x [N, d], weights/ids [N, k] -> [N, d]."""
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "ExpertSource":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass
@@ -65,14 +136,9 @@ def blob_to_weights(
 _PART_NAMES = ("gate", "up", "down", "gate_up")
 
 
-class ExpertSource(ABC):
-    """Where the MoE block gets expert weights. Calls come from the compute thread."""
-
-    def begin_step(self) -> None:
-        """One decode step starts (policy decay tick)."""
-
-    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        """Hint that `experts` of `layer` will probably be needed soon."""
+class AcquireSource(ExpertSource):
+    """A source of float weights per expert: `acquire` pins a layer's experts, `mix` computes
+    them with torch, `release` unpins."""
 
     @abstractmethod
     def acquire(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
@@ -81,17 +147,24 @@ class ExpertSource(ABC):
     def release(self, layer: int, experts: Sequence[int]) -> None:
         """Unpin after the layer's compute."""
 
-    def stats(self) -> dict:
-        return {}
+    def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        groups = group_by_expert(ids)
+        wanted = list(groups)
+        got = self.acquire(layer, wanted)
+        try:
+            outputs = {}
+            for e, (rows, slot) in groups.items():
+                w = got[e]
+                y = swiglu(x[rows], w.gate, w.up, w.down)  # [n_e, d]
+                outputs[e] = (rows, y * weights[rows, slot, None])
+        finally:
+            self.release(layer, wanted)
+        return combine(x, outputs)
 
-    def close(self) -> None:
-        pass
 
-    def __enter__(self) -> "ExpertSource":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate x) * up x): x [n, d], gate/up [ff, d], down [d, ff] -> [n, d]."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
 def read_blob(layout: ModelLayout, layer: int,
@@ -108,7 +181,7 @@ def read_blob(layout: ModelLayout, layer: int,
     return parts, blob, ranges
 
 
-class ResidentExperts(ExpertSource):
+class ResidentExperts(AcquireSource):
     """Every expert in process, no daemon: the reference streamed decoding must match.
 
     `slot_format="dequant"` dequantizes every expert once at start (fast compute, float

@@ -146,8 +146,7 @@ class Prefetcher:
       once layer L's own experts are pinned and its misses requested (`prefetch_ahead(...,
       defer=True)`), so a prefetch never evicts what the current layer is about to use.
     The model calls `after_attention` when its hook has one (see `qwen3moe.Model.forward`).
-    `source` is any `ExpertSource`; one with `prefetch_ahead` gets all of a call's layers in
-    one message, others get one `prefetch(layer, experts)` per layer.
+    `source` is any `ExpertSource`: `prefetch_ahead` gets all of a call's layers at once.
     """
 
     AT = ("layer", "attention")
@@ -185,12 +184,7 @@ class Prefetcher:
         picked = torch.stack(ids).flatten(1).tolist()  # [layers][n*k]: one host sync for all of them
         predictions = {nxt: sorted(set(row)) for nxt, row in zip(layers, picked)}
         self.predictions += sum(len(es) for es in predictions.values())
-        send = getattr(self.source, "prefetch_ahead", None)
-        if send is not None:
-            send(predictions, defer=defer)
-        else:
-            for nxt, experts in predictions.items():
-                self.source.prefetch(nxt, experts)
+        self.source.prefetch_ahead(predictions, defer=defer)
         self.predict_s += time.perf_counter() - t0
 
     def stats(self) -> dict[str, Any]:

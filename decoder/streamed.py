@@ -29,12 +29,12 @@ from typing import Any
 from ..common.client import IodClient, IodUnavailable, Lease
 from ..common.layout import ModelLayout
 from .ahead import AheadPrefetches
-from .experts import ExpertSource, ExpertWeights
+from .experts import AcquireSource, ExpertWeights
 from .prefetch import Receiver
 from .slot_cache import DeviceSlotCache, FetchFailed, Key
 
 
-class StreamedExperts(AheadPrefetches, ExpertSource):
+class StreamedExperts(AheadPrefetches, AcquireSource):
     """Experts fetched from moestream-iod into a `DeviceSlotCache`."""
 
     def __init__(self, client: IodClient, layout: ModelLayout, cache: DeviceSlotCache, *,

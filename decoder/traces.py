@@ -27,6 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..common.policy_sim import write_trace
+from .experts import ExpertSource, Predictions
 from .models.layers import route
 from .trace_stats import cache_hit_rates, predictability, report_markdown, skew
 
@@ -177,3 +179,32 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+class RoutingRecorder(ExpertSource):
+    """An expert source that records, per forward pass, the (layer, expert) keys it routed to
+    (`generate --trace-out`), then hands everything to the source it wraps."""
+
+    def __init__(self, inner: ExpertSource):
+        self.inner = inner
+        self.steps: list[list[tuple[int, int]]] = []
+
+    def begin_step(self) -> None:
+        self.steps.append([])
+        self.inner.begin_step()
+
+    def prefetch_ahead(self, predictions: Predictions, defer: bool = False) -> None:
+        self.inner.prefetch_ahead(predictions, defer)
+
+    def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        self.steps[-1].extend((layer, e) for e in sorted(set(ids.flatten().tolist())))  # one sync, tracing only
+        return self.inner.mix(layer, x, weights, ids)
+
+    def stats(self) -> dict:
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def write(self, path: str | Path, n_layer: int, n_expert: int) -> None:
+        write_trace(path, self.steps, n_layer, n_expert)

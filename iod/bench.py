@@ -283,12 +283,22 @@ def delivery_phase(args: argparse.Namespace, name: str, keys: list[Key], dst: np
         io1 = proc_read_bytes(pid) if pid else -1
         status = get_status(status_ep) if status_ep else {}
         result = phase(name, copied, seconds, io1 - io0 if min(io0, io1) >= 0 else None,
-                       backend=status.get("backend", {}), served_bytes=status.get("bytes_served"))
+                       backend=status.get("backend", {}), served_bytes=status.get("bytes_served"),
+                       in_flight=_in_flight(status))
         if copied != _useful(layout, keys):
             raise RuntimeError(f"{name}: delivered {copied} bytes, expected {_useful(layout, keys)}")
         if hits:
             result["hit"] = hit_phase(client, keys[:8], hits, status_ep)
     return result
+
+
+def _in_flight(status: dict) -> dict | None:
+    """How deep the daemon went: device reads and expert loads in flight (peak, time-weighted mean)."""
+    reads, loads = status.get("reader", {}).get("in_flight"), status.get("queues", {}).get("in_flight")
+    if not reads or not loads:
+        return None  # a daemon without depth counters (--iod on an older one)
+    return {"reads_peak": reads["peak"], "reads_mean": reads["mean"], "loads_peak": loads["peak"],
+            "loads_mean": loads["mean"]}
 
 
 def hit_phase(client, hot: list[Key], n: int, status_ep: str | None) -> dict:
@@ -369,6 +379,11 @@ def format_table(r: dict) -> str:
         ph = r[key]
         label = f"{ph['name']} ({ph['tool']})" if "tool" in ph else ph["name"]
         lines.append(f"{label:<36}{ph['gb_s']:>8.2f}{'' if ratio is None else f'{r[ratio]:.2f}':>8}{gb(ph['disk_read_bytes']):>16}")
+    for key in ("cold", "warm"):
+        d = r.get(key, {}).get("in_flight")
+        if d:
+            lines.append(f"{key} delivered depth: reads in flight peak {d['reads_peak']}, mean {d['reads_mean']:.1f}; "
+                         f"expert loads peak {d['loads_peak']}, mean {d['loads_mean']:.1f}")
     h = r["hit"]
     lines.append(f"host-tier hit round trip: p50 {h['p50_us']:.0f} µs, p99 {h['p99_us']:.0f} µs "
                  f"({h['requests']} requests{', hit rate %.2f' % h['hit_rate'] if 'hit_rate' in h else ''}; "

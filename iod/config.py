@@ -18,6 +18,7 @@ from .readers import BACKENDS, MAX_DEPTH
 
 DEFAULT_CONFIG = Path("/etc/moestream/iod.toml")
 DEFAULT_ARENA_BYTES = 1 << 30
+ARENA_SIZING = ("memory", "arena_bytes", "arena_slots")  # one of them, at most
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -30,6 +31,14 @@ def parse_size(text: str | int) -> int:
         return units.parse_size(text)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def parse_memory(text: str | int) -> int:
+    """A size, or a percentage of this machine's physical memory ('50%')."""
+    try:
+        return units.parse_size(text, percent_of=units.physical_memory())
+    except ValueError as e:
+        raise ConfigError(f"memory: {e}") from None
 
 
 def parse_mode(text: str | int) -> int:
@@ -46,8 +55,9 @@ class IodConfig:
     model: Path
     endpoint: str = DEFAULT_ENDPOINT
     status_endpoint: str = DEFAULT_STATUS_ENDPOINT
-    arena_bytes: int | None = None  # arena size; or arena_slots; default 1 GiB capped at the model's experts
+    arena_bytes: int | None = None  # arena size; or arena_slots, or memory; default 1 GiB capped at the model's experts
     arena_slots: int | None = None
+    memory: int | None = None  # the daemon's whole budget in bytes: the arena gets it less the daemon's own use
     backend: str = "auto"
     queue_depth: int = 32
     direct: bool = False
@@ -58,6 +68,11 @@ class IodConfig:
     allow_remote: bool = False  # a tcp:// endpoint on a non-loopback address
     max_queued: int = 65536  # queued expert loads (now + ahead) before `busy`/`dropped`
     ahead_max_age_s: float = 5.0  # queued `ahead` work older than this is dropped as stale
+    now_reserve: float = 0.25  # share of read places and of arena slots prefetches may not take
+
+    def reserved(self, capacity: int) -> int:
+        """How many of `capacity` read places or arena slots are kept for `now` work."""
+        return int(capacity * self.now_reserve)
 
     def __post_init__(self) -> None:
         for name in ("endpoint", "status_endpoint"):
@@ -69,9 +84,13 @@ class IodConfig:
                                   "this host's /dev/shm anyway; pass --allow-remote to bind it regardless")
         if self.endpoint == self.status_endpoint:
             raise ConfigError("endpoint and status_endpoint must differ")
-        if self.arena_bytes is not None and self.arena_slots is not None:
-            raise ConfigError("give arena_bytes or arena_slots, not both")
-        _positive(self, "arena_bytes", "arena_slots", "queue_depth", "lease_timeout_s", "max_queued", "ahead_max_age_s")
+        given = [k for k in ARENA_SIZING if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ConfigError(f"give one of memory, arena_bytes, arena_slots, not {' and '.join(given)}")
+        _positive(self, "arena_bytes", "arena_slots", "memory", "queue_depth", "lease_timeout_s", "max_queued",
+                  "ahead_max_age_s")
+        if isinstance(self.now_reserve, bool) or not 0 <= self.now_reserve < 1:
+            raise ConfigError(f"now_reserve must be a share in [0, 1), got {self.now_reserve!r}")
         if self.queue_depth > MAX_DEPTH:
             raise ConfigError(f"queue_depth {self.queue_depth} is above the maximum of {MAX_DEPTH}")
         if self.backend not in BACKENDS:
@@ -104,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         "through a shared-memory arena (ZeroMQ + msgpack). Options override the TOML config file.",
         epilog="Config-file-only keys: max_queued (queued expert reads before `busy`, default 65536), "
         "ahead_max_age_s (queued prefetches older than this are dropped, default 5). "
+        "now_reserve (share of read places and of arena slots prefetches may not take, default 0.25). "
         "Exit codes: 0 clean stop (SIGTERM/SIGINT), 1 fatal error, 2 bad configuration.")
     a = p.add_argument
     a("--config", type=Path, metavar="PATH", help=f"TOML file with the same keys as these options (underscores), default {DEFAULT_CONFIG} if it exists")
@@ -111,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--endpoint", metavar="URL", help=f"ZeroMQ endpoint for requests (default {DEFAULT_ENDPOINT})")
     a("--status-endpoint", metavar="URL", help=f"ZeroMQ endpoint answering `status` (default {DEFAULT_STATUS_ENDPOINT})")
     g = p.add_mutually_exclusive_group()
+    g.add_argument("--memory", metavar="SIZE", help="the daemon's whole memory budget, e.g. 12GiB or 50%% (of physical "
+                   "memory): the arena gets it less the daemon's own use, in whole slots")
     g.add_argument("--arena-bytes", metavar="SIZE", help="shared-memory arena (host cache tier) size, e.g. 4GiB (default 1GiB, capped at all experts)")
     g.add_argument("--arena-slots", type=int, metavar="N", help="arena size in slots of one expert blob each")
     a("--backend", choices=BACKENDS, help="reader: io_uring, a preadv thread pool, or auto (uring, else threads with a note)")
@@ -130,9 +152,9 @@ def load_config(argv: list[str] | None = None) -> IodConfig:
     args = build_parser().parse_args(argv)
     values = _read_toml(args.config)
     cli = {k: v for k, v in vars(args).items() if v is not None and k != "config"}
-    for one, other in (("arena_bytes", "arena_slots"), ("arena_slots", "arena_bytes")):
-        if one in cli:  # the CLI's choice of arena sizing replaces the file's, whichever it was
-            values.pop(other, None)
+    if any(k in cli for k in ARENA_SIZING):  # the CLI's choice of arena sizing replaces the file's, whichever it was
+        for k in ARENA_SIZING:
+            values.pop(k, None)
     values.update(cli)
     return make_config(values)
 
@@ -146,7 +168,7 @@ def make_config(values: dict[str, Any]) -> IodConfig:
         raise ConfigError("no model: pass --model PATH or set model in the config file")
     v = dict(values)
     v["model"] = Path(v["model"])
-    for key, conv in (("arena_bytes", parse_size), ("socket_mode", parse_mode)):
+    for key, conv in (("arena_bytes", parse_size), ("memory", parse_memory), ("socket_mode", parse_mode)):
         if key in v and v[key] is not None:
             v[key] = conv(v[key])
     _check_types(v)
@@ -187,13 +209,30 @@ def _read_toml(path: Path | None) -> dict[str, Any]:
     return out
 
 
-def resolve_slots(cfg: IodConfig, slot_bytes: int, n_experts_total: int) -> int:
-    """How many arena slots to create: as configured, never more than there are experts."""
+def resolve_slots(cfg: IodConfig, slot_bytes: int, n_experts_total: int, *, overhead_bytes: int = 0,
+                  min_slots: int = 1) -> int:
+    """How many arena slots to create: as configured, never more than there are experts.
+
+    With `memory`, the arena gets the budget less `overhead_bytes` (the daemon's own use), in
+    whole slots, and at least `min_slots` of them or a ConfigError naming the numbers.
+    """
     if cfg.arena_slots is not None:
         n = cfg.arena_slots
+    elif cfg.memory is not None:
+        n = _slots_in_budget(cfg.memory, slot_bytes, overhead_bytes, min_slots)
     else:
         n = (cfg.arena_bytes or DEFAULT_ARENA_BYTES) // slot_bytes
         if n < 1:
             raise ConfigError(f"arena of {cfg.arena_bytes} bytes cannot hold one {slot_bytes}-byte expert slot")
     return max(1, min(n, n_experts_total))
 
+
+def _slots_in_budget(memory: int, slot_bytes: int, overhead_bytes: int, min_slots: int) -> int:
+    n = max(0, memory - overhead_bytes) // slot_bytes
+    if n < min_slots:
+        fmt = units.format_size
+        need = overhead_bytes + min_slots * slot_bytes
+        raise ConfigError(f"memory {fmt(memory)} is too small: the daemon itself uses {fmt(overhead_bytes)}, which "
+                          f"leaves room for {n} expert slots of {fmt(slot_bytes)}, and it needs at least {min_slots}; "
+                          f"give --memory {fmt(need, up=True)} or more")
+    return n

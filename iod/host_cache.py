@@ -86,6 +86,10 @@ class HostCache:
         info.leases -= 1
         self.policy.unpin(info.key)
 
+    def free_slots(self) -> int:
+        """Slots a load could take now: empty or holding an unleased, ready expert (not pinned)."""
+        return self.arena.n_slots - self.policy.pinned
+
     def step(self) -> None:
         self.policy.step()
 
@@ -99,4 +103,5 @@ class HostCache:
             "loading": len(self.policy) - ready,
             "leased_slots": sum(1 for s in self.slots if s.leases),
             "leases": sum(s.leases for s in self.slots),
+            "free_slots": self.free_slots(),
         }

@@ -21,6 +21,7 @@ import zmq
 
 from moestream.common.arena import Arena, ArenaError
 from moestream.common.layout import ModelFormatError, ModelLayout
+from moestream.common.units import format_size
 
 from .config import ConfigError, IodConfig, load_config, resolve_slots
 from .notify import notify
@@ -28,6 +29,10 @@ from .readers import ReadError, open_reader
 from .server import Server
 
 log = logging.getLogger("moestream.iod")
+# What the daemon's own memory grows by after it measured itself at start (reader threads, ZeroMQ
+# buffers, latency samples, per-client state); measured growth under load was ~1 MiB.
+OVERHEAD_MARGIN = 32 << 20
+MIN_BUDGET_SLOTS = 4  # fewer than this (or than a token's top-k) and `--memory` is refused
 
 
 class FatalError(RuntimeError):
@@ -72,20 +77,26 @@ def main(argv: list[str] | None = None) -> int:
 def run(cfg: IodConfig) -> int:
     layout = ModelLayout(cfg.model)
     slot_bytes = layout.experts.slot_bytes(cfg.direct)
-    n_slots = resolve_slots(cfg, slot_bytes, layout.experts.n_layer * layout.experts.n_expert)
+    overhead = own_memory() + OVERHEAD_MARGIN
+    n_slots = resolve_slots(cfg, slot_bytes, layout.experts.n_layer * layout.experts.n_expert, overhead_bytes=overhead,
+                            min_slots=max(MIN_BUDGET_SLOTS, layout.hparams.n_expert_used))
+    if cfg.memory is not None:
+        log.info("memory budget %s: daemon %s (measured at start + margin), arena %d slots = %s",
+                 format_size(cfg.memory), format_size(overhead), n_slots, format_size(n_slots * slot_bytes))
     with contextlib.ExitStack() as stack:
         # Arena before reader: the reader (closed first) must stop writing before the arena goes.
         for name in Arena.remove_stale():
             log.warning("removed /dev/shm/%s left by a daemon that died without cleaning up", name)
         arena = Arena.create(n_slots, slot_bytes, mode=cfg.socket_mode, group=cfg.socket_group)
         stack.callback(arena.close)
-        reader = open_reader(cfg.model, backend=cfg.backend, depth=cfg.queue_depth, direct=cfg.direct)
+        reader = open_reader(cfg.model, backend=cfg.backend, depth=cfg.queue_depth, direct=cfg.direct,
+                             ahead_depth=cfg.queue_depth - cfg.reserved(cfg.queue_depth))
         stack.callback(reader.close)
         if reader.note:
             log.warning("%s", reader.note)
         ctx = zmq.Context()
         stack.callback(ctx.destroy, 200)
-        server = Server(cfg, layout, reader, arena, ctx)
+        server = Server(cfg, layout, reader, arena, ctx, daemon_bytes=overhead)
         _clear_stale_sockets(cfg)
         stack.callback(_remove_socket_files, cfg)  # only now: never delete another daemon's files
         _bind(server, cfg)
@@ -98,6 +109,18 @@ def run(cfg: IodConfig) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
         log.info("stopped")
+    return 0
+
+
+def own_memory() -> int:
+    """Bytes this process holds in memory now (resident set, before the arena exists); 0 if unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) << 10
+    except OSError:
+        pass
     return 0
 
 

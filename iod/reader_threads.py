@@ -8,14 +8,14 @@ from __future__ import annotations
 import os
 import threading
 
-from .readers import Chunk, ReadError, ReaderBase, chunk_errors
+from .readers import Chunk, ReadError, ReaderBase, Run, chunk_errors
 
 
 class ThreadsReader(ReaderBase):
     name = "threads"
 
-    def __init__(self, path: str, *, depth: int = 32, direct: bool = False):
-        super().__init__(path, depth, direct)
+    def __init__(self, path: str, *, depth: int = 32, direct: bool = False, ahead_depth: int | None = None):
+        super().__init__(path, depth, direct, ahead_depth)
         self._threads = [threading.Thread(target=self._worker, name=f"iod-read-{i}", daemon=True) for i in range(depth)]
         for t in self._threads:
             t.start()
@@ -28,14 +28,13 @@ class ThreadsReader(ReaderBase):
             self._serve(run)
             del run  # hold no slot memory while waiting: the arena must be closable
 
-    def _serve(self, run: list[Chunk]) -> None:
+    def _serve(self, run: Run) -> None:
         # Every chunk of a merged run is read, even one whose batch already failed elsewhere:
         # dropping it would leave a gap in the vectored read.
         errors = self._read(run)
-        self._count(run, errors)
         with self._lock:
             self._stats["preadv_calls"] += 1
-        self._finish_chunks(run, errors)
+        self._finish_run(run, errors)
 
     def _read(self, run: list[Chunk]) -> list[ReadError | None]:
         """One vectored read of adjacent chunks (retrying short reads); each chunk's error, if any."""

@@ -12,7 +12,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-from .readers import Chunk, ReadError, ReaderBase, chunk_errors
+from .readers import ReadError, ReaderBase, Run, chunk_errors
 from .uring_ring import OP_READV, Ring, RingUnavailable
 
 WAKE = 0  # user_data of the eventfd read
@@ -30,7 +30,7 @@ class _Iovec(ctypes.Structure):
 class _Flight:
     """A coalesced run in the kernel's hands: its buffers stay referenced until it completes."""
 
-    run: list[Chunk]
+    run: Run
     addrs: list[int]
     anchors: list[ctypes.c_char]
     got: int = 0
@@ -44,8 +44,8 @@ class _Flight:
 class UringReader(ReaderBase):
     name = "uring"
 
-    def __init__(self, path: str, *, depth: int = 32, direct: bool = False):
-        super().__init__(path, depth, direct)
+    def __init__(self, path: str, *, depth: int = 32, direct: bool = False, ahead_depth: int | None = None):
+        super().__init__(path, depth, direct, ahead_depth)
         try:
             self.ring = Ring(_pow2(depth + 1))  # +1: the wake-up read
         except RingUnavailable as e:
@@ -158,8 +158,7 @@ class UringReader(ReaderBase):
         """Complete the run's chunks with one error for all, or one per chunk (a list)."""
         errors = error if isinstance(error, list) else [error] * len(f.run)
         f.anchors.clear()
-        self._count(f.run, errors)
-        self._finish_chunks(f.run, errors)
+        self._finish_run(f.run, errors)
 
     # -- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:

@@ -8,6 +8,11 @@ so kernel readahead does not inflate what the disk reads.
 Ops submitted together, or pending at the same time, whose file ranges touch are coalesced
 into one vectored read (one iovec per op), so a layer's worth of adjacent experts costs a
 few large reads instead of many small ones.
+
+Each submit is demand (default) or `ahead` (a prefetch). Pending demand chunks are always
+taken before prefetch chunks, and prefetch reads may hold at most `ahead_depth` of the
+`depth` places in flight, so a demand read never queues behind prefetches: the other places
+are left to demand. `promote` turns a submitted prefetch into demand (a `now` request joined it).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from moestream.common.layout import PAGE, ExpertPart, round_up, slot_offsets
+
+from .depth_gauge import DepthGauge
 
 OnDone = Callable[[BaseException | None], None]
 BACKENDS = ("auto", "uring", "threads")
@@ -61,7 +68,8 @@ class Reader(Protocol):
     name: str  # "uring" | "threads"
     note: str  # why `auto` fell back, "" if it did not
 
-    def submit(self, ops: list[ReadOp], on_done: OnDone) -> None: ...
+    def submit(self, ops: list[ReadOp], on_done: OnDone, *, ahead: bool = False) -> Batch: ...
+    def promote(self, batch: Batch) -> None: ...
     def stats(self) -> dict: ...
     def close(self) -> None: ...
 
@@ -91,23 +99,30 @@ class ReaderBase:
 
     name = "?"
 
-    def __init__(self, path: str, depth: int, direct: bool):
+    def __init__(self, path: str, depth: int, direct: bool, ahead_depth: int | None = None):
         self.note = ""
         self.path, self.depth, self.direct = path, depth, direct
         self.fd = open_fd(path, direct)
         self.size = os.fstat(self.fd).st_size
-        self.queue = PendingQueue()
+        self.queue = PendingQueue(depth, ahead_depth)
         self._lock = threading.Lock()
         self._stats = {"ops": 0, "bytes": 0, "preadv_calls": 0, "errors": 0}
         self._io0 = proc_read_bytes()
 
-    def submit(self, ops: list[ReadOp], on_done: OnDone) -> None:
-        """Queue `ops`; `on_done(None | exception)` runs once, from a reader thread, after the last one."""
+    def submit(self, ops: list[ReadOp], on_done: OnDone, *, ahead: bool = False) -> Batch:
+        """Queue `ops` (a prefetch if `ahead`); `on_done(None | exception)` runs once, from a reader
+        thread, after the last one. Returns the batch, the handle `promote` takes."""
         if not ops:
             raise ValueError("submit: no ops")
-        batch = Batch(len(ops), on_done)
+        batch = Batch(len(ops), on_done, ahead)
         self.queue.put([Chunk(op, batch) for op in ops])
         self._wake()
+        return batch
+
+    def promote(self, batch: Batch) -> None:
+        """A demand request now waits on `batch`: its chunks not yet started go before prefetches."""
+        if self.queue.promote(batch):
+            self._wake()
 
     def _wake(self) -> None:
         """Tell the backend's thread(s) work is queued (the queue's condition already does for threads)."""
@@ -117,6 +132,12 @@ class ReaderBase:
             self._stats["ops"] += len(run)
             self._stats["bytes"] += sum(c.length for c, e in zip(run, errors) if e is None)
             self._stats["errors"] += any(e is not None for e in errors)
+
+    def _finish_run(self, run: Run, errors: list[BaseException | None]) -> None:
+        """A run taken from the queue is over: count it, free its place in flight, complete its chunks."""
+        self._count(run, errors)
+        self.queue.done(run)
+        self._finish_chunks(run, errors)
 
     @staticmethod
     def _finish_chunks(run: list[Chunk], errors: list[BaseException | None]) -> None:
@@ -132,7 +153,8 @@ class ReaderBase:
             out = dict(self._stats)
         io = proc_read_bytes()
         out["disk_read_bytes"] = io - self._io0 if io >= 0 and self._io0 >= 0 else None
-        out.update(backend=self.name, depth=self.depth, direct=self.direct)
+        out.update(backend=self.name, depth=self.depth, ahead_depth=self.queue.ahead_depth, direct=self.direct,
+                   in_flight=self.queue.flight_stats())
         return out
 
     def close(self) -> None:
@@ -148,10 +170,11 @@ class ReaderBase:
 class Batch:
     """One `submit` call: calls `on_done` once, after its last chunk finished or was skipped."""
 
-    __slots__ = ("on_done", "remaining", "error", "lock")
+    __slots__ = ("on_done", "remaining", "error", "lock", "ahead")
 
-    def __init__(self, n: int, on_done: OnDone):
+    def __init__(self, n: int, on_done: OnDone, ahead: bool = False):
         self.on_done, self.remaining, self.error = on_done, n, None
+        self.ahead = ahead  # a prefetch; the queue's lock guards changes (`promote`)
         self.lock = threading.Lock()
 
     def finish(self, n: int, error: BaseException | None) -> None:
@@ -181,14 +204,30 @@ class Chunk:
         return self.offset + self.length
 
 
-class PendingQueue:
-    """Chunks waiting to be read, FIFO, indexed by start and end so a taker can merge neighbours."""
+class Run(list):
+    """Adjacent chunks read as one vectored read; `ahead` if it holds one of the prefetch places."""
 
-    def __init__(self) -> None:
+    ahead = False
+
+
+class PendingQueue:
+    """Chunks waiting to be read, indexed by start and end so a taker can merge neighbours.
+
+    Two FIFOs: demand chunks are taken before prefetch (`ahead`) chunks. It also bounds what is
+    in flight: at most `depth` runs, at most `ahead_depth` of them started from a prefetch, so
+    `depth - ahead_depth` places are always left for demand reads. Every run `take` returns
+    must be given back with `done`.
+    """
+
+    def __init__(self, depth: int = MAX_DEPTH, ahead_depth: int | None = None) -> None:
+        self.depth = depth
+        self.ahead_depth = depth if ahead_depth is None else max(1, min(ahead_depth, depth))
         self.cond = threading.Condition()
-        self.fifo: deque[Chunk] = deque()
+        self.fifos: dict[bool, deque[Chunk]] = {False: deque(), True: deque()}  # by `ahead`
         self.by_start: dict[int, Chunk] = {}
         self.by_end: dict[int, Chunk] = {}
+        self.flying = {False: 0, True: 0}  # runs in flight, by `ahead`
+        self.gauge = DepthGauge()
         self.closed = False
 
     def put(self, chunks: list[Chunk]) -> None:
@@ -196,22 +235,61 @@ class PendingQueue:
             if self.closed:
                 raise RuntimeError("reader is closed")
             for c in chunks:
-                self.fifo.append(c)
+                self.fifos[c.batch.ahead].append(c)
                 self.by_start.setdefault(c.offset, c)
                 self.by_end.setdefault(c.end, c)
             self.cond.notify(len(chunks))
 
-    def take(self, block: bool = True) -> list[Chunk] | None:
-        """The oldest pending chunk grown with adjacent pending ones; None when closed (or empty and not blocking)."""
+    def take(self, block: bool = True) -> Run | None:
+        """The oldest startable chunk grown with adjacent pending ones, counted in flight; None when
+        closed (or nothing may start now and not blocking)."""
         with self.cond:
             while True:
-                while self.fifo and self.fifo[0].taken:
-                    self.fifo.popleft()
-                if self.fifo:
-                    return self._grow(self.fifo.popleft())
+                fifo = self._startable()
+                if fifo is not None:
+                    return self._start(fifo is self.fifos[True], self._grow(fifo.popleft()))
                 if self.closed or not block:
                     return None
                 self.cond.wait()
+
+    def _startable(self) -> deque[Chunk] | None:
+        """The FIFO the next run starts from: demand first; None if depth (or the prefetch share) is used up."""
+        if self.flying[False] + self.flying[True] >= self.depth:
+            return None
+        for ahead in (False, True):
+            fifo = self.fifos[ahead]
+            while fifo and fifo[0].taken:
+                fifo.popleft()
+            if fifo and (not ahead or self.flying[True] < self.ahead_depth):
+                return fifo
+        return None
+
+    def _start(self, ahead: bool, chunks: list[Chunk]) -> Run:
+        run = Run(chunks)
+        run.ahead = ahead
+        self.flying[ahead] += 1
+        self.gauge.add()
+        return run
+
+    def done(self, run: Run) -> None:
+        """`run` finished (or failed): its place in flight is free again."""
+        with self.cond:
+            self.flying[run.ahead] -= 1
+            self.gauge.remove()
+            self.cond.notify()  # a taker held back by depth or the prefetch share may go on
+
+    def promote(self, batch: Batch) -> bool:
+        """Move `batch`'s chunks not yet taken to the demand FIFO; True if any moved."""
+        with self.cond:
+            if not batch.ahead:
+                return False
+            batch.ahead = False
+            old = self.fifos[True]
+            moved = [c for c in old if c.batch is batch and not c.taken]
+            self.fifos[True] = deque(c for c in old if c.batch is not batch)
+            self.fifos[False].extend(moved)
+            self.cond.notify(len(moved))
+            return bool(moved)
 
     def _grow(self, first: Chunk) -> list[Chunk]:
         self._unindex(first)
@@ -233,14 +311,19 @@ class PendingQueue:
         if self.by_end.get(c.end) is c:
             del self.by_end[c.end]
 
+    def flight_stats(self) -> dict:
+        with self.cond:
+            return {**self.gauge.stats(), "ahead": self.flying[True]}
+
     def close(self) -> list[Chunk]:
         """Stop accepting work; returns the chunks never taken (their batches must be failed)."""
         with self.cond:
             self.closed = True
-            left = [c for c in self.fifo if not c.taken]
+            left = [c for fifo in self.fifos.values() for c in fifo if not c.taken]
             for c in left:
                 self._unindex(c)
-            self.fifo.clear()
+            for fifo in self.fifos.values():
+                fifo.clear()
             self.cond.notify_all()
             return left
 
@@ -278,8 +361,10 @@ def chunk_errors(run: list[Chunk], got: int) -> list[ReadError | None]:
 
 
 # -- factory --------------------------------------------------------------------------------
-def open_reader(path: str | os.PathLike[str], *, backend: str = "auto", depth: int = 32, direct: bool = False) -> Reader:
-    """A reader over `path`: `uring`, `threads`, or `auto` (uring if it works here, else threads with a note)."""
+def open_reader(path: str | os.PathLike[str], *, backend: str = "auto", depth: int = 32, direct: bool = False,
+                ahead_depth: int | None = None) -> Reader:
+    """A reader over `path`: `uring`, `threads`, or `auto` (uring if it works here, else threads with a
+    note). Prefetch reads hold at most `ahead_depth` (default: all) of the `depth` places in flight."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown reader backend {backend!r} (choose from {', '.join(BACKENDS)})")
     if not 1 <= depth <= MAX_DEPTH:
@@ -288,14 +373,14 @@ def open_reader(path: str | os.PathLike[str], *, backend: str = "auto", depth: i
     from .reader_threads import ThreadsReader
 
     if backend == "threads":
-        return ThreadsReader(path, depth=depth, direct=direct)
+        return ThreadsReader(path, depth=depth, direct=direct, ahead_depth=ahead_depth)
     from .reader_uring import UringReader, UringUnavailable
 
     try:
-        return UringReader(path, depth=depth, direct=direct)
+        return UringReader(path, depth=depth, direct=direct, ahead_depth=ahead_depth)
     except UringUnavailable as e:
         if backend == "uring":
             raise
-        reader = ThreadsReader(path, depth=depth, direct=direct)
+        reader = ThreadsReader(path, depth=depth, direct=direct, ahead_depth=ahead_depth)
         reader.note = f"io_uring unavailable: {e}; using threads"
         return reader

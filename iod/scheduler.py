@@ -2,13 +2,22 @@
 
 A `Load` is one expert's read with the list of requests (`Waiter`s) waiting for it; a
 second request for an expert already queued or being read joins that load (single-flight).
-Loads queue in two FIFOs by priority; a `now` request joining a queued `ahead` load moves
-it to the `now` queue. At most `max_inflight` reads run at once (so the reader's own queue
-never holds prefetches ahead of later demand reads), and a read starts only when the host
-tier can give it a slot: when the arena is full of leases loads wait in the queue (no
-deadlock in the daemon; a release or a finished read pumps the queue again). Queues are
-bounded: a full queue drops its oldest `ahead` load, or refuses a new `now` one (`busy`);
-`ahead` loads queued longer than `ahead_max_age_s` are dropped as stale.
+Loads queue in two FIFOs by priority. A `now` request joining a queued `ahead` load moves it
+to the `now` queue (so it is never dropped as a stale prefetch); joining one already being
+read promotes its read inside the reader (`promote_read`), ahead of queued prefetch chunks.
+
+Rules for starting a read (each `pump` starts as many as they allow, at once):
+- reads: at most `max_inflight` loads read at once (the reader keeps its own `depth` device
+  reads busy from them, demand chunks first). `ahead` loads may hold at most
+  `max_inflight - reserve_reads` of those places (at least 1), so a `now` load always finds a
+  free place at once or after a `now` read ends, never behind prefetches;
+- arena: a read starts only when the host tier can give it a slot (when the arena is full of
+  leases loads wait in the queue; no deadlock: a release or a finished read pumps again). An
+  `ahead` load starts only while more than `reserve_slots` slots are free (not leased, not
+  loading; cached experts count as free), so prefetches, and the leases they turn into,
+  never take the last `reserve_slots` slots from demand loads.
+Queues are bounded: a full queue drops its oldest `ahead` load, or refuses a new `now` one
+(`busy`); `ahead` loads queued longer than `ahead_max_age_s` are dropped as stale.
 
 Runs on the daemon's event loop only.
 """
@@ -20,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from .depth_gauge import DepthGauge
 from .host_cache import HostCache, Key
 
 
@@ -40,17 +50,28 @@ class Load:
     slot: int = -1  # set when the read starts
     t_started: float = 0.0
     parts: dict[str, tuple[int, int]] = field(default_factory=dict)
+    started_as: str = ""  # the priority it held a read place under
+    waited: bool = False  # a `now` load found no read place or no slot free at least once
+    handle: object = None  # the reader's handle of the read, for `promote_read`
 
 
 class Scheduler:
     def __init__(self, cache: HostCache, start_read: Callable[[Load], None], *, max_inflight: int,
-                 max_queued: int, ahead_max_age_s: float, on_dropped: Callable[[Load, str], None]):
+                 max_queued: int, ahead_max_age_s: float, on_dropped: Callable[[Load, str], None],
+                 reserve_reads: int = 0, reserve_slots: int = 0,
+                 promote_read: Callable[[Load], None] = lambda load: None):
         self.cache = cache
-        self.start_read, self.on_dropped = start_read, on_dropped
+        self.start_read, self.on_dropped, self.promote_read = start_read, on_dropped, promote_read
         self.max_inflight, self.max_queued, self.ahead_max_age_s = max_inflight, max_queued, ahead_max_age_s
+        self.ahead_max_inflight = max(1, min(max_inflight, max_inflight - reserve_reads))
+        self.reserve_slots = reserve_slots
         self.queues: dict[str, OrderedDict[Key, Load]] = {"now": OrderedDict(), "ahead": OrderedDict()}
         self.reading: dict[Key, Load] = {}
+        self.reading_as = {"now": 0, "ahead": 0}  # loads reading, by `started_as`
         self.started = {"now": 0, "ahead": 0}  # reads started, by priority at start
+        self.gauge = DepthGauge()  # expert loads reading
+        self.peak_ahead = 0  # most `ahead` loads reading at once
+        self.now_waited = {"place": 0, "slot": 0}  # `now` loads that had to wait for capacity, by what
         self.dropped = self.refused = 0
 
     def find(self, key: Key) -> Load | None:
@@ -62,10 +83,14 @@ class Scheduler:
     def join(self, load: Load, waiter: Waiter, priority: str) -> None:
         """Add a request to an existing load (queued or reading); `now` promotes a queued `ahead`."""
         load.waiters.append(waiter)
-        if priority == "now" and load.priority == "ahead" and load.slot < 0:
+        if priority != "now" or load.priority == "now":
+            return
+        load.priority = "now"
+        if load.slot < 0:  # queued: out of reach of stale and queue-full drops
             del self.queues["ahead"][load.key]
-            load.priority = "now"
             self.queues["now"][load.key] = load
+        else:  # reading: its chunks not yet at the device go before prefetch chunks
+            self.promote_read(load)
 
     def enqueue(self, waiter: Waiter, priority: str) -> bool:
         """Queue a new load for `waiter.key`; False if the queue is full of `now` work (busy)."""
@@ -80,26 +105,46 @@ class Scheduler:
         return True
 
     def pump(self) -> None:
-        """Start queued reads while there is read capacity and a free slot."""
+        """Start every queued read the rules allow now (see the module docstring), in one go."""
         now = time.monotonic()
-        while len(self.reading) < self.max_inflight:
-            load = self._next(now)
-            if load is None:
-                return
+        while (load := self._next(now)) is not None:
             slot = self.cache.begin_load(load.key)
             if slot is None:  # arena full of leases: wait for a release
+                self._note_wait(load, "slot")
                 return
-            self.queues[load.priority].pop(load.key)
-            load.slot, load.t_started = slot, now
-            self.reading[load.key] = load
-            self.started[load.priority] += 1
-            self.start_read(load)
+            self._start(load, slot, now)
 
     def _next(self, now: float) -> Load | None:
+        """The load to start next, or None if no place is free for it."""
+        if len(self.reading) >= self.max_inflight:
+            if self.queues["now"]:
+                self._note_wait(next(iter(self.queues["now"].values())), "place")
+            return None
         if self.queues["now"]:
             return next(iter(self.queues["now"].values()))
         self.drop_stale(now)
+        if not self.ahead_may_start():
+            return None
         return next(iter(self.queues["ahead"].values()), None)
+
+    def ahead_may_start(self) -> bool:
+        """Whether one more prefetch fits in its share of read places and leaves the reserved slots free."""
+        return self.reading_as["ahead"] < self.ahead_max_inflight and self.cache.free_slots() > self.reserve_slots
+
+    def _note_wait(self, load: Load, what: str) -> None:
+        if load.priority == "now" and not load.waited:
+            load.waited = True
+            self.now_waited[what] += 1
+
+    def _start(self, load: Load, slot: int, now: float) -> None:
+        self.queues[load.priority].pop(load.key)
+        load.slot, load.t_started, load.started_as = slot, now, load.priority
+        self.reading[load.key] = load
+        self.reading_as[load.priority] += 1
+        self.started[load.priority] += 1
+        self.peak_ahead = max(self.peak_ahead, self.reading_as["ahead"])
+        self.gauge.add()
+        self.start_read(load)
 
     def drop_stale(self, now: float | None = None) -> None:
         """Drop queued prefetches older than `ahead_max_age_s` (also while no read can start)."""
@@ -114,6 +159,8 @@ class Scheduler:
     def finished(self, load: Load) -> None:
         """The read of `load` completed (or failed): it no longer counts against capacity."""
         del self.reading[load.key]
+        self.reading_as[load.started_as] -= 1
+        self.gauge.remove()
 
     def remove_waiters(self, match: Callable[[Waiter], bool], keys: Iterable[Key] | None = None) -> int:
         """Forget matching requests (only among `keys`' loads when given, else all); queued loads
@@ -145,9 +192,16 @@ class Scheduler:
             "queued_now": len(self.queues["now"]),
             "queued_ahead": len(self.queues["ahead"]),
             "reading": len(self.reading),
+            "reading_ahead": self.reading_as["ahead"],
+            "peak_ahead": self.peak_ahead,
             "max_inflight": self.max_inflight,
+            "ahead_max_inflight": self.ahead_max_inflight,
+            "reserve_slots": self.reserve_slots,
+            "in_flight": self.gauge.stats(),  # expert loads reading: peak, mean, histogram
             "reads_started_now": self.started["now"],
             "reads_started_ahead": self.started["ahead"],
+            "now_waited_place": self.now_waited["place"],  # all read places taken (by `now` reads, given the reserve)
+            "now_waited_slot": self.now_waited["slot"],  # every arena slot leased or loading
             "dropped": self.dropped,
             "refused_busy": self.refused,
         }

@@ -33,14 +33,20 @@ DRAIN_BATCH = 256  # messages handled per loop callback before yielding
 
 
 class Server:
-    def __init__(self, cfg: IodConfig, layout: ModelLayout, reader: Reader, arena: Arena, ctx: zmq.Context):
+    def __init__(self, cfg: IodConfig, layout: ModelLayout, reader: Reader, arena: Arena, ctx: zmq.Context,
+                 daemon_bytes: int = 0):
         self.cfg, self.layout, self.reader, self.arena = cfg, layout, reader, arena
         self.pid = os.getpid()
         self.cache = HostCache(arena)
-        n_parts = max(1, len(layout.experts.tensors[0]))
-        self.sched = Scheduler(self.cache, self._start_read, max_inflight=max(2, cfg.queue_depth // n_parts),
+        # One expert load per device place: each load is >= 1 read (3 parts, or fewer once neighbours
+        # merge), so `queue_depth` loads keep the reader `queue_depth` deep; the reader itself
+        # caps what is at the device and takes demand chunks first. (Dividing by the parts per
+        # expert, as before, capped a 40-expert batch at 10 loads.)
+        self.sched = Scheduler(self.cache, self._start_read, max_inflight=cfg.queue_depth,
                                max_queued=cfg.max_queued, ahead_max_age_s=cfg.ahead_max_age_s,
-                               on_dropped=self._on_dropped)
+                               on_dropped=self._on_dropped, reserve_reads=cfg.reserved(cfg.queue_depth),
+                               reserve_slots=cfg.reserved(arena.n_slots), promote_read=self._promote_read)
+        self.daemon_bytes = daemon_bytes  # the daemon's own memory as measured at start (for `memory`)
         self.stats = Stats()
         self.clients: dict[bytes, ClientState] = {}
         self.closing = False
@@ -276,9 +282,14 @@ class Server:
         ops, load.parts = plan_reads(parts, self.arena.slot(load.slot), direct=self.cfg.direct)
         loop = self.loop
         try:
-            self.reader.submit(ops, lambda exc: _call_soon(loop, self._read_done, load, exc))
+            load.handle = self.reader.submit(ops, lambda exc: _call_soon(loop, self._read_done, load, exc),
+                                             ahead=load.priority == "ahead")
         except Exception as e:  # noqa: BLE001 — e.g. reader closed: fail this load, not the loop
             loop.call_soon(self._read_done, load, e)
+
+    def _promote_read(self, load: Load) -> None:
+        if load.handle is not None:
+            self.reader.promote(load.handle)
 
     def _read_done(self, load: Load, exc: BaseException | None) -> None:
         self.sched.finished(load)

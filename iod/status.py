@@ -4,6 +4,9 @@
 attached to a read already queued or running (single-flight), a miss queued a new read.
 `bytes_served` is the sum of the blob sizes of every `ready` sent; `bytes_read` the blob bytes
 the readers delivered; `disk_read_bytes` what the kernel says this process read from storage.
+Depth: `queues.in_flight` counts expert loads reading, `reader.in_flight` the device reads
+(one per part, fewer where neighbours merge) — each with its peak, time-weighted mean while
+busy and the share of busy time per level (see `depth_gauge.py`).
 """
 
 from __future__ import annotations
@@ -100,6 +103,8 @@ def build_status(server: Server) -> dict[str, Any]:
         "backend": {"name": server.reader.name, "note": server.reader.note, "direct": cfg.direct,
                     "queue_depth": cfg.queue_depth},  # as configured; `reader` has its live counters
         "arena": {"name": server.arena.name, **server.cache.stats()},
+        "memory": {"budget": cfg.memory, "daemon_bytes": server.daemon_bytes,  # budget None: arena sized directly
+                   "arena_bytes": server.arena.n_slots * server.arena.slot_bytes},
         "requests": t.requests, "hits": t.hits, "joined": t.joined, "misses": t.misses,
         "hit_rate": (t.hits + t.joined) / t.requests if t.requests else 0.0,
         "readies": t.readies, "releases": t.releases, "errors": t.errors,

@@ -12,12 +12,10 @@ a pad key. Pad rows skip the MoE block entirely, so they never fetch an expert.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
-
 import torch
 import torch.nn.functional as F
 
-from ..experts import ExpertSource
+from ..experts import ExpertSource, swiglu
 
 Weights = dict[str, torch.Tensor]
 
@@ -203,53 +201,13 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch
     return weights.to(logits.dtype), ids
 
 
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate x) * up x): x [n, d], gate/up [ff, d], down [d, ff] -> [n, d]."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
-
-
-def group_by_expert(ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """ids [N, k] -> {expert: (rows [n_e], slots [n_e])}, experts ascending, rows ascending.
-
-    One stable sort and one host sync for the whole layer (not one per expert on a GPU).
-    """
-    k = ids.shape[1]
-    flat = ids.flatten()  # [N*k]
-    order = torch.argsort(flat, stable=True)  # [N*k] grouped by expert, token order kept
-    counts = torch.bincount(flat).tolist()  # the one sync
-    out, start = {}, 0
-    for e, n in enumerate(counts):
-        if n:
-            pick = order[start:start + n]  # [n_e]
-            out[e] = (pick // k, pick % k)
-            start += n
-    return out
-
-
 def moe(x: torch.Tensor, router_w: torch.Tensor, experts: ExpertSource, layer: int,
         top_k: int, norm_topk_prob: bool) -> torch.Tensor:
-    """Sparse MoE of rows x [N, d] (already normed), experts acquired from `experts`.
-
-    Experts are visited in ascending id order and accumulated into `out`, so the result does
-    not depend on where the weights came from or in which order they arrived. (index_put_
-    with accumulate, not index_add_: the latter's OpenMP path costs ~0.7 ms per call on a
-    busy 2-core CPU; each call's rows are distinct, so both are exact and deterministic.)
-    """
-    out = torch.zeros_like(x)  # [N, d]
+    """Sparse MoE of rows x [N, d] (already normed): route, then the expert source mixes."""
     if x.shape[0] == 0:
-        return out  # no real token in this step: nothing to fetch
+        return torch.zeros_like(x)  # no real token in this step: nothing to fetch
     weights, ids = route(F.linear(x, router_w), top_k, norm_topk_prob)  # [N, k], [N, k]
-    groups = group_by_expert(ids)
-    wanted: Sequence[int] = list(groups)
-    got = experts.acquire(layer, wanted)
-    try:
-        for e, (rows, slot) in groups.items():
-            w = got[e]
-            y = swiglu(x[rows], w.gate, w.up, w.down)  # [n_e, d]
-            out.index_put_((rows,), y * weights[rows, slot, None], accumulate=True)
-    finally:
-        experts.release(layer, wanted)
-    return out
+    return experts.mix(layer, x, weights, ids)  # [N, d]
 
 
 def shared_expert(x: torch.Tensor, w: Weights) -> torch.Tensor:

@@ -51,9 +51,10 @@ def fresh(tmp_path, monkeypatch):
 def test_demo_from_fresh_machine(fresh, capsys):
     cache, spawned = fresh
     assert demo.main(["--cache-dir", str(cache), "-n", "6"]) == 0
-    out = capsys.readouterr().out
-    assert demo.DEFAULT_PROMPT in out and "(6 tokens, " in out
-    assert "hit rate" in out and "slot cache:" in out and "stopped moestream-iod (exit code 0)" in out
+    cap = capsys.readouterr()
+    assert demo.DEFAULT_PROMPT in cap.out and "(6 tokens, " in cap.err
+    assert "the daemon's arena as the expert cache" in cap.out and "fetched now" in cap.err
+    assert "stopped moestream-iod (exit code 0)" in cap.out
     spawned.assert_clean()
 
 

@@ -103,8 +103,9 @@ def test_empty_prompt_is_an_error(setup):
 def test_cli_resident(tiny_model, capsys):
     rc = cli.main(["--model", str(tiny_model), "--resident", "--prompt", "def f(x):", "-n", "6", "--stats",
                    "--no-progress"])
-    out = capsys.readouterr().out
-    assert rc == 0 and "tok/s" in out and "stats: experts: source=resident" in out and "experts held" in out
+    cap = capsys.readouterr()
+    assert rc == 0 and "tok/s" in cap.err and "stats: experts: source=resident" in cap.err and "experts held" in cap.err
+    assert "(quant, " in cap.err and "tok/s" not in cap.out  # counters on stderr, text alone on stdout
     rc = cli.main(["--model", str(tiny_model), "--resident", "--prompt", "a", "--prompt", "b", "-n", "3",
                    "--chat", "--no-progress"])
     out = capsys.readouterr().out
@@ -133,10 +134,34 @@ def test_cli_streamed_matches_resident(tiny_model, capsys):
     args = ["--model", str(tiny_model), "--prompt", "import os", "-n", "8", "--no-progress"]
     assert cli.main([*args, "--resident"]) == 0
     resident = capsys.readouterr().out
-    with spawn_daemon(tiny_model) as daemon:
-        assert cli.main([*args, "--iod", daemon.endpoint, "--slots", "4", "--stats"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith(resident) and "hit rate" in out and "slot cache: " in out
+    assert cli.main([*args, "--resident", "--slot-format", "dequant"]) == 0
+    resident_dequant = capsys.readouterr().out
+    with spawn_daemon(tiny_model, arena_slots=6) as daemon:  # a quarter of the experts
+        assert cli.main([*args, "--iod", daemon.endpoint, "--stats"]) == 0
+        cap = capsys.readouterr()
+        assert cap.out == resident and "fetched now" in cap.err and "MiB delivered" in cap.err
+        assert cli.main([*args, "--iod", daemon.endpoint, "--slots", "4", "--slot-format", "dequant", "--stats"]) == 0
+        cap = capsys.readouterr()
+    assert cap.out == resident_dequant and "hit rate" in cap.err and "slot cache: " in cap.err
+
+
+def test_cli_json_and_trace(tiny_model, tmp_path, capsys):
+    import json
+
+    from moestream.common.policy_sim import load_trace
+
+    trace = tmp_path / "trace.json"
+    assert cli.main(["--model", str(tiny_model), "--resident", "--prompt-ids", "5,17,99", "-n", "4", "--json",
+                     "--trace-out", str(trace), "--no-progress"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["prompt_tokens"] == [3] and len(r["tokens"][0]) == r["new_tokens"] == 4 and r["decode_tok_s"] > 0
+    steps = load_trace(trace)
+    assert len(steps) == 4  # the prompt's forward pass and three decode steps
+    assert all(len({layer for layer, _ in step}) == 2 for step in steps)  # every layer routed
+    assert len(steps[1]) == 2 * 2  # one token: top-2 in each of 2 layers
+    with pytest.raises(SystemExit):
+        cli.main(["--model", str(tiny_model), "--resident", "--prompt-ids", "1,x"])
+    assert "token ids must be comma-separated integers, got '1,x'" in capsys.readouterr().err
 
 
 def test_cli_without_streamed_module(tiny_model, capsys, monkeypatch):
@@ -154,7 +179,7 @@ def test_config_toml_then_cli(tmp_path, tiny_model):
     toml.write_text(f'model = "{tiny_model}"\nresident = true\nprompts = ["a"]\ntemperature = 0.7\nseed = 9\n')
     cfg = cli.config_from_args(cli.build_parser().parse_args(["--config", str(toml), "--seed", "3"]))
     assert (cfg.resident, cfg.prompts, cfg.temperature, cfg.seed) == (True, ["a"], 0.7, 3)
-    assert cfg.torch_device.type in ("cpu", "cuda") and cfg.resolved_slot_format in ("raw", "dequant")
+    assert cfg.torch_device.type in ("cpu", "cuda") and cfg.resolved_slot_format in ("raw", "quant")
     toml.write_text('model = "x"\nslotz = 3\n')
     with pytest.raises(ConfigError, match="unknown keys \\['slotz'\\]"):
         DecoderConfig.build(toml)

@@ -2,8 +2,8 @@
 
 Each architecture gets, for free: output shape and dtype, the KV-cache path (incremental
 decode == one full forward), a left-padded batch == each sequence alone, the `after_layer`
-hook and `router_logits`, and the MoE block's contract with its `ExpertSource` (sorted ids,
-every acquire released, pads never routed).
+hook and `router_logits`, and the MoE block's contract with its `ExpertSource` (one `mix` per layer
+with the routed ids, pads never routed).
 """
 
 from __future__ import annotations
@@ -21,21 +21,15 @@ class Recording(ExpertSource):
     """Wraps a source and records the calls the model makes."""
 
     def __init__(self, inner: ExpertSource):
-        self.inner, self.calls, self.held = inner, [], set()
+        self.inner, self.calls = inner, []
 
     def begin_step(self):
         self.calls.append(("step",))
 
-    def acquire(self, layer, experts):
-        experts = list(experts)
-        assert experts == sorted(set(experts)), f"acquire ids not sorted/unique: {experts}"
-        self.calls.append(("acquire", layer, tuple(experts)))
-        self.held |= {(layer, e) for e in experts}
-        return self.inner.acquire(layer, experts)
-
-    def release(self, layer, experts):
-        self.calls.append(("release", layer, tuple(experts)))
-        self.held -= {(layer, e) for e in experts}
+    def mix(self, layer, x, weights, ids):
+        assert x.shape[0] == weights.shape[0] == ids.shape[0] and weights.shape == ids.shape
+        self.calls.append(("mix", layer, tuple(sorted(set(ids.flatten().tolist()))), x.shape[0]))
+        return self.inner.mix(layer, x, weights, ids)
 
 
 @pytest.fixture(scope="module", params=architectures())
@@ -60,8 +54,8 @@ def test_shape_dtype_and_source_contract(arch_model):
     assert logits.shape == (2, T, hp.n_vocab) and logits.dtype == torch.float32
     assert torch.isfinite(logits).all()
     assert seen == [(i, (2 * T, hp.n_embd)) for i in range(hp.n_layer)]
-    acquires = [c for c in rec.calls if c[0] == "acquire"]
-    assert [c[1] for c in acquires] == list(range(hp.n_layer)) and not rec.held
+    mixes = [c for c in rec.calls if c[0] == "mix"]
+    assert [c[1] for c in mixes] == list(range(hp.n_layer)) and all(c[3] == 2 * T for c in mixes)
     assert rec.calls[0] == ("step",)
     h = torch.randn(3, hp.n_embd)
     assert model.router_logits(0, h).shape == (3, hp.n_expert)
@@ -94,7 +88,7 @@ def test_padded_batch_matches_each_sequence_alone(arch_model):
     alone_b = model.forward(b, model.new_cache(1, 5), experts)
     assert (out[0] - alone_a[0]).abs().max().item() < 1e-4
     assert (out[1, T - 5:] - alone_b[0]).abs().max().item() < 1e-4
-    assert not rec.held
+    assert all(c[3] == T + 5 for c in rec.calls if c[0] == "mix")  # pad rows never reach the experts
 
 
 @torch.inference_mode()
@@ -105,9 +99,8 @@ def test_pads_are_not_routed(arch_model):
     valid = torch.zeros(1, 4, dtype=torch.bool)
     valid[0, -1] = True  # one real token: each layer routes exactly top_k experts
     model.forward(tokens(layout, 1, 4), model.new_cache(1, 4), rec, valid=valid)
-    for c in rec.calls:
-        if c[0] == "acquire":
-            assert len(c[2]) == hp.n_expert_used
+    mixes = [c for c in rec.calls if c[0] == "mix"]
+    assert len(mixes) == hp.n_layer and all(len(c[2]) == hp.n_expert_used and c[3] == 1 for c in mixes)
 
 
 @torch.inference_mode()

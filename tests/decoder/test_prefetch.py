@@ -48,8 +48,8 @@ class Hints(ResidentExperts):
         super().__init__(layout)
         self.hints: list[tuple[int, list[int]]] = []
 
-    def prefetch(self, layer, experts):
-        self.hints.append((layer, list(experts)))
+    def prefetch_ahead(self, predictions, defer=False):
+        self.hints += [(layer, list(experts)) for layer, experts in predictions.items()]
 
 
 def reference_topk(model, layer, h, k):

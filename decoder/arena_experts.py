@@ -1,0 +1,253 @@
+"""Streamed experts on CPU: the daemon's shared-memory arena is the expert cache.
+
+A decoder on CPU keeps no expert memory of its own. For each layer, `ArenaExperts.mix`:
+
+1. routes and lists the wanted experts (ascending);
+2. joins this layer's prefetches whose lease already came (`Prefetches.take`); every other
+   wanted expert — including a prefetch still in flight, which is cancelled so that it cannot
+   queue behind other prefetches — goes out in one `fetch now` message;
+3. sends the predictions deferred until now (`prefetch_ahead(..., defer=True)`), so they queue
+   behind this layer's demand at the daemon, which reads `now` before `ahead`;
+4. computes each expert as its lease arrives, straight from the read-only arena slot
+   (`quant_experts.run_expert`, zero copies), and releases the lease at once: the slot stays
+   in the daemon's host tier (decayed LFU, shared by every decoder) until evicted;
+5. sums the outputs in ascending expert order (`experts.combine`): bit-identical to
+   `QuantResidentExperts` on the same file.
+
+Nothing aborts for lack of room: the daemon queues what the arena cannot hold yet and each
+lease goes back as soon as its expert is computed, so a prompt whose layer routes to more
+experts than the arena holds is processed in pieces; a prefetch this layer joined that
+failed (dropped as stale, refused as busy) is fetched again `now`. Prefetched leases this
+decoder holds are capped (`Prefetches.limit`) so they can never fill the arena.
+
+Each wanted expert is in one state at a time: requested (a future), computing (its lease
+held by this thread), done (its output kept, lease released) — owned by `mix`'s loop.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..common import protocol as P
+from ..common.client import IodClient, IodRequestError, IodUnavailable, Lease
+from ..common.layout import ModelLayout
+from .experts import ExpertSource, Predictions, combine, group_by_expert
+from .quant_experts import expert_mats, run_expert
+
+RETRYABLE = {P.ErrorCode.DROPPED.value, P.ErrorCode.BUSY.value}
+MAX_RETRIES = 20  # a request refused this often in a row means the daemon is overloaded
+
+
+class Prefetches:
+    """This decoder's `fetch ahead` requests: one future per (layer, expert), in flight or
+    landed (a landed one holds an arena lease until its layer runs or it is given up)."""
+
+    def __init__(self, client: IodClient, limit: int):
+        self.client, self.limit = client, max(0, limit)
+        self._by_layer: dict[int, dict[int, cf.Future]] = {}
+        self.c = dict.fromkeys(("sent", "skipped", "useful", "hidden", "late", "wasted", "cancelled"), 0)
+
+    def outstanding(self) -> int:
+        return sum(len(m) for m in self._by_layer.values())
+
+    def send(self, predictions: Predictions) -> None:
+        """One `fetch ahead` for the predicted experts not requested yet, within `limit`."""
+        keys, room = [], self.limit - self.outstanding()
+        for layer in sorted(predictions):
+            mine = self._by_layer.setdefault(layer, {})
+            for e in sorted({int(e) for e in predictions[layer]} - set(mine)):
+                if room <= 0:
+                    self.c["skipped"] += 1
+                    continue
+                keys.append((layer, e))
+                room -= 1
+        if not keys:
+            return
+        for (layer, e), fut in zip(keys, self.client.fetch(keys, "ahead")):
+            self._by_layer[layer][e] = fut
+        self.c["sent"] += len(keys)
+
+    def take(self, layer: int, wanted: list[int]) -> dict[int, cf.Future]:
+        """`layer` runs now: return its prefetches of `wanted` experts whose lease came; give up
+        the rest (in flight ones are cancelled: the caller fetches those `now`)."""
+        mine = self._by_layer.pop(layer, {})
+        landed = {e: f for e, f in mine.items() if e in wanted and _leased(f)}
+        late = [f for e, f in mine.items() if e in wanted and e not in landed]
+        unused = [f for e, f in mine.items() if e not in wanted]
+        self.c["useful"] += len(landed) + len(late)
+        self.c["hidden"] += len(landed)
+        self.c["late"] += len(late)
+        self._count_unused(unused)
+        self.give_up(late + unused)
+        return landed
+
+    def give_up(self, futures: list[cf.Future]) -> None:
+        """Cancel what is in flight (one message) and hand back leases that came."""
+        self.client.cancel([f for f in futures if not f.done()])  # a lease arriving later goes back
+        for f in futures:
+            if _leased(f):
+                self.client.release(f.result())
+
+    def clear(self) -> None:
+        """Give up every prefetch (a new forward pass starts, or the source closes)."""
+        futures = [f for m in self._by_layer.values() for f in m.values()]
+        self._by_layer.clear()
+        self._count_unused(futures)
+        self.give_up(futures)
+
+    def _count_unused(self, futures: list[cf.Future]) -> None:
+        landed = sum(1 for f in futures if f.done())
+        self.c["wasted"] += landed  # read (or failed) for nothing
+        self.c["cancelled"] += len(futures) - landed
+
+
+def _leased(f: cf.Future) -> bool:
+    return f.done() and not f.cancelled() and f.exception() is None
+
+
+class ArenaExperts(ExpertSource):
+    """Experts computed from leased arena slots of a moestream-iod (see the module docstring)."""
+
+    def __init__(self, client: IodClient, layout: ModelLayout, *, fetch_timeout_s: float = 60.0,
+                 owns_client: bool = False, prefetch_limit: int | None = None):
+        self.client, self.layout = client, layout
+        self.fetch_timeout_s, self._owns_client = fetch_timeout_s, owns_client
+        n_slots = client.arena.n_slots if client.arena is not None else 0
+        limit = prefetch_limit if prefetch_limit is not None else n_slots // 2 - layout.hparams.n_expert_used
+        self.prefetches = Prefetches(client, limit)
+        self._deferred: dict[int, set[int]] = {}
+        self._closed = False
+        self.c: dict[str, Any] = dict.fromkeys(("acquired", "demand", "refetched", "bytes_fetched"), 0)
+        self.c.update(stall_s=0.0, compute_s=0.0)
+
+    # -- ExpertSource ----------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self._deferred.clear()
+        self.prefetches.clear()
+
+    def prefetch_ahead(self, predictions: Predictions, defer: bool = False) -> None:
+        if not defer:
+            self.prefetches.send(predictions)
+            return
+        for layer, experts in predictions.items():
+            self._deferred.setdefault(layer, set()).update(int(e) for e in experts)
+
+    def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        groups = group_by_expert(ids)
+        pending = self._request(layer, sorted(groups))
+        outputs = {}
+        try:
+            for e, lease in self._arrivals(layer, pending):
+                t0 = time.perf_counter()
+                try:
+                    mats = expert_mats(self.layout.experts.parts(layer, e), self._views(lease))
+                    outputs[e] = run_expert(x, *groups[e], weights, mats)
+                finally:
+                    self.client.release(lease)
+                self.c["compute_s"] += time.perf_counter() - t0
+        except BaseException:
+            self.prefetches.give_up(list(pending))  # `_arrivals` keeps `pending` to what is still owed
+            raise
+        self.c["acquired"] += len(groups)
+        return combine(x, outputs)
+
+    def stats(self) -> dict[str, Any]:
+        p = self.prefetches.c
+        would_miss = self.c["demand"] + p["useful"]
+        return {"source": "streamed", "slot_format": "quant", **self.c,
+                "prefetch": dict(p), "hidden_share": p["hidden"] / would_miss if would_miss else 0.0}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.prefetches.clear()
+        except IodUnavailable:
+            pass  # the daemon is gone, and our leases with it
+        if self._owns_client:
+            self.client.close()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _request(self, layer: int, wanted: list[int]) -> dict[cf.Future, int]:
+        """Futures of every wanted expert: landed prefetches joined, the rest in one `fetch now`;
+        then the deferred predictions. Returns {future: expert}."""
+        landed = self.prefetches.take(layer, wanted)
+        fresh = [e for e in wanted if e not in landed]
+        pending = {f: e for e, f in landed.items()}
+        if fresh:
+            pending.update(zip(self.client.fetch([(layer, e) for e in fresh], "now"), fresh))
+            self.c["demand"] += len(fresh)
+        if self._deferred:
+            deferred, self._deferred = self._deferred, {}
+            self.prefetches.send({k: sorted(v) for k, v in deferred.items()})
+        return pending
+
+    def _arrivals(self, layer: int, pending: dict[cf.Future, int]) -> Iterator[tuple[int, Lease]]:
+        """Yield (expert, lease) as leases arrive, refetching `now` what was dropped or refused.
+        Removes each future from `pending` once it is handled."""
+        retries: dict[int, int] = {}
+        while pending:
+            t0 = time.perf_counter()
+            done, _ = cf.wait(list(pending), timeout=self.fetch_timeout_s, return_when=cf.FIRST_COMPLETED)
+            self.c["stall_s"] += time.perf_counter() - t0
+            if not done:
+                raise IodUnavailable(f"experts of layer {layer} {sorted(pending.values())} not delivered "
+                                     f"within {self.fetch_timeout_s}s")
+            for f in done:
+                e = pending.pop(f)
+                lease = self._lease_or_retry(layer, e, f, pending, retries)
+                if lease is not None:
+                    self.c["bytes_fetched"] += sum(n for _, n in lease.parts.values())
+                    yield e, lease
+
+    def _lease_or_retry(self, layer: int, e: int, f: cf.Future, pending: dict[cf.Future, int],
+                        retries: dict[int, int]) -> Lease | None:
+        try:
+            return f.result()
+        except (cf.CancelledError, IodRequestError) as exc:
+            code = getattr(exc, "code", "cancelled")
+            if code != "cancelled" and code not in RETRYABLE:
+                raise
+            retries[e] = retries.get(e, 0) + 1
+            if retries[e] > MAX_RETRIES:
+                raise IodUnavailable(f"expert ({layer}, {e}) refused {MAX_RETRIES} times in a row: {exc}") from None
+            if code == P.ErrorCode.BUSY.value:
+                time.sleep(min(0.001 * 2 ** retries[e], 0.1))  # the daemon's queue is full: back off
+            pending[self.client.fetch([(layer, e)], "now")[0]] = e
+            self.c["refetched"] += 1
+            return None
+
+    def _views(self, lease: Lease) -> dict[str, np.ndarray]:
+        return {name: np.frombuffer(self.client.part_view(lease, name), dtype=np.uint8) for name in lease.parts}
+
+
+def open_arena(layout: ModelLayout, endpoint: str, *, timeout_s: float = 5.0, fetch_timeout_s: float = 60.0,
+               name: str | None = None, prefetch_limit: int | None = None) -> ArenaExperts:
+    """Connect to the daemon at `endpoint` (checking it serves this file)."""
+    client = IodClient(endpoint, expect_fingerprint=layout.fingerprint.as_dict(), timeout_s=timeout_s, name=name)
+    try:
+        return ArenaExperts(client, layout, fetch_timeout_s=fetch_timeout_s, owns_client=True,
+                            prefetch_limit=prefetch_limit)
+    except BaseException:
+        client.close()
+        raise
+
+
+def describe_stats(st: dict[str, Any]) -> str:
+    """The arena source's counters for people."""
+    p = st["prefetch"]
+    lines = [f"experts: {st['acquired']} used, {st['demand']} fetched now, {st['bytes_fetched'] / 2**20:.1f} MiB "
+             f"delivered, stall {st['stall_s'] * 1e3:.1f} ms, compute {st['compute_s'] * 1e3:.1f} ms"
+             + (f", {st['refetched']} refetched" if st["refetched"] else "")]
+    if p["sent"] or p["skipped"]:
+        lines.append(f"prefetch: {p['sent']} sent, {p['useful']} useful ({p['hidden']} in time, {p['late']} late), "
+                     f"{p['wasted']} wasted, {p['cancelled']} cancelled, {p['skipped']} over the limit; "
+                     f"hid {st['hidden_share']:.1%} of the misses")
+    return "\n".join(lines)

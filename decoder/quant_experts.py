@@ -1,0 +1,102 @@
+"""Experts computed on their quantized GGUF blocks where they lie (CPU).
+
+An expert's gate/up/down parts are byte views — into the file's read-only memory map
+(`QuantResidentExperts`) or into a leased slot of the daemon's shared-memory arena
+(`arena_experts.ArenaExperts`) — and `qkernels.swiglu_expert` reads the blocks as they are:
+no dequantized copy of an expert exists, so resident mode costs the file's expert bytes (in
+the page cache, shared with every process mapping the file) and a streamed decoder holds no
+expert memory of its own.
+
+Both sources compute one expert with `run_expert` and sum with `experts.combine`, so they
+are bit-identical to each other.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..common.layout import ExpertPart, ModelLayout
+from .experts import ExpertSource, combine, group_by_expert
+from .qkernels import QMatrix, swiglu_expert
+
+Mats = tuple[QMatrix, QMatrix, QMatrix]  # gate, up, down
+
+
+def expert_mats(parts: list[ExpertPart], views: Mapping[str, np.ndarray]) -> Mats:
+    """(gate, up, down) matrices over one expert's part bytes `views[name]` (uint8, 1-D).
+
+    A fused `gate_up` part holds the gate rows first, then the up rows: two halves of one view.
+    """
+    mats: dict[str, QMatrix] = {}
+    for p in parts:
+        if p.name not in ("gate", "up", "down", "gate_up"):
+            raise ValueError(f"expert part {p.name!r} is not one of gate, up, down, gate_up")
+        data = views[p.name]
+        if data.size != p.nbytes:
+            raise ValueError(f"expert part {p.name!r}: {data.size} bytes, expected {p.nbytes}")
+        n_in, n_out = p.shape[0], p.shape[1]
+        if p.name == "gate_up":
+            half = p.nbytes // 2
+            mats["gate"] = QMatrix(data[:half], int(p.qtype), n_out // 2, n_in)
+            mats["up"] = QMatrix(data[half:], int(p.qtype), n_out // 2, n_in)
+        else:
+            mats[p.name] = QMatrix(data, int(p.qtype), n_out, n_in)
+    missing = {"gate", "up", "down"} - set(mats)
+    if missing:
+        raise ValueError(f"expert has no {', '.join(sorted(missing))} part (has {[p.name for p in parts]})")
+    return mats["gate"], mats["up"], mats["down"]
+
+
+def run_expert(x: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor,
+               mats: Mats) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert on its routed rows: (rows [n_e], weights * swiglu(x[rows]) [n_e, d])."""
+    xe = x[rows].to(torch.float32).contiguous()  # [n_e, d]
+    y = torch.from_numpy(swiglu_expert(xe.numpy(), *mats))  # [n_e, d] float32
+    return rows, y.to(x.dtype) * weights[rows, slot, None]  # [n_e, d]
+
+
+class QuantResidentExperts(ExpertSource):
+    """Every expert resident as the file's own quantized bytes (a read-only memory map).
+
+    The reference the streamed CPU source must match bit for bit; memory is the file's
+    expert bytes, in the page cache, as llama.cpp's mmap has them.
+    """
+
+    def __init__(self, layout: ModelLayout):
+        if layout.reader.data is None:
+            raise ValueError(f"{layout.path}: no memory map of the file")
+        self.layout = layout
+        self._data: np.ndarray = layout.reader.data  # [file bytes] uint8, read-only map
+        self._mats: dict[tuple[int, int], Mats] = {}
+        self.c = {"acquired": 0, "compute_s": 0.0}
+
+    def mats(self, layer: int, expert: int) -> Mats:
+        key = (layer, expert)
+        got = self._mats.get(key)
+        if got is None:
+            parts = self.layout.experts.parts(layer, expert)
+            views = {p.name: self._data[p.offset:p.offset + p.nbytes] for p in parts}  # views, no copy
+            got = self._mats[key] = expert_mats(parts, views)
+        return got
+
+    def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        groups = group_by_expert(ids)
+        outputs = {e: run_expert(x, rows, slot, weights, self.mats(layer, e)) for e, (rows, slot) in groups.items()}
+        self.c["acquired"] += len(groups)
+        self.c["compute_s"] += time.perf_counter() - t0
+        return combine(x, outputs)
+
+    def stats(self) -> dict[str, Any]:
+        ex = self.layout.experts
+        nbytes = sum(ex.blob_bytes(layer) * ex.n_expert for layer in range(ex.n_layer))
+        return {"source": "resident", "slot_format": "quant", "experts": ex.n_layer * ex.n_expert,
+                "bytes": nbytes, **self.c}
+
+    def close(self) -> None:
+        self._mats.clear()

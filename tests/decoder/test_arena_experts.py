@@ -1,0 +1,138 @@
+"""The CPU expert path: experts computed on their quantized blocks, resident (the file's map)
+or streamed (straight from a real daemon's arena, which is the only cache).
+
+Streamed must equal resident bit for bit with any arena size, prefetch depth and prompt
+split; both must agree with the dequantized-weight reference (`ResidentExperts`, gguf-checked
+dequantizers + torch matmuls) within float32 summation-order noise.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+import torch
+from moestream.common.client import IodRequestError
+from moestream.common.layout import ModelLayout
+from moestream.decoder.arena_experts import open_arena
+from moestream.decoder.experts import ResidentExperts
+from moestream.decoder.generate import generate
+from moestream.decoder.models import get_model_module
+from moestream.decoder.prefetch import Prefetcher
+from moestream.decoder.quant_experts import QuantResidentExperts
+from moestream.decoder.weights import load_dense
+
+PROMPT = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 128, 9, 77, 31, 2, 501]
+N_NEW = 6
+MODEL = dict(arch="qwen3moe", layers=3, experts=8, top_k=2)  # 24 experts
+
+
+class Setup:
+    def __init__(self, path):
+        self.path, self.layout = path, ModelLayout(path)
+        hp = self.layout.hparams
+        self.model = get_model_module(hp.arch).Model(hp, load_dense(self.layout, "cpu", progress=False))
+        self.n_experts = hp.n_layer * hp.n_expert
+
+    def run(self, source, hook=None, prompts=(PROMPT,)):
+        return generate(self.model, source, list(prompts), N_NEW, keep_logits=True, after_layer=hook)
+
+
+@pytest.fixture(scope="module")
+def setups(make_tiny_model):
+    made = {}
+
+    def get(quant: str) -> Setup:
+        if quant not in made:
+            made[quant] = Setup(make_tiny_model(quant=quant, **MODEL))
+        return made[quant]
+
+    return get
+
+
+def same_run(a, b) -> bool:
+    return a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K", "Q6_K", "Q4_0"])
+def test_resident_quant_matches_the_dequantized_reference(setups, quant):
+    s = setups(quant)
+    with QuantResidentExperts(s.layout) as quant_src, ResidentExperts(s.layout) as dequant_src:
+        q, ref = s.run(quant_src), s.run(dequant_src)
+    for a, b in zip(q.logits, ref.logits):  # same weights, float32: only the summation order differs
+        assert (a - b).abs().max().item() <= 1e-4 * max(1.0, b.abs().max().item())
+    st = QuantResidentExperts(s.layout).stats()
+    expert_bytes = sum(s.layout.experts.blob_bytes(layer) * s.layout.hparams.n_expert for layer in range(3))
+    assert st["bytes"] == expert_bytes and st["slot_format"] == "quant"  # the file's bytes, no more
+
+
+@pytest.mark.parametrize("quant, slots, depth", [("Q8_0", 6, 0), ("Q8_0", 6, 2), ("Q4_K", 6, 1), ("Q8_0", 24, 1)])
+def test_streamed_equals_resident_bit_for_bit(setups, start_daemon, quant, slots, depth):
+    s = setups(quant)
+    with QuantResidentExperts(s.layout) as resident:
+        want = s.run(resident, prompts=(PROMPT, PROMPT[:5]))
+    daemon = start_daemon(s.path, arena_slots=slots)
+    with open_arena(s.layout, daemon.endpoint) as src:
+        hook = Prefetcher(s.model, src, depth) if depth else None
+        got = s.run(src, hook, prompts=(PROMPT, PROMPT[:5]))
+        st = src.stats()
+    assert same_run(got, want)
+    assert st["acquired"] > 0 and st["bytes_fetched"] > 0
+    if depth:
+        assert st["prefetch"]["sent"] > 0
+
+
+def test_token_by_token_equals_one_prompt(setups, start_daemon):
+    s = setups("Q8_0")
+    daemon = start_daemon(s.path, arena_slots=6)
+    with open_arena(s.layout, daemon.endpoint) as src, QuantResidentExperts(s.layout) as resident:
+        cache = s.model.new_cache(1, len(PROMPT))
+        steps = [s.model.forward(torch.tensor([[t]]), cache, src) for t in PROMPT]  # [1, 1, V] each
+        whole = s.model.forward(torch.tensor([PROMPT]), s.model.new_cache(1, len(PROMPT)), resident)
+    assert (torch.cat(steps, dim=1) - whole).abs().max().item() < 1e-4
+
+
+def test_an_arena_smaller_than_a_layers_working_set_still_decodes(setups, start_daemon):
+    """A 16-token prompt routes each layer to most of its 8 experts; an arena of 2 slots (the
+    top-k) holds a fraction: the layer is computed in pieces as leases come and go back."""
+    s = setups("Q8_0")
+    with QuantResidentExperts(s.layout) as resident:
+        want = s.run(resident)
+    daemon = start_daemon(s.path, arena_slots=2)
+    with open_arena(s.layout, daemon.endpoint) as src:
+        got = s.run(src, Prefetcher(s.model, src, 2))  # prefetch: over the limit, skipped
+        assert src.stats()["prefetch"]["sent"] == 0
+    assert same_run(got, want)
+
+
+def test_a_prefetch_that_failed_is_fetched_again_now(setups, start_daemon):
+    """Prefetches given up (cancelled in flight, or dropped by the daemon) never fail the layer."""
+    s = setups("Q8_0")
+    daemon = start_daemon(s.path, arena_slots=8)
+    x = torch.randn(3, s.layout.hparams.n_embd)
+    weights = torch.full((3, 2), 0.5)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 4]])
+    with open_arena(s.layout, daemon.endpoint, prefetch_limit=8) as src, QuantResidentExperts(s.layout) as resident:
+        want = resident.mix(0, x, weights, ids)
+        src.prefetch_ahead({0: [0, 1, 2, 3, 4]})
+        mine = src.prefetches._by_layer[0]
+        src.client.cancel([mine[0], mine[1], mine[4]])  # gone before the layer runs
+        dropped: cf.Future = cf.Future()
+        dropped.set_exception(IodRequestError("dropped", "stale prefetch (queued 5.4s)"))
+        mine[4] = dropped  # as the daemon reports a prefetch dropped as stale
+        cf.wait([mine[2], mine[3]], timeout=10)
+        failed = sum(1 for f in mine.values() if f.cancelled() or f.exception() is not None)
+        got = src.mix(0, x, weights, ids)
+        assert torch.equal(got, want)
+        assert src.stats()["prefetch"]["useful"] == 5 and src.stats()["demand"] == failed >= 1
+
+
+def test_quant_on_cuda_or_with_slots_is_a_clear_error(tiny_model):
+    from moestream.decoder.config import ConfigError, DecoderConfig
+
+    with pytest.raises(ConfigError, match="the daemon's arena is the only expert cache"):
+        DecoderConfig(model=str(tiny_model), iod="ipc:///x", prompts=["a"], slots=4, device="cpu")
+    if not torch.cuda.is_available():
+        return
+    with pytest.raises(ConfigError, match="is the CPU path"):
+        DecoderConfig(model=str(tiny_model), resident=True, prompts=["a"], device="cuda", slot_format="quant")
