@@ -75,7 +75,8 @@ class Run:
                                  slot_format=args.slot_format, temperature=args.temperature, seed=args.seed,
                                  max_new_tokens=args.tokens, progress=False)
         self.layout = ModelLayout(args.model)
-        self.model = load_model(self.layout, self.cfg.torch_device, self.cfg.torch_dtype)
+        self.model = load_model(self.layout, self.cfg.torch_device, self.cfg.torch_dtype,
+                                keep_quantized=self.cfg.resolved_slot_format == "quant")
         hp = self.layout.hparams
         self.n_experts = hp.n_layer * hp.n_expert
         g = torch.Generator().manual_seed(args.seed)

@@ -143,7 +143,8 @@ def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
     tok = GGUFTokenizer.from_layout(layout)
     ids = prompt_ids(cfg, tok)
     t0 = time.perf_counter()
-    model = load_model(layout, cfg.torch_device, cfg.torch_dtype, progress=cfg.progress)
+    model = load_model(layout, cfg.torch_device, cfg.torch_dtype, progress=cfg.progress,
+                       keep_quantized=cfg.resolved_slot_format == "quant")
     opener = open_resident if cfg.resident else open_streamed
     source, hook = opener(cfg, layout, model)
     if cfg.trace_out:

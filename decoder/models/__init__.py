@@ -29,11 +29,12 @@ def get_model_module(arch: str) -> ModuleType:
     return importlib.import_module(f"{__name__}.{_REGISTRY[arch]}")
 
 
-def load_model(layout, device="cpu", dtype=None, progress: bool = False):
-    """The architecture's `Model` with every dense weight of `layout` materialized on `device`."""
+def load_model(layout, device="cpu", dtype=None, progress: bool = False, keep_quantized: bool = False):
+    """The architecture's `Model` with every dense weight of `layout` materialized on `device`
+    (2-D quantized ones kept as their blocks with `keep_quantized`, on a CPU)."""
     import torch
 
     from ..weights import load_dense
 
-    dense = load_dense(layout, device, dtype or torch.float32, progress)
+    dense = load_dense(layout, device, dtype or torch.float32, progress, keep_quantized)
     return get_model_module(layout.hparams.arch).Model(layout.hparams, dense)

@@ -15,9 +15,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..experts import ExpertSource, swiglu
+from ..experts import ExpertSource
+from ..weights import QuantWeight
 
-Weights = dict[str, torch.Tensor]
+Weights = dict[str, "torch.Tensor | QuantWeight"]
+
+
+def linear(x: torch.Tensor, w: "torch.Tensor | QuantWeight", bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias) for a float weight or one kept as its quantized blocks."""
+    if isinstance(w, QuantWeight):
+        y = w.linear(x)
+        return y if bias is None else y + bias
+    return F.linear(x, w, bias)
+
+
+def embed(tokens: torch.Tensor, w: "torch.Tensor | QuantWeight", dtype: torch.dtype) -> torch.Tensor:
+    """Rows of the embedding table for token ids [N] -> [N, d]."""
+    return w.rows(tokens, dtype) if isinstance(w, QuantWeight) else F.embedding(tokens, w)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -134,7 +148,7 @@ class AttnShape:
 
 
 def _proj(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
-    return F.linear(x, w[name], w.get(f"{name}.bias"))
+    return linear(x, w[name], w.get(f"{name}.bias"))
 
 
 def _qkv(x: torch.Tensor, w: Weights, a: AttnShape, B: int, T: int) -> tuple[torch.Tensor, ...]:
@@ -206,7 +220,7 @@ def moe(x: torch.Tensor, router_w: torch.Tensor, experts: ExpertSource, layer: i
     """Sparse MoE of rows x [N, d] (already normed): route, then the expert source mixes."""
     if x.shape[0] == 0:
         return torch.zeros_like(x)  # no real token in this step: nothing to fetch
-    weights, ids = route(F.linear(x, router_w), top_k, norm_topk_prob)  # [N, k], [N, k]
+    weights, ids = route(linear(x, router_w), top_k, norm_topk_prob)  # [N, k], [N, k]
     return experts.mix(layer, x, weights, ids)  # [N, d]
 
 
@@ -216,4 +230,5 @@ def shared_expert(x: torch.Tensor, w: Weights) -> torch.Tensor:
     GGUF stores the shared gate as a [d] vector (HF's [1, d] Linear, squeezed).
     """
     gate = torch.sigmoid(x @ w["ffn_gate_inp_shexp"])[:, None]  # [N, 1]
-    return gate * swiglu(x, w["ffn_gate_shexp"], w["ffn_up_shexp"], w["ffn_down_shexp"])  # [N, d]
+    h = F.silu(linear(x, w["ffn_gate_shexp"])) * linear(x, w["ffn_up_shexp"])  # [N, ff]
+    return gate * linear(h, w["ffn_down_shexp"])  # [N, d]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ...common.layout import HParams
 from ..experts import ExpertSource
-from .layers import AttnShape, KVCache, StepAttn, Weights, attention, moe, rms_norm, step_attn
+from .layers import AttnShape, KVCache, StepAttn, Weights, attention, embed, linear, moe, rms_norm, step_attn
 
 ARCH = "qwen3moe"
 QK_NORM = "head"
@@ -74,7 +74,7 @@ class Model:
         self.layers = [layer_weights(dense, i) for i in range(hp.n_layer)]
         self.attn = AttnShape(hp.n_head, hp.n_head_kv, hp.head_dim, hp.rope_base, hp.rms_eps,
                               self.qk_norm, self.rope)
-        self.device, self.dtype = self.embed.device, self.embed.dtype
+        self.device, self.dtype = self.norm.device, self.norm.dtype
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         hp = self.hparams
@@ -83,7 +83,7 @@ class Model:
     def router_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """That layer's ffn_norm then router applied to hidden rows h [N, d] -> [N, n_expert]."""
         w = self.layers[layer]
-        return F.linear(rms_norm(h, w["ffn_norm"], self.hparams.rms_eps), w["ffn_gate_inp"])
+        return linear(rms_norm(h, w["ffn_norm"], self.hparams.rms_eps), w["ffn_gate_inp"])
 
     def ffn(self, layer: int, x: torch.Tensor, experts: ExpertSource) -> torch.Tensor:
         """The feed-forward half of a layer on normed rows x [n, d]; other families add shared experts."""
@@ -117,12 +117,12 @@ class Model:
         st = step_attn(self.attn, cache, positions, start)  # rope tables and mask, shared by every layer
         experts.begin_step()
         after_attention = getattr(after_layer, "after_attention", None)
-        h = F.embedding(tokens.reshape(-1), self.embed)  # [N, d]
+        h = embed(tokens.reshape(-1), self.embed, self.dtype)  # [N, d]
         for i in range(self.hparams.n_layer):
             h = self._block(i, h, active, cache, st, experts, after_attention)
             if after_layer is not None:
                 after_layer(i, h[active])
         h = h.view(B, T, -1)[:, -1] if last_only else h.view(B, T, -1)  # [B, d] | [B, T, d]
-        return F.linear(rms_norm(h, self.norm, self.hparams.rms_eps), self.lm_head)  # [B, (T,) V]
+        return linear(rms_norm(h, self.norm, self.hparams.rms_eps), self.lm_head)  # [B, (T,) V]
 
     __call__ = forward

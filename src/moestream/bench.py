@@ -9,6 +9,8 @@ from moestream.cli import dispatch
 BENCHES: dict[str, tuple[str, str]] = {
     "io": ("moestream.iod.bench", "expert delivery from moestream-iod vs the raw read/memcpy limit"),
     "decode": ("moestream.decoder.bench", "tokens/s streamed vs resident"),
+    "kernels": ("moestream.decoder.bench_kernels", "per-expert time: quantized kernels vs dequantize-then-matmul"),
+    "capped": ("moestream.decoder.bench_capped", "daemon + decoder under one memory cap, optionally beside llama.cpp"),
 }
 
 

@@ -136,3 +136,26 @@ def test_quant_on_cuda_or_with_slots_is_a_clear_error(tiny_model):
         return
     with pytest.raises(ConfigError, match="is the CPU path"):
         DecoderConfig(model=str(tiny_model), resident=True, prompts=["a"], device="cuda", slot_format="quant")
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K"])
+def test_dense_weights_kept_quantized_match_dequantized(setups, quant):
+    """`keep_quantized`: 2-D quantized dense weights stay as their blocks (1/4 to 1/7 of float32),
+    computed by the same kernels; the forward agrees with the dequantized-weight model."""
+    from moestream.decoder.models import load_model
+    from moestream.decoder.weights import QuantWeight, load_tensor
+
+    s = setups(quant)
+    quant_model = load_model(s.layout, keep_quantized=True)
+    kept = {n: w for n, w in quant_model.layers[0].items() if isinstance(w, QuantWeight)}
+    assert "attn_q" in kept and isinstance(quant_model.embed, QuantWeight)
+    w = kept["attn_q"]
+    assert w.nbytes == s.layout.tensors["blk.0.attn_q.weight"].nbytes
+    ids = torch.tensor([3, 0, 17, 3])
+    table = load_tensor(s.layout, "token_embd.weight", "cpu", torch.float32)  # gguf-checked dequantizer
+    assert torch.equal(quant_model.embed.rows(ids, torch.float32), table[ids])
+    with QuantResidentExperts(s.layout) as experts:
+        tokens = torch.tensor([PROMPT])
+        got = quant_model.forward(tokens, quant_model.new_cache(1, len(PROMPT)), experts)
+        want = s.model.forward(tokens, s.model.new_cache(1, len(PROMPT)), experts)
+    assert (got - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
