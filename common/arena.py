@@ -44,6 +44,11 @@ class _Slots:
             raise IndexError(f"slot {i} out of range [0, {self.n_slots})")
         return self._view[i * self.slot_bytes : (i + 1) * self.slot_bytes]
 
+    def whole(self) -> memoryview:
+        """View of every slot at once (slot i's bytes at i * slot_bytes): lets a reader hand one
+        buffer and offsets to a kernel that computes over several slots."""
+        return self._view[: self.n_slots * self.slot_bytes]
+
     def _unmap(self) -> bool:
         """Drop the mapping; False when it was already gone."""
         if self._mm is None:

@@ -8,9 +8,10 @@ A decoder on CPU keeps no expert memory of its own. For each layer, `ArenaExpert
    queue behind other prefetches — goes out in one `fetch now` message;
 3. sends the predictions deferred until now (`prefetch_ahead(..., defer=True)`), so they queue
    behind this layer's demand at the daemon, which reads `now` before `ahead`;
-4. computes each expert as its lease arrives, straight from the read-only arena slot
-   (`quant_experts.run_expert`, zero copies), and releases the lease at once: the slot stays
-   in the daemon's host tier (decayed LFU, shared by every decoder) until evicted;
+4. computes the experts whose leases have arrived (one kernel call per batch of arrivals),
+   straight from the read-only arena slots (`quant_experts.run_experts`, zero copies), and
+   releases those leases at once: the slots stay in the daemon's host tier (decayed LFU,
+   shared by every decoder) until evicted;
 5. sums the outputs in ascending expert order (`experts.combine`): bit-identical to
    `QuantResidentExperts` on the same file.
 
@@ -38,7 +39,7 @@ from ..common import protocol as P
 from ..common.client import IodClient, IodRequestError, IodUnavailable, Lease
 from ..common.layout import ModelLayout
 from .experts import ExpertSource, Predictions, combine, group_by_expert
-from .quant_experts import expert_mats, run_expert
+from .quant_experts import Mats, expert_mats, run_experts
 
 RETRYABLE = {P.ErrorCode.DROPPED.value, P.ErrorCode.BUSY.value}
 MAX_RETRIES = 20  # a request refused this often in a row means the daemon is overloaded
@@ -121,6 +122,7 @@ class ArenaExperts(ExpertSource):
         n_slots = client.arena.n_slots if client.arena is not None else 0
         limit = prefetch_limit if prefetch_limit is not None else n_slots // 2 - layout.hparams.n_expert_used
         self.prefetches = Prefetches(client, limit)
+        self._base = np.frombuffer(client.arena.whole(), dtype=np.uint8) if client.arena is not None else None
         self._deferred: dict[int, set[int]] = {}
         self._closed = False
         self.c: dict[str, Any] = dict.fromkeys(("acquired", "demand", "refetched", "bytes_fetched"), 0)
@@ -143,13 +145,14 @@ class ArenaExperts(ExpertSource):
         pending = self._request(layer, sorted(groups))
         outputs = {}
         try:
-            for e, lease in self._arrivals(layer, pending):
+            for leases in self._arrivals(layer, pending):
                 t0 = time.perf_counter()
                 try:
-                    mats = expert_mats(self.layout.experts.parts(layer, e), self._views(lease))
-                    outputs[e] = run_expert(x, *groups[e], weights, mats)
+                    mats = {e: self._mats(layer, lease) for e, lease in leases.items()}
+                    outputs.update(run_experts(x, groups, weights, self._base, mats))
                 finally:
-                    self.client.release(lease)
+                    for lease in leases.values():
+                        self.client.release(lease)
                 self.c["compute_s"] += time.perf_counter() - t0
         except BaseException:
             self.prefetches.give_up(list(pending))  # `_arrivals` keeps `pending` to what is still owed
@@ -167,6 +170,7 @@ class ArenaExperts(ExpertSource):
         if self._closed:
             return
         self._closed = True
+        self._base = None  # the arena mapping can go with the client
         try:
             self.prefetches.clear()
         except IodUnavailable:
@@ -189,9 +193,9 @@ class ArenaExperts(ExpertSource):
             self.prefetches.send({k: sorted(v) for k, v in deferred.items()})
         return pending
 
-    def _arrivals(self, layer: int, pending: dict[cf.Future, int]) -> Iterator[tuple[int, Lease]]:
-        """Yield (expert, lease) as leases arrive, refetching `now` what was dropped or refused.
-        Removes each future from `pending` once it is handled."""
+    def _arrivals(self, layer: int, pending: dict[cf.Future, int]) -> Iterator[dict[int, Lease]]:
+        """Yield {expert: lease} for the leases that arrived together, refetching `now` what was
+        dropped or refused. Removes each future from `pending` once it is handled."""
         retries: dict[int, int] = {}
         while pending:
             t0 = time.perf_counter()
@@ -200,12 +204,15 @@ class ArenaExperts(ExpertSource):
             if not done:
                 raise IodUnavailable(f"experts of layer {layer} {sorted(pending.values())} not delivered "
                                      f"within {self.fetch_timeout_s}s")
+            leases = {}
             for f in done:
                 e = pending.pop(f)
                 lease = self._lease_or_retry(layer, e, f, pending, retries)
                 if lease is not None:
                     self.c["bytes_fetched"] += sum(n for _, n in lease.parts.values())
-                    yield e, lease
+                    leases[e] = lease
+            if leases:
+                yield leases
 
     def _lease_or_retry(self, layer: int, e: int, f: cf.Future, pending: dict[cf.Future, int],
                         retries: dict[int, int]) -> Lease | None:
@@ -224,8 +231,11 @@ class ArenaExperts(ExpertSource):
             self.c["refetched"] += 1
             return None
 
-    def _views(self, lease: Lease) -> dict[str, np.ndarray]:
-        return {name: np.frombuffer(self.client.part_view(lease, name), dtype=np.uint8) for name in lease.parts}
+    def _mats(self, layer: int, lease: Lease) -> Mats:
+        """The leased expert's matrices: views into the arena array (`_base`), no copy."""
+        start = lease.slot * self.client.arena.slot_bytes
+        views = {name: self._base[start + off:start + off + n] for name, (off, n) in lease.parts.items()}
+        return expert_mats(self.layout.experts.parts(layer, lease.expert), views)
 
 
 def open_arena(layout: ModelLayout, endpoint: str, *, timeout_s: float = 5.0, fetch_timeout_s: float = 60.0,

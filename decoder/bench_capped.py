@@ -283,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, CgroupError) as e:
         print(f"moestream bench capped: {e}", file=sys.stderr)
         return 2
+    except subprocess.TimeoutExpired as e:
+        print(f"moestream bench capped: a run took longer than {e.timeout:.0f} s (--timeout): {e.cmd[0]} ...",
+              file=sys.stderr)
+        return 1
     except (OSError, RuntimeError, ValueError) as e:
         print(f"moestream bench capped: {e}", file=sys.stderr)
         return 1

@@ -2,10 +2,11 @@
 
 For each quant type and rows-per-expert n, times `qkernels.swiglu_expert` (native kernels: fused
 below DENSE_MIN_ROWS rows, decode-to-buffer + BLAS from there) against the reference a decoder
-would otherwise run: the project's torch `dequantize` of gate, up and down, then F.linear SwiGLU.
-The two are timed interleaved, each on a pool of --experts distinct random experts (so a run
-is not one expert hot in cache), --repeat times; medians are reported, per expert, with the
-quantized bytes per second the kernel reads and the speed-up over the reference.
+would otherwise run: the project's torch `dequantize` of gate, up and down, then F.linear SwiGLU;
+and `qkernels.swiglu_experts` computing the whole pool in one call ("1-call", as a layer's experts).
+All are timed interleaved, each on a pool of --experts distinct random experts (so a run is not
+one expert hot in cache), --repeat times; medians are reported, per expert, with the quantized
+bytes per second the kernel reads and the speed-up of `swiglu_expert` over the reference.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32], metavar="N",
                    help="tokens routed to the expert, one measurement each (default: 1 4 32)")
     p.add_argument("--repeat", type=int, default=9, help="timed rounds, median reported (default 9)")
-    p.add_argument("--experts", type=int, default=4, help="distinct experts cycled per round (default 4)")
+    p.add_argument("--experts", type=int, default=4,
+                   help="distinct experts per round, also those of the one-call form (default 4)")
     p.add_argument("--threads", type=int, help="kernel and torch threads (default: numba's and torch's own)")
     p.add_argument("--seed", type=int, default=0, help="random weights and activations (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -98,15 +100,22 @@ def measure(qname: str, n: int, args: argparse.Namespace, rng: np.random.Generat
     from . import qkernels as qk
 
     qtype, d, ff = Q[qname], args.hidden, args.expert_ff
-    pool = [(qk.QMatrix(random_matrix(qtype, ff, d, rng), int(qtype), ff, d),
-             qk.QMatrix(random_matrix(qtype, ff, d, rng), int(qtype), ff, d),
-             qk.QMatrix(random_matrix(qtype, d, ff, rng), int(qtype), d, ff)) for _ in range(args.experts)]
+    shapes = ((ff, d), (ff, d), (d, ff))  # gate, up, down
+    raw = [random_matrix(qtype, *shape, rng) for _ in range(args.experts) for shape in shapes]
+    base = np.concatenate(raw)  # [bytes] uint8: every expert's parts in one array, as in a file map
+    ends = np.cumsum([r.size for r in raw])
+    mats = [qk.QMatrix(base[end - r.size:end], int(qtype), *shapes[i % 3]) for i, (r, end) in enumerate(zip(raw, ends))]
+    pool = [tuple(mats[i:i + 3]) for i in range(0, len(mats), 3)]
     x = rng.standard_normal((n, d)).astype(np.float32)  # [n, d]
     refs = [_reference(x, *e) for e in pool]
+    rows = [np.arange(n)] * len(pool)
 
     def kernel() -> None:
         for e in pool:
             qk.swiglu_expert(x, *e)
+
+    def experts() -> None:  # one call for the whole pool, as a layer's experts
+        qk.swiglu_experts(x, qk.expert_table(base, pool), rows)
 
     def reference() -> None:
         for r in refs:
@@ -115,13 +124,15 @@ def measure(qname: str, n: int, args: argparse.Namespace, rng: np.random.Generat
     t0 = time.perf_counter()
     kernel()  # warm-up: loads (or compiles) the kernels, faults the weights in
     jit_s = time.perf_counter() - t0
+    experts()
     reference()
-    k_ms, r_ms = (t / len(pool) for t in _median_ms([kernel, reference], args.repeat))
+    k_ms, e_ms, r_ms = (t / len(pool) for t in _median_ms([kernel, experts, reference], args.repeat))
     nbytes = sum(m.nbytes for m in pool[0])
     native = qk.has_kernel(int(qtype))
     path = "fallback" if not native else ("fused" if n < qk.DENSE_MIN_ROWS else "dense")
     return {"type": qname, "rows": n, "path": path,
             "expert_bytes": nbytes, "kernel_ms": k_ms, "reference_ms": r_ms, "gb_per_s": nbytes / k_ms / 1e6,
+            "experts_call_ms": e_ms, "experts_gb_per_s": nbytes / e_ms / 1e6,
             "speedup": r_ms / k_ms, "first_call_s": jit_s}
 
 
@@ -129,10 +140,11 @@ def _table(report: dict[str, Any]) -> str:
     lines = [(f"expert: hidden {report['hidden']}, ff {report['expert_ff']}; {report['threads']} kernel threads "
               f"({report['threading_layer']}), torch {report['torch_threads']}; median of {report['repeat']}"),
              f"first call (kernels loaded from numba's cache, or compiled): {report['results'][0]['first_call_s']:.2f} s",
-             f"{'type':<7}{'rows':>5}  {'path':<8}{'kernel ms':>10}{'GB/s':>7}{'dequant+mm ms':>15}{'speed-up':>10}"]
+             (f"{'type':<7}{'rows':>5}  {'path':<8}{'kernel ms':>10}{'GB/s':>7}{'1-call ms':>10}{'GB/s':>7}"
+              f"{'dequant+mm ms':>15}{'speed-up':>10}")]
     for r in report["results"]:
         lines.append(f"{r['type']:<7}{r['rows']:>5}  {r['path']:<8}{r['kernel_ms']:>10.3f}{r['gb_per_s']:>7.2f}"
-                     f"{r['reference_ms']:>15.3f}{r['speedup']:>9.2f}x")
+                     f"{r['experts_call_ms']:>10.3f}{r['experts_gb_per_s']:>7.2f}{r['reference_ms']:>15.3f}{r['speedup']:>9.2f}x")
     return "\n".join(lines)
 
 

@@ -1,28 +1,24 @@
-"""CPU kernels: an MoE expert's SwiGLU FFN computed on its quantized GGUF blocks.
+"""CPU kernels: MoE experts' SwiGLU FFN computed on their quantized GGUF blocks.
 
-`swiglu_expert(x, gate, up, down)` computes `y = down @ (silu(gate @ x_t) * (up @ x_t))` for every
-row x_t of `x` [n, d], reading each `QMatrix`'s bytes where they lie (a read-only arena slot or a
-memory map of the file): nothing is copied and no dequantized copy of the expert is kept.
+`swiglu_experts(x, table, rows)` computes, for every expert e of an `ExpertTable` and each of
+its token rows x_t (t in rows[e]), `y = down @ (silu(gate @ x_t) * (up @ x_t))`, reading the
+blocks where they lie (a read-only arena or a memory map of the file, given as one base array
+plus byte offsets): nothing is copied and no dequantized copy of an expert is kept.
+`swiglu_expert(x, gate, up, down)` is the same for one expert given as three `QMatrix`.
 
-Block layouts decoded natively (gguf-py `gguf/quants.py`, ggml's block structs; f16 scales are
-decoded with integer bit manipulation, subnormals included):
-  Q8_0  34 B / 32:   f16 d, int8 q[32]                        w = d * q
-  Q4_0  18 B / 32:   f16 d, 16 B nibbles (low nibbles = 0..15)  w = d * (q - 8)
-  Q4_K  144 B / 256: f16 d, f16 dmin, 12 B of 6-bit (scale, min) x 8, 128 B nibbles
-                     (32 B per pair of sub-blocks: low nibbles first)   w = d*sc*q - dmin*m
-  Q5_K  176 B / 256: as Q4_K plus 32 B of high bits (bit j of byte l -> sub-block j, element l)
-  Q6_K  210 B / 256: 128 B low nibbles, 64 B high 2-bit pairs, int8 scales[16], f16 d
-                     w = d * sc * (q - 32)
-  F32, F16, BF16:    plain row-major values.
-Any other type falls back to the torch dequantizer (`dequant.dequantize`) and a matmul.
+The jitted code (row decoders, the block layouts they read, the parallel kernels) is in
+`qkernels_rows`; any other type falls back to the torch dequantizer (`dequant.dequantize`) and
+a matmul.
 
-Paths, picked by the number of rows n:
-  n < DENSE_MIN_ROWS (20)  fused: a weight row is decoded into a per-thread float32 row buffer
-        (L1) and dotted with each of the n activation rows, so each block is decoded once; gate
-        and up share one parallel region (silu(g) * u), down a second one. Output rows are split
-        over threads, each computed by one thread in a fixed order: results are bit-identical
-        run to run, for any thread count, and a token's result does not depend on the other
-        rows of the batch.
+Paths, picked per expert by its number of rows n:
+  n < DENSE_MIN_ROWS (28)  fused: all such experts of a call share two parallel regions, one
+        for gate and up (silu(g) * u), one for down, each thread taking one contiguous span of
+        (expert, output row) pairs of equal cost. A weight row is decoded into a per-thread
+        float32 row buffer (L1) and dotted with each of the n activation rows (four at a time);
+        the rows a few KB ahead are prefetched. Each output element is computed by one thread
+        in a fixed order, so an expert's result is bit-identical run to run, for any thread
+        count, whatever other experts share the call, and a token's result does not depend on
+        the other rows of the batch.
   n >= DENSE_MIN_ROWS  dense (prefill): each matrix in turn is decoded by the same row decoders
         into one reused float32 buffer (parallel over rows) and multiplied by torch (BLAS):
         deterministic run to run for a given thread count.
@@ -36,335 +32,34 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numba
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+from .qkernels_rows import NATIVE, dequant_kernel, down_kernel, gate_up_kernel
 
 # numba's 'omp' threading layer first, also when TBB is installed: its threads spin briefly
-# between regions, so the two launches per expert start in microseconds; 'workqueue' threads
-# sleep on a condition variable and took ~0.2 ms per launch here (2x slower experts), and a
-# layer of torch ops then experts ran 40 % slower with it than with 'omp' (which stayed within
-# 5 % of the two parts timed apart). Takes effect when numba starts its pool (first parallel
-# kernel); a NUMBA_THREADING_LAYER_PRIORITY or NUMBA_THREADING_LAYER set by the user still wins.
+# between regions, so the launches start in microseconds; 'workqueue' threads sleep on a
+# condition variable and took ~0.2 ms per launch here (2x slower experts), and a layer of torch
+# ops then experts ran 40 % slower with it than with 'omp' (which stayed within 5 % of the two
+# parts timed apart). Takes effect when numba starts its pool (first parallel kernel); a
+# NUMBA_THREADING_LAYER_PRIORITY or NUMBA_THREADING_LAYER set by the user still wins.
 _PRIORITY = "omp tbb workqueue"
 if os.environ.setdefault("NUMBA_THREADING_LAYER_PRIORITY", _PRIORITY) == _PRIORITY:
     numba.config.THREADING_LAYER_PRIORITY = _PRIORITY.split()
 
 # Rows per expert from which decoding each matrix into a float32 buffer + torch's BLAS beats the
 # fused kernel. Measured on 2 cores (fused time / dense time, Q8_0 Q4_K Q6_K): d = ff = 1024:
-# n=8 0.74-0.85, n=16 0.87-0.89, n=20 0.92-1.08, n=24 0.93-1.21; d=2048, ff=768 (Q8_0, Q4_K):
-# n=16 0.90-0.98, n=20 0.99, n=24 1.24-1.37.
-DENSE_MIN_ROWS = 20
-
-# Reassociation lets LLVM vectorize the 32-wide block loops and the dot reductions; no
-# nnan/ninf so the f16 decoder's inf/NaN handling stays as written, no afn for exp.
-_FM = {"reassoc", "contract", "nsz", "arcp"}
-_JIT = {"cache": True, "fastmath": _FM, "nogil": True}
-_ROWS_PER_TASK = 8  # output rows per parallel task: one pair of row buffers per task
-
-_NATIVE = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F32, Q.F16, Q.BF16)
-# plain ints, so numba folds them as constants inside the kernels
-_Q8_0, _Q4_0, _Q4_K, _Q5_K, _Q6_K = int(Q.Q8_0), int(Q.Q4_0), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
-_F32, _F16, _BF16 = int(Q.F32), int(Q.F16), int(Q.BF16)
-
-
-# -- scalar helpers ---------------------------------------------------------------------------
-@intrinsic
-def _as_f32(typingctx, bits):
-    """Reinterpret the low 32 bits of an integer as a float32 (a register bitcast)."""
-    if not isinstance(bits, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        v = args[0]
-        if v.type.width != 32:
-            v = builder.trunc(v, ir.IntType(32))
-        return builder.bitcast(v, ir.FloatType())
-
-    return types.float32(bits), codegen
-
-
-@intrinsic
-def _opaque(typingctx, value):
-    """`value`, hidden from the optimizer (an empty inline asm).
-
-    The block loops use it as their trip count: LLVM fully unrolls a constant 32-trip loop into
-    scalar code before its loop vectorizer runs, and the SLP vectorizer then cannot reorder the
-    byte loads past the float stores (numba gives no no-alias facts); a run-time trip count
-    keeps the loop, which the loop vectorizer widens behind a run-time overlap check (3x faster).
-    """
-    if not isinstance(value, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        ty = args[0].type
-        return builder.asm(ir.FunctionType(ty, [ty]), "", "=r,0", [args[0]], side_effect=False)
-
-    return value(value), codegen
-
-
-@intrinsic
-def _f32_bits(typingctx, value):
-    """The bits of a float32, as an int32."""
-    if not isinstance(value, types.Float) or value.bitwidth != 32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.int32(value), codegen
-
-
-@njit(**_JIT)
-def _f16(lo, hi):
-    """The float16 stored little-endian in bytes (lo, hi), widened exactly to float32.
-
-    Branch-free in effect (three cheap cases LLVM turns into selects), so F16 rows vectorize;
-    the sign is OR-ed into the bits so -0.0 stays -0.0 under the 'nsz' fast-math flag."""
-    h = np.int32(lo) | (np.int32(hi) << 8)
-    em = h & 0x7FFF  # exponent and mantissa
-    if em < 0x400:  # zero or subnormal: man * 2**-24, exact in float32
-        bits = _f32_bits(_fi(em) * np.float32(5.9604644775390625e-08))
-    elif em >= 0x7C00:  # inf / NaN, payload kept
-        bits = (em << 13) | 0x7F800000
-    else:  # rebias the exponent: 127 - 15 = 112
-        bits = (em << 13) + (112 << 23)
-    return _as_f32(bits | ((h & 0x8000) << 16))
-
-
-@njit(**_JIT)
-def _i8(b):
-    """A uint8 byte read as int8, as float32."""
-    return np.float32(np.int8(b))  # same-width cast: the bits reinterpreted
-
-
-@njit(**_JIT)
-def _fi(v):
-    """A small integer as float32. numba widens integer arithmetic to int64; truncating to
-    int32 first lets LLVM narrow the vector lanes (it widened 8 bytes to 8 x 64 bits without)."""
-    return np.float32(np.int32(v))
-
-
-# -- row decoders: one weight row -> w[:n_in] float32 -----------------------------------------
-# Indices are unsigned (_U): numba adds a negative-index wraparound select to every signed
-# index it cannot prove >= 0, which cost a third of the decode time. (Mixing uint64 with int64
-# makes a float64 in numba, so every index term goes through _U.)
-_U = np.uint64
-
-
-@njit(**_JIT)
-def _row_q8_0(data, off, n_in, w):
-    lanes = _opaque(_U(32))
-    o, e = _U(off), _U(0)
-    for _ in range(n_in // 32):
-        d = _f16(data[o], data[o + _U(1)])
-        q = o + _U(2)  # 32 int8 codes
-        for k in range(lanes):
-            w[e + k] = d * _i8(data[q + k])
-        o += _U(34)
-        e += _U(32)
-
-
-@njit(**_JIT)
-def _row_q4_0(data, off, n_in, w):
-    lanes = _opaque(_U(16))
-    o, e = _U(off), _U(0)
-    for _ in range(n_in // 32):
-        d = _f16(data[o], data[o + _U(1)])
-        q = o + _U(2)  # 16 bytes: elements 0-15 in the low nibbles, 16-31 in the high ones
-        for k in range(lanes):
-            c = np.int32(data[q + k])
-            w[e + k] = d * _fi((c & 0xF) - 8)
-            w[e + _U(16) + k] = d * _fi((c >> 4) - 8)
-        o += _U(18)
-        e += _U(32)
-
-
-@njit(**_JIT)
-def _k4_scales(data, s, d, dmin, scales):
-    """Q4_K/Q5_K: the 12 bytes at data[s:] hold 6-bit (scale, min) x 8 -> scales[j] = d * scale,
-    scales[8 + j] = dmin * min (ggml's get_scale_min_k4)."""
-    for j in range(8):
-        if j < 4:
-            sc = np.int32(data[s + _U(j)]) & 63
-            mn = np.int32(data[s + _U(j + 4)]) & 63
-        else:
-            hi = np.int32(data[s + _U(j + 4)])
-            sc = (hi & 0xF) | ((np.int32(data[s + _U(j - 4)]) >> 6) << 4)
-            mn = (hi >> 4) | ((np.int32(data[s + _U(j)]) >> 6) << 4)
-        scales[j] = d * np.float32(sc)
-        scales[8 + j] = dmin * np.float32(mn)
-
-
-@njit(**_JIT)
-def _row_q4_k(data, off, n_in, w):
-    lanes = _opaque(_U(32))
-    o, e = _U(off), _U(0)
-    sc = np.empty(16, np.float32)  # d * scale [8], dmin * min [8]
-    for _ in range(n_in // 256):
-        _k4_scales(data, o + _U(4), _f16(data[o], data[o + _U(1)]), _f16(data[o + _U(2)], data[o + _U(3)]), sc)
-        q = o + _U(16)  # 4 x 32 B; byte k of chunk g: low nibble -> sub-block 2g, high -> 2g+1
-        for k in range(lanes):  # one pass over the super-block: constant shifts only
-            c0, c1 = np.int32(data[q + k]), np.int32(data[q + _U(32) + k])
-            c2, c3 = np.int32(data[q + _U(64) + k]), np.int32(data[q + _U(96) + k])
-            w[e + k] = sc[0] * _fi(c0 & 0xF) - sc[8]
-            w[e + _U(32) + k] = sc[1] * _fi(c0 >> 4) - sc[9]
-            w[e + _U(64) + k] = sc[2] * _fi(c1 & 0xF) - sc[10]
-            w[e + _U(96) + k] = sc[3] * _fi(c1 >> 4) - sc[11]
-            w[e + _U(128) + k] = sc[4] * _fi(c2 & 0xF) - sc[12]
-            w[e + _U(160) + k] = sc[5] * _fi(c2 >> 4) - sc[13]
-            w[e + _U(192) + k] = sc[6] * _fi(c3 & 0xF) - sc[14]
-            w[e + _U(224) + k] = sc[7] * _fi(c3 >> 4) - sc[15]
-        o += _U(144)
-        e += _U(256)
-
-
-@njit(**_JIT)
-def _row_q5_k(data, off, n_in, w):
-    """As Q4_K, plus 32 B of fifth bits between the scales and the nibbles (bit j of byte k:
-    sub-block j, element k). The fifth bit is added as a float (exact): combined as integers,
-    LLVM kept 64-bit vector lanes (vcvtqq2ps: 25 % slower here, scalar on AVX2)."""
-    lanes = _opaque(_U(32))
-    o, e = _U(off), _U(0)
-    sc = np.empty(16, np.float32)
-    for _ in range(n_in // 256):
-        _k4_scales(data, o + _U(4), _f16(data[o], data[o + _U(1)]), _f16(data[o + _U(2)], data[o + _U(3)]), sc)
-        qh, q = o + _U(16), o + _U(48)
-        for k in range(lanes):
-            h = np.int32(data[qh + k])
-            c0, c1 = np.int32(data[q + k]), np.int32(data[q + _U(32) + k])
-            c2, c3 = np.int32(data[q + _U(64) + k]), np.int32(data[q + _U(96) + k])
-            w[e + k] = sc[0] * (_fi(c0 & 0xF) + _fi(h & 1) * np.float32(16)) - sc[8]
-            w[e + _U(32) + k] = sc[1] * (_fi(c0 >> 4) + _fi(h & 2) * np.float32(8)) - sc[9]
-            w[e + _U(64) + k] = sc[2] * (_fi(c1 & 0xF) + _fi(h & 4) * np.float32(4)) - sc[10]
-            w[e + _U(96) + k] = sc[3] * (_fi(c1 >> 4) + _fi(h & 8) * np.float32(2)) - sc[11]
-            w[e + _U(128) + k] = sc[4] * (_fi(c2 & 0xF) + _fi(h & 16)) - sc[12]
-            w[e + _U(160) + k] = sc[5] * (_fi(c2 >> 4) + _fi(h & 32) * np.float32(0.5)) - sc[13]
-            w[e + _U(192) + k] = sc[6] * (_fi(c3 & 0xF) + _fi(h & 64) * np.float32(0.25)) - sc[14]
-            w[e + _U(224) + k] = sc[7] * (_fi(c3 >> 4) + _fi(h & 128) * np.float32(0.125)) - sc[15]
-        o += _U(176)
-        e += _U(256)
-
-
-@njit(**_JIT)
-def _row_q6_k(data, off, n_in, w):
-    """Per 128-element half: element 32g + l is nibble g // 2 of ql[32 * (g % 2) + l] with bits
-    2g..2g+1 of qh[l] above it, scaled by int8 scale 2g + l // 16 (ggml's dequantize_row_q6_K)."""
-    lanes = _opaque(_U(16))
-    o, e = _U(off), _U(0)
-    for _ in range(n_in // 256):
-        d = _f16(data[o + _U(208)], data[o + _U(209)])
-        for half in range(2):
-            ql, qh = o + _U(64 * half), o + _U(128 + 32 * half)
-            for s in range(2):  # elements l = 16s .. 16s + 15 of each 32-element group
-                sc = o + _U(192 + 8 * half + s)
-                d0, d1 = d * _i8(data[sc]), d * _i8(data[sc + _U(2)])
-                d2, d3 = d * _i8(data[sc + _U(4)]), d * _i8(data[sc + _U(6)])
-                a, b, hh, y = ql + _U(16 * s), ql + _U(32 + 16 * s), qh + _U(16 * s), e + _U(16 * s)
-                for k in range(lanes):
-                    la, lb, h = np.int32(data[a + k]), np.int32(data[b + k]), np.int32(data[hh + k])
-                    # high bits added as floats (exact), to keep 32-bit lanes (see _row_q5_k)
-                    w[y + k] = d0 * (_fi((la & 0xF) - 32) + _fi(h & 3) * np.float32(16))
-                    w[y + _U(32) + k] = d1 * (_fi((lb & 0xF) - 32) + _fi(h & 12) * np.float32(4))
-                    w[y + _U(64) + k] = d2 * (_fi((la >> 4) - 32) + _fi(h & 48))
-                    w[y + _U(96) + k] = d3 * (_fi((lb >> 4) - 32) + _fi(h & 192) * np.float32(0.25))
-            e += _U(128)
-        o += _U(210)
-
-
-@njit(**_JIT)
-def _row_float(data, off, n_in, w, qtype):
-    """F32, F16 or BF16 values, assembled from their little-endian bytes."""
-    o = _U(off)
-    if qtype == _F32:
-        for k in range(_U(n_in)):
-            b = o + _U(4) * k
-            w[k] = _as_f32(np.int32(data[b]) | (np.int32(data[b + _U(1)]) << 8)
-                           | (np.int32(data[b + _U(2)]) << 16) | (np.int32(data[b + _U(3)]) << 24))
-    elif qtype == _BF16:  # the high half of a float32
-        for k in range(_U(n_in)):
-            b = o + _U(2) * k
-            w[k] = _as_f32((np.int32(data[b]) << 16) | (np.int32(data[b + _U(1)]) << 24))
-    else:
-        for k in range(_U(n_in)):
-            b = o + _U(2) * k
-            w[k] = _f16(data[b], data[b + _U(1)])
-
-
-@njit(**_JIT)
-def _decode_row(qtype, data, row, n_in, row_bytes, w):
-    """Row `row` of a matrix of `qtype` stored in `data` -> w[:n_in] float32."""
-    off = row * row_bytes
-    if qtype == _Q8_0:
-        _row_q8_0(data, off, n_in, w)
-    elif qtype == _Q4_0:
-        _row_q4_0(data, off, n_in, w)
-    elif qtype == _Q4_K:
-        _row_q4_k(data, off, n_in, w)
-    elif qtype == _Q5_K:
-        _row_q5_k(data, off, n_in, w)
-    elif qtype == _Q6_K:
-        _row_q6_k(data, off, n_in, w)
-    else:
-        _row_float(data, off, n_in, w, qtype)
-
-
-# -- parallel kernels -------------------------------------------------------------------------
-@njit(**_JIT)
-def _dot(w, x, n):
-    acc = np.float32(0.0)
-    for k in range(n):
-        acc += w[k] * x[k]
-    return acc
-
-
-@njit(parallel=True, **_JIT)
-def _gate_up_kernel(x, gq, gdata, uq, udata, n_out, n_in, h):
-    """h[i, j] = silu(gate_j . x_i) * (up_j . x_i): x [n, n_in], h [n, n_out]."""
-    n = x.shape[0]
-    g_bytes, u_bytes = gdata.size // n_out, udata.size // n_out
-    for t in prange((n_out + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        wg = np.empty(n_in, np.float32)  # [n_in] decoded gate row
-        wu = np.empty(n_in, np.float32)  # [n_in] decoded up row
-        for j in range(t * _ROWS_PER_TASK, min(n_out, (t + 1) * _ROWS_PER_TASK)):
-            _decode_row(gq, gdata, j, n_in, g_bytes, wg)
-            _decode_row(uq, udata, j, n_in, u_bytes, wu)
-            for i in range(n):
-                g = _dot(wg, x[i], n_in)
-                u = _dot(wu, x[i], n_in)
-                h[i, j] = g / (np.float32(1.0) + np.exp(-g)) * u
-
-
-@njit(parallel=True, **_JIT)
-def _down_kernel(h, dq, ddata, n_out, n_in, out, scale, accumulate):
-    """out[i, j] (+)= scale[i] * (down_j . h_i): h [n, n_in], out [n, n_out]."""
-    n = h.shape[0]
-    d_bytes = ddata.size // n_out
-    for t in prange((n_out + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        w = np.empty(n_in, np.float32)  # [n_in] decoded down row
-        for j in range(t * _ROWS_PER_TASK, min(n_out, (t + 1) * _ROWS_PER_TASK)):
-            _decode_row(dq, ddata, j, n_in, d_bytes, w)
-            for i in range(n):
-                y = _dot(w, h[i], n_in)
-                if accumulate:
-                    out[i, j] += scale[i] * y
-                else:
-                    out[i, j] = y
-
-
-@njit(parallel=True, **_JIT)
-def _dequant_kernel(qtype, data, n_out, n_in, w):
-    """The whole matrix -> w [n_out, n_in] float32 (the dense path's buffer)."""
-    row_bytes = data.size // n_out
-    for j in prange(n_out):
-        _decode_row(qtype, data, np.int64(j), n_in, row_bytes, w[j])  # prange's j is unsigned
+# n=16 0.77-0.87, n=24 0.82-0.93, n=32 0.95-1.08, n=48 1.17-1.34; d=2048, ff=768: n=16
+# 0.70-0.77, n=24 0.86-1.00, n=32 1.05-1.34.
+DENSE_MIN_ROWS = 28
 
 
 # -- Python side ------------------------------------------------------------------------------
@@ -379,6 +74,7 @@ class QMatrix:
     qtype: int
     n_out: int
     n_in: int
+    addr: int = field(init=False, repr=False, compare=False)  # address of data's first byte
 
     def __post_init__(self) -> None:
         d = self.data
@@ -395,6 +91,7 @@ class QMatrix:
         if d.size != want:
             raise ValueError(f"QMatrix {name} [{self.n_out} x {self.n_in}]: expected {self.n_out} rows x "
                              f"{self.n_in // block} blocks x {type_size} B = {want} bytes, got {d.size}")
+        object.__setattr__(self, "addr", d.__array_interface__["data"][0])  # for `expert_table`
 
     @property
     def nbytes(self) -> int:
@@ -416,7 +113,10 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 
 def has_kernel(qtype: int) -> bool:
     """Whether `qtype` is decoded natively (other types: torch dequantize, then a matmul)."""
-    return qtype in _NATIVE
+    return qtype in _NATIVE_INTS
+
+
+_NATIVE_INTS = frozenset(int(q) for q in NATIVE)
 
 
 def set_threads(n: int) -> None:
@@ -435,8 +135,102 @@ def dequantize(m: QMatrix, out: np.ndarray | None = None) -> np.ndarray:
     w = np.empty((m.n_out, m.n_in), np.float32) if out is None else out  # [n_out, n_in]
     if w.shape != (m.n_out, m.n_in) or w.dtype != np.float32 or not w.flags.c_contiguous:
         raise ValueError(f"out must be C-contiguous float32 [{m.n_out}, {m.n_in}], got {w.dtype} {w.shape}")
-    _dequant_kernel(int(m.qtype), m.readonly(), int(m.n_out), int(m.n_in), w)
+    dequant_kernel(int(m.qtype), m.readonly(), int(m.n_out), int(m.n_in), w)
     return w
+
+
+Mats = tuple[QMatrix, QMatrix, QMatrix]  # gate, up, down
+
+
+@dataclass(frozen=True)
+class ExpertTable:
+    """Experts' gate/up/down bytes as byte offsets into one base array: what one
+    `swiglu_experts` call reads. Built (and checked) once by `expert_table`."""
+
+    base: np.ndarray  # [bytes] uint8, read-only view
+    offsets: np.ndarray  # [E, 3] int64: byte offsets of gate, up, down in base
+    qtypes: np.ndarray  # [E, 3] int64
+    mats: tuple[Mats, ...]  # the experts as given (the dense path and fallback types use them)
+    native: np.ndarray  # [E] bool: all three parts have a native kernel
+    d: int
+    ff: int
+
+
+def view_offset(base: np.ndarray, view: np.ndarray | QMatrix) -> int:
+    """Byte offset of `view`'s first byte inside `base` (contiguous uint8 arrays; `view` must lie
+    within `base`'s bytes, e.g. a slice of it or a np.frombuffer of part of the same mapping)."""
+    addr = view.addr if isinstance(view, QMatrix) else view.__array_interface__["data"][0]
+    off, size = addr - base.__array_interface__["data"][0], view.nbytes
+    if off < 0 or off + size > base.nbytes:
+        raise ValueError(f"{size} bytes at offset {off} are not inside the base array of {base.nbytes} bytes")
+    return off
+
+
+def expert_table(base: np.ndarray, experts: Sequence[Mats]) -> ExpertTable:
+    """The experts (gate, up, down) whose bytes all lie inside `base` (1-D uint8: a file's memory
+    map, an arena mapping), as offsets. All experts must share d and ff.
+
+    One pass of plain Python over the experts: it runs once per layer, right after kernels that
+    have streamed megabytes through the caches, where each numpy call costs several microseconds.
+    """
+    if not isinstance(base, np.ndarray) or base.dtype != np.uint8 or base.ndim != 1 or not base.flags.c_contiguous:
+        raise ValueError("base must be a contiguous 1-D uint8 array")
+    if not experts:
+        raise ValueError("no experts")
+    start, size = base.__array_interface__["data"][0], base.nbytes
+    d, ff = experts[0][0].n_in, experts[0][0].n_out
+    offsets, qtypes, native = [], [], []
+    for e, mats in enumerate(experts):
+        _check_chain(*mats)
+        if mats[0].n_in != d or mats[0].n_out != ff:
+            raise ValueError(f"experts of one table must share d and ff: expert 0 has d={d}, ff={ff}, "
+                             f"expert {e} d={mats[0].n_in}, ff={mats[0].n_out}")
+        offs = [m.addr - start for m in mats]
+        if min(offs) < 0 or any(o + m.nbytes > size for o, m in zip(offs, mats)):
+            raise ValueError(f"expert {e}'s bytes (offsets {offs}) are not all inside the base array of {size} bytes")
+        offsets.append(offs)
+        qtypes.append([m.qtype for m in mats])
+        native.append(all(m.qtype in _NATIVE_INTS for m in mats))
+    return ExpertTable(_readonly(base), np.array(offsets, np.int64), np.array(qtypes, np.int64),
+                       tuple(tuple(m) for m in experts), np.array(native), int(d), int(ff))
+
+
+def swiglu_experts(x: np.ndarray, table: ExpertTable, rows: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """For each expert e of `table`: y_e = down_e @ (silu(gate_e @ x_t) * (up_e @ x_t)) for the
+    rows t in rows[e] (int indices into x [N, d] float32). Returns [y_e [len(rows[e]), d]].
+
+    The fused experts (native types, fewer than DENSE_MIN_ROWS rows) share two parallel regions;
+    each y_e is bit-identical to `swiglu_expert(x[rows[e]], *table.mats[e])`, whatever the
+    other experts of the call.
+    """
+    x = _check_x(x, table.d)  # [N, d]
+    if len(rows) != len(table.mats):
+        raise ValueError(f"{len(table.mats)} experts but {len(rows)} row lists")
+    idx = [np.asarray(r, dtype=np.int64).reshape(-1) for r in rows]
+    fused = [bool(ok) and 0 < r.size < DENSE_MIN_ROWS for r, ok in zip(idx, table.native)]
+    ends = list(accumulate(r.size if f else 0 for r, f in zip(idx, fused)))
+    row_ptr = np.array([0, *ends], np.int64)  # [E + 1]: fused experts' rows; others get none
+    row_idx = np.concatenate([r for r, f in zip(idx, fused) if f] or [_NO_ROWS])  # [R]
+    if row_idx.size and (row_idx.min() < 0 or row_idx.max() >= x.shape[0]):
+        raise ValueError(f"row indices must lie in [0, {x.shape[0]})")
+    ys = _run_fused(x, table, row_ptr, row_idx)  # [R, d]
+    return [ys[end - r.size:end] if f else swiglu_expert(x[r], *mats)
+            for r, f, end, mats in zip(idx, fused, ends, table.mats)]
+
+
+_NO_ROWS = np.zeros(0, np.int64)
+
+
+def _run_fused(x: np.ndarray, table: ExpertTable, row_ptr: np.ndarray, row_idx: np.ndarray) -> np.ndarray:
+    """The two parallel regions over every expert with rows in row_ptr: y [R, d]."""
+    n_rows = int(row_ptr[-1])
+    y = np.empty((n_rows, table.d), np.float32)  # [R, d]
+    if n_rows:
+        base, offs, qts, threads = table.base, table.offsets, table.qtypes, numba.get_num_threads()
+        h = np.empty((n_rows, table.ff), np.float32)  # [R, ff]
+        gate_up_kernel(base, base, offs, qts, _readonly(x), row_ptr, row_idx, table.ff, table.d, h, threads)
+        down_kernel(base, offs, qts, _readonly(h), row_ptr, table.d, table.ff, y, threads)
+    return y
 
 
 def swiglu_expert(x: np.ndarray, gate: QMatrix, up: QMatrix, down: QMatrix,
@@ -455,12 +249,19 @@ def swiglu_expert(x: np.ndarray, gate: QMatrix, up: QMatrix, down: QMatrix,
         return out if out is not None else np.zeros((0, d), np.float32)
     if n >= DENSE_MIN_ROWS or not all(has_kernel(m.qtype) for m in (gate, up, down)):
         return _dense(x, gate, up, down, out, sc)
-    # plain ints and read-only inputs throughout: each kernel has exactly one numba signature
+    # the multi-expert kernels with one expert, each part its own base at offset 0; plain ints
+    # and read-only inputs throughout, so each kernel has exactly one numba signature
+    qts = np.array([[int(gate.qtype), int(up.qtype), int(down.qtype)]], np.int64)  # [1, 3]
+    row_ptr = np.array([0, n], np.int64)
     h = np.empty((n, ff), np.float32)  # [n, ff]
-    _gate_up_kernel(_readonly(x), int(gate.qtype), gate.readonly(), int(up.qtype), up.readonly(), ff, d, h)
-    y = out if out is not None else np.empty((n, d), np.float32)  # [n, d]
-    _down_kernel(_readonly(h), int(down.qtype), down.readonly(), d, ff, y, _readonly(sc), out is not None)
-    return y
+    threads = numba.get_num_threads()
+    gate_up_kernel(gate.readonly(), up.readonly(), _ZERO_OFFS, qts, _readonly(x), row_ptr, _arange(n), ff, d, h, threads)
+    y = np.empty((n, d), np.float32)  # [n, d]
+    down_kernel(down.readonly(), _ZERO_OFFS, qts, _readonly(h), row_ptr, d, ff, y, threads)
+    if out is None:
+        return y
+    out += sc[:, None] * y
+    return out
 
 
 def linear(x: np.ndarray, m: QMatrix) -> np.ndarray:
@@ -474,11 +275,20 @@ def linear(x: np.ndarray, m: QMatrix) -> np.ndarray:
         with _quiet_readonly():
             return torch.nn.functional.linear(torch.from_numpy(x), _dense_weight(m)).numpy()  # [n, n_out]
     y = np.empty((n, int(m.n_out)), np.float32)  # [n, n_out]
-    _down_kernel(_readonly(x), int(m.qtype), m.readonly(), int(m.n_out), int(m.n_in), y, _readonly(_ONES[:n]), False)
+    qts = np.full((1, 3), int(m.qtype), np.int64)
+    down_kernel(m.readonly(), _ZERO_OFFS, qts, _readonly(x), np.array([0, n], np.int64), int(m.n_out), int(m.n_in), y,
+                numba.get_num_threads())
     return y
 
 
-_ONES = np.ones(DENSE_MIN_ROWS, np.float32)  # the unused scale of `linear`'s kernel call
+_ZERO_OFFS = np.zeros((1, 3), np.int64)  # one expert, each part at the start of its own array
+
+
+def _arange(n: int) -> np.ndarray:
+    return _ARANGE[:n] if n <= _ARANGE.size else np.arange(n, dtype=np.int64)
+
+
+_ARANGE = np.arange(DENSE_MIN_ROWS, dtype=np.int64)
 
 
 def _check_chain(gate: QMatrix, up: QMatrix, down: QMatrix) -> None:

@@ -7,8 +7,8 @@ no dequantized copy of an expert exists, so resident mode costs the file's exper
 the page cache, shared with every process mapping the file) and a streamed decoder holds no
 expert memory of its own.
 
-Both sources compute one expert with `run_expert` and sum with `experts.combine`, so they
-are bit-identical to each other.
+Both sources compute experts with `run_experts` (one kernel call for a layer's experts, or for
+those that arrived together) and sum with `experts.combine`, so they are bit-identical.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from ..common.layout import ExpertPart, ModelLayout
 from .experts import ExpertSource, combine, group_by_expert
-from .qkernels import QMatrix, swiglu_expert
+from .qkernels import QMatrix, expert_table, swiglu_experts
 
 Mats = tuple[QMatrix, QMatrix, QMatrix]  # gate, up, down
 
@@ -52,12 +52,19 @@ def expert_mats(parts: list[ExpertPart], views: Mapping[str, np.ndarray]) -> Mat
     return mats["gate"], mats["up"], mats["down"]
 
 
-def run_expert(x: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor,
-               mats: Mats) -> tuple[torch.Tensor, torch.Tensor]:
-    """One expert on its routed rows: (rows [n_e], weights * swiglu(x[rows]) [n_e, d])."""
-    xe = x[rows].to(torch.float32).contiguous()  # [n_e, d]
-    y = torch.from_numpy(swiglu_expert(xe.numpy(), *mats))  # [n_e, d] float32
-    return rows, y.to(x.dtype) * weights[rows, slot, None]  # [n_e, d]
+def run_experts(x: torch.Tensor, groups: Mapping[int, tuple[torch.Tensor, torch.Tensor]], weights: torch.Tensor,
+                base: np.ndarray, mats: Mapping[int, Mats]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The experts of `mats`, whose bytes all lie inside `base`, in one kernel call (two parallel
+    regions in all): {e: (rows [n_e], weights * swiglu_e(x[rows]) [n_e, d])}. Each expert's
+    output is the same bits whichever experts share the call, so arrival batches do not matter."""
+    es = sorted(mats)
+    xs = x.to(torch.float32).contiguous().numpy()  # [N, d]
+    ys = swiglu_experts(xs, expert_table(base, [mats[e] for e in es]), [groups[e][0].numpy() for e in es])
+    out = {}
+    for e, y in zip(es, ys):
+        rows, slot = groups[e]
+        out[e] = rows, torch.from_numpy(y).to(x.dtype) * weights[rows, slot, None]  # [n_e, d]
+    return out
 
 
 class QuantResidentExperts(ExpertSource):
@@ -87,7 +94,7 @@ class QuantResidentExperts(ExpertSource):
     def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         groups = group_by_expert(ids)
-        outputs = {e: run_expert(x, rows, slot, weights, self.mats(layer, e)) for e, (rows, slot) in groups.items()}
+        outputs = run_experts(x, groups, weights, self._data, {e: self.mats(layer, e) for e in groups})
         self.c["acquired"] += len(groups)
         self.c["compute_s"] += time.perf_counter() - t0
         return combine(x, outputs)

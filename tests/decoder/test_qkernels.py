@@ -135,7 +135,7 @@ def test_deterministic(n: int) -> None:
 def test_fused_path_is_independent_of_threads_and_batch() -> None:
     """Each output row is one thread's fixed-order sum: same bits for any thread count, and a
     row's result does not depend on the other rows of the batch."""
-    mats, x = expert(Q.Q8_0), rows(4)
+    mats, x = expert(Q.Q8_0), rows(6)  # rows 0-3 are dotted four at a time, 4-5 one by one
     threads = qk.numba.get_num_threads()
     try:
         many = qk.swiglu_expert(x, *mats)
@@ -144,7 +144,9 @@ def test_fused_path_is_independent_of_threads_and_batch() -> None:
     finally:
         qk.set_threads(threads)
     np.testing.assert_array_equal(one.view(np.uint32), many.view(np.uint32))
-    np.testing.assert_array_equal(qk.swiglu_expert(x[2:3], *mats).view(np.uint32), many[2:3].view(np.uint32))
+    for i in (2, 5):
+        np.testing.assert_array_equal(qk.swiglu_expert(x[i:i + 1], *mats).view(np.uint32), many[i:i + 1].view(np.uint32))
+    np.testing.assert_array_equal(qk.swiglu_expert(x[::-1], *mats).view(np.uint32), many[::-1].view(np.uint32))
 
 
 def test_concurrent_callers(path: str) -> None:
@@ -213,3 +215,86 @@ def test_bench_json(capsys: pytest.CaptureFixture[str]) -> None:
     report = json.loads(capsys.readouterr().out)
     assert {(r["type"], r["rows"]) for r in report["results"]} == {("Q8_0", 1), ("Q8_0", 24), ("Q5_1", 1), ("Q5_1", 24)}
     assert all(r["kernel_ms"] > 0 and r["reference_ms"] > 0 for r in report["results"])
+
+
+# -- several experts per call -------------------------------------------------------------------
+MIXED = ((Q.Q8_0,) * 3, (Q.Q4_K,) * 3, (Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_0, Q.Q5_K, Q.F16), (Q.Q5_0,) * 3, (Q.Q8_0,) * 3)
+
+
+def packed(kinds=MIXED, d: int = D, ff: int = FF) -> tuple[np.ndarray, list[tuple]]:
+    """Experts of the given (gate, up, down) types, all views into one read-only byte array."""
+    raw = [quantized(q, *shape, seed=10 * e + k)
+           for e, types in enumerate(kinds) for k, (q, shape) in enumerate(zip(types, ((ff, d), (ff, d), (d, ff))))]
+    base = np.frombuffer(b"".join(r.tobytes() for r in raw), dtype=np.uint8)  # read-only
+    experts, off = [], 0
+    for e, types in enumerate(kinds):
+        mats = []
+        for k, (q, (n_out, n_in)) in enumerate(zip(types, ((ff, d), (ff, d), (d, ff)))):
+            size = raw[3 * e + k].size
+            mats.append(qk.QMatrix(base[off:off + size], int(q), n_out, n_in))
+            off += size
+        experts.append(tuple(mats))
+    return base, experts
+
+
+def test_experts_match_one_by_one_bit_for_bit() -> None:
+    """Each expert's result is the single-expert call's, bit for bit, whatever shares the call:
+    mixed types, a fallback type, row counts 0 .. past DENSE_MIN_ROWS, rows out of order."""
+    base, experts = packed()
+    x = rows(qk.DENSE_MIN_ROWS + 10)  # [N, D]
+    idx = [np.array([3]), np.arange(4), np.array([7, 2, 9, 11, 0]), np.arange(2, 11), np.array([5, 1]),
+           np.arange(qk.DENSE_MIN_ROWS + 2)]
+    table = qk.expert_table(base, experts)
+    got = qk.swiglu_experts(x, table, idx)
+    for e, (r, mats) in enumerate(zip(idx, experts)):
+        want = qk.swiglu_expert(x[r], *mats)
+        np.testing.assert_array_equal(got[e].view(np.uint32), want.view(np.uint32), err_msg=f"expert {e}")
+        assert_close(got[e], reference(x[r], *mats))
+    # other batches of the same experts: same bits
+    for subset in ([2], [0, 3], [5, 1, 2]):
+        sub = qk.swiglu_experts(x, qk.expert_table(base, [experts[e] for e in subset]), [idx[e] for e in subset])
+        for e, y in zip(subset, sub):
+            np.testing.assert_array_equal(y.view(np.uint32), got[e].view(np.uint32))
+    threads = qk.get_threads()
+    try:  # one thread takes every span
+        qk.set_threads(1)
+        one = qk.swiglu_experts(x, table, idx)
+    finally:
+        qk.set_threads(threads)
+    for y, want in zip(one, got):
+        np.testing.assert_array_equal(y.view(np.uint32), want.view(np.uint32))
+    empty = qk.swiglu_experts(x, table, [np.zeros(0, np.int64)] * len(experts))
+    assert all(y.shape == (0, D) for y in empty)
+
+
+def test_experts_from_a_read_only_memmap(tmp_path) -> None:
+    base, experts = packed(MIXED[:3])
+    (tmp_path / "experts.bin").write_bytes(base.tobytes())
+    mm = np.memmap(tmp_path / "experts.bin", mode="r")
+    views = [tuple(qk.QMatrix(mm[m.addr - base.ctypes.data:][:m.nbytes], m.qtype, m.n_out, m.n_in) for m in e)
+             for e in experts]
+    x = np.frombuffer(rows(4).tobytes(), dtype=np.float32).reshape(4, D)  # read-only
+    idx = [np.array([1]), np.arange(4), np.array([3, 0])]
+    got = qk.swiglu_experts(x, qk.expert_table(mm, views), idx)
+    for y, r, mats in zip(got, idx, experts):
+        np.testing.assert_array_equal(y, qk.swiglu_expert(x[r], *mats))
+    assert (tmp_path / "experts.bin").read_bytes() == base.tobytes()
+
+
+def test_expert_table_checks() -> None:
+    base, experts = packed(MIXED[:2])
+    other = expert(Q.Q8_0)  # bytes elsewhere
+    assert qk.view_offset(base, experts[1][0]) == sum(m.nbytes for m in experts[0])
+    assert qk.view_offset(base, experts[1][0].data) == qk.view_offset(base, experts[1][0])
+    with pytest.raises(ValueError, match="not inside the base"):
+        qk.view_offset(base, other[0])
+    with pytest.raises(ValueError, match="expert 1's bytes"):
+        qk.expert_table(base, [experts[0], other])
+    _, small = packed(MIXED[:1], d=128, ff=256)
+    with pytest.raises(ValueError, match="share d and ff"):
+        qk.expert_table(base, [experts[0], small[0]])
+    table = qk.expert_table(base, experts)
+    with pytest.raises(ValueError, match="row indices"):
+        qk.swiglu_experts(rows(2), table, [np.array([0]), np.array([2])])
+    with pytest.raises(ValueError, match="2 experts but 1 row lists"):
+        qk.swiglu_experts(rows(2), table, [np.array([0])])
