@@ -5,6 +5,10 @@ tiebreak); an entry is pinned while it is in flight (its bytes are being written
 the current step computes with it, and a pinned entry is never evicted. When every slot is
 pinned, `claim` returns None: the caller waits or bypasses the cache, it never overcommits.
 
+An entry is FILLING (`claim`), then READY (`write`) or FAILED (`abort`: dropped, its waiters
+get FetchFailed). Its pins are counted in one place, the policy (`pin`/`unpin`), whoever holds
+them: the filler (claim's in-flight pin), a prefetch's hold, a layer's `pin_present`.
+
 Slot formats (``raw`` quantized blobs, ``dequant`` float tensors) and their sizes are in
 `slot_format`.
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Hashable, Mapping
+from enum import Enum
 from typing import Any
 
 import torch
@@ -36,14 +41,35 @@ class FetchFailed(RuntimeError):
     """The bytes for an entry never arrived (read error, daemon gone); the entry was dropped."""
 
 
+class EntryState(Enum):
+    FILLING = "filling"  # claimed, its bytes on their way: pinned in flight, not readable
+    READY = "ready"  # bytes in: its weights may be read
+    FAILED = "failed"  # the fill failed or the entry was dropped: gone from the cache with its pins
+
+
 class SlotEntry:
-    __slots__ = ("slot", "ready", "failed", "event")
+    """One slot's occupant: FILLING, then READY (`write`) or FAILED (`abort`, even after READY).
+    State changes happen under the cache's lock; waiters block until it leaves FILLING."""
+
+    __slots__ = ("_settled", "event", "slot", "state")
 
     def __init__(self, slot: int) -> None:
         self.slot = slot
-        self.ready = threading.Event()  # host side: bytes are in (or the fill failed)
-        self.failed = False
+        self.state = EntryState.FILLING
         self.event: Any = None  # CUDA event recorded after the fill's copies
+        self._settled = threading.Event()  # host side: no longer FILLING
+
+    @property
+    def ready(self) -> bool:
+        return self.state is EntryState.READY
+
+    def settle(self, state: EntryState) -> None:
+        self.state = state
+        self._settled.set()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Block until the entry is READY or FAILED; False on timeout."""
+        return self._settled.wait(timeout)
 
 
 class DeviceSlotCache:
@@ -190,19 +216,18 @@ class DeviceSlotCache:
             if entry is None:
                 return
             self.policy.remove(key)
-        entry.failed = True
-        entry.ready.set()
+            entry.settle(EntryState.FAILED)
 
     # -- bytes in --------------------------------------------------------------------------
     def write(self, key: Key, parts: Mapping[str, Any]) -> None:
         """Copy an expert's parts (host buffers, e.g. arena memoryviews) into its claimed slot.
 
         Returns once the host buffers are no longer needed (the caller may release its lease);
-        on CUDA the device copy may still be running on the side stream. Marks the entry ready.
+        on CUDA the device copy may still be running on the side stream. Marks the entry READY.
         """
         with self._lock:
             entry = self._entries.get(key)
-        if entry is None or entry.ready.is_set():
+        if entry is None or entry.state is not EntryState.FILLING:
             raise ValueError(f"expert {key} has no slot waiting for bytes")
         lay = self.layouts[key[0]]
         try:
@@ -214,7 +239,8 @@ class DeviceSlotCache:
         with self._lock:
             self.writes += 1
             self.bytes_written += sum(n for _, n in lay.ranges.values())
-        entry.ready.set()
+            if entry.state is EntryState.FILLING:  # an `abort` meanwhile keeps it FAILED
+                entry.settle(EntryState.READY)
 
     def _fill(self, slot: int, lay: SlotLayout, parts: Mapping[str, Any]) -> Any:
         if not self._cuda and self.slot_format == "raw":
@@ -277,9 +303,9 @@ class DeviceSlotCache:
             entry = self._entries.get(key)
         if entry is None:
             raise FetchFailed(f"expert {key} is not in the device slot cache")
-        if not entry.ready.wait(timeout):
+        if not entry.wait(timeout):
             return False
-        if entry.failed:
+        if entry.state is EntryState.FAILED:
             raise FetchFailed(f"expert {key}: its bytes never arrived")
         if entry.event is not None:
             torch.cuda.current_stream(self.device).wait_event(entry.event)
@@ -293,7 +319,7 @@ class DeviceSlotCache:
 
     def ready_weights(self, layer: int, entry: SlotEntry) -> ExpertWeights | None:
         """The hit path: weights of a pinned entry whose bytes are in, else None (use `wait`)."""
-        if not entry.ready.is_set() or entry.failed:
+        if not entry.ready:
             return None
         if entry.event is not None:
             torch.cuda.current_stream(self.device).wait_event(entry.event)

@@ -1,11 +1,16 @@
 """Streamed experts: the daemon's client behind the `ExpertSource` interface.
 
-`acquire(layer, experts)`: hits are served from the device slot cache; misses get a slot
-(`claim`), one `fetch now` for all of them, and each expert is copied from the shared-memory
-arena into its slot as its `ready` arrives, then the lease goes back. Experts a `prefetch`
-already requested are waited for, not fetched again. When every slot is pinned the expert
-is served straight from the arena without a slot (`bypass`), so a prefill that routes to
-more experts than the cache holds still runs, and the cache never overcommits.
+`acquire(layer, experts)` reads as: score the layer's prediction → pin the resident experts
+(`pin_present`, one lock) → `ahead.take` the layer's prefetches (used ones come back as
+futures to join, the rest are given up) → count the hits (resident, not prefetched) → serve
+the ready ones → demand-fetch the missing ones (`_fetch_now`) → wait for the ones in flight
+(`_wait`). Each step returns what it pinned or served; `acquire` alone keeps the set of slots
+the layer holds (`release` unpins them) and gives them back if a step fails.
+
+Misses get a slot (`claim`), one `fetch now` for all of them, and each is copied from the
+arena into its slot as its `ready` arrives, then the lease goes back. When every slot is pinned
+an expert is served straight from the arena (`bypass`), so a prefill that routes to more
+experts than the cache holds still runs, and the cache never overcommits.
 
 Prefetch landing (`landing`): "eager" claims a slot when the prediction is made and the
 receiver thread copies the expert in as soon as its lease arrives (the compute thread takes
@@ -13,10 +18,8 @@ the copy over when it needs the expert first); "lazy" claims nothing, keeps the 
 arena, and the layer's `acquire` lands it (a wrong guess then costs no slot, no eviction and
 no copy). `open_streamed` picks eager on CUDA and lazy elsewhere (`default_landing`).
 
-Hit path: one lock for a layer's lookups (`pin_present`) and one for its release.
-
-The prefetch bookkeeping (`prefetch`, `prefetch_ahead`, judging and cancelling prefetches,
-hold pins) lives in `ahead.AheadPrefetches`.
+The prefetch bookkeeping is a composed object, `self.ahead` (`ahead.AheadPrefetches`), with
+its own state and counters, merged into `stats()`.
 """
 
 from __future__ import annotations
@@ -31,10 +34,10 @@ from ..common.layout import ModelLayout
 from .ahead import AheadPrefetches
 from .experts import AcquireSource, ExpertWeights
 from .prefetch import Receiver
-from .slot_cache import DeviceSlotCache, FetchFailed, Key
+from .slot_cache import DeviceSlotCache, FetchFailed, Key, SlotEntry
 
 
-class StreamedExperts(AheadPrefetches, AcquireSource):
+class StreamedExperts(AcquireSource):
     """Experts fetched from moestream-iod into a `DeviceSlotCache`."""
 
     def __init__(self, client: IodClient, layout: ModelLayout, cache: DeviceSlotCache, *,
@@ -45,54 +48,53 @@ class StreamedExperts(AheadPrefetches, AcquireSource):
         if self.landing not in LANDINGS:
             raise ValueError(f"prefetch landing must be one of {LANDINGS}, got {self.landing!r}")
         self.receiver = Receiver(client, cache)
-        self.reserve = layout.hparams.n_expert_used  # slots a prefetch leaves for demand misses
-        self._init_ahead()
+        self.ahead = AheadPrefetches(client, cache, self.receiver, landing, layout.hparams.n_expert_used)
         self._bypassed: dict[int, set[int]] = {}  # layer -> experts served without a slot (no pin)
         self._closed = False
-        self.c = dict.fromkeys(
-            ("acquired", "hits", "misses", "bypassed", "useful", "hidden", "late", "wasted", "cancelled",
-             "prefetch_sent", "prefetch_dropped", "refetched", "predicted", "predicted_right", "routed",
-             "demand_bytes", "ahead_bytes"), 0)
+        self.c = dict.fromkeys(("acquired", "hits", "misses", "bypassed", "refetched", "demand_bytes",
+                                "ahead_bytes"), 0)
         self.stall_s = 0.0
 
     # -- ExpertSource ----------------------------------------------------------------------
     def begin_step(self) -> None:
         self.cache.step()
-        for layer in list(self._ahead):  # hold pins of layers never acquired last step
-            self._judge_ahead(layer, self._ahead.pop(layer), {})
-        self._deferred.clear()
+        self.ahead.end_step()
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        """Send `fetch ahead` for predicted experts not resident."""
+        self.ahead.send({layer: experts})
+
+    def prefetch_ahead(self, predictions: Mapping[int, Sequence[int]], defer: bool = False) -> None:
+        """`prefetch` for several layers in one message; with `defer` (made before a layer's
+        `acquire`) it goes out right after that layer's own demand fetch."""
+        (self.ahead.defer if defer else self.ahead.send)(predictions)
 
     def acquire(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
         wanted = sorted({int(e) for e in experts})
-        if self._predicted:
-            self._score_prediction(layer, wanted)
+        self.ahead.score(layer, wanted)
         present, missing = self.cache.pin_present(layer, wanted)  # one lock for the layer
-        pinned = list(present)
-        ahead = self._ahead.pop(layer, None)
-        joined = {e: ahead[e] for e in missing if e in ahead} if ahead and self.landing == "lazy" else {}
-        if ahead:
-            self._judge_ahead(layer, ahead, present, joined)
-        else:
-            self.c["hits"] += len(present)
+        used = self.ahead.take(layer, present, missing)
+        self.c["hits"] += sum(1 for e in present if e not in used)
+        held = set(present)  # the experts whose slot this acquire pins, until `release`
         try:
-            out, slow = {}, []
-            for e, entry in present.items():  # the hit path: bytes already in
-                w = self.cache.ready_weights(layer, entry)
-                if w is None:
-                    slow.append(e)
-                else:
-                    out[e] = w
-            if missing or slow or self._deferred:
+            out, slow = self._ready_hits(layer, present)
+            if missing or slow or self.ahead.has_deferred:
                 t0 = time.perf_counter()
-                out.update(self._fetch_now(layer, missing, pinned, joined))
+                got, slotted = self._fetch_now(layer, missing, {e: used[e] for e in missing if e in used})
+                out.update(got)
+                held |= slotted
                 for e in slow:
-                    out[e] = self._wait(layer, e, pinned, (ahead or {}).get(e))
+                    held.discard(e)  # `_wait` owns its pin until it returns
+                    out[e], pinned = self._wait(layer, e, used.get(e))
+                    if pinned:
+                        held.add(e)
                 self.stall_s += time.perf_counter() - t0
         except BaseException:
-            self._bypassed.pop(layer, None)  # nothing is released after a failed acquire
-            for e in pinned:
+            for e in held:  # nothing is released after a failed acquire
                 self.cache.unpin((layer, e))
             raise
+        if len(held) < len(wanted):
+            self._bypassed.setdefault(layer, set()).update(set(wanted) - held)
         self.c["acquired"] += len(wanted)
         return out
 
@@ -104,7 +106,7 @@ class StreamedExperts(AheadPrefetches, AcquireSource):
         self.cache.release_many(layer, keep)
 
     def stats(self) -> dict[str, Any]:
-        c = self.c
+        c = {**self.c, **self.ahead.c}
         would_miss = c["misses"] + c["useful"]
         out = {"source": "streamed", **c, "stall_s": self.stall_s,
                "hit_rate": c["hits"] / c["acquired"] if c["acquired"] else 0.0,
@@ -122,52 +124,69 @@ class StreamedExperts(AheadPrefetches, AcquireSource):
             return
         self._closed = True
         try:
-            self._drop_futures([f for ahead in self._ahead.values() for f in ahead.values()])
+            self.ahead.drop_all()
         except Exception:
             pass  # the client may already be gone; the receiver still drains what is left
         self.receiver.close(timeout=5.0)
-        self._ahead.clear()
         if self._owns_client:
             self.client.close()
 
     # -- demand internals ------------------------------------------------------------------
+    def _ready_hits(self, layer: int, present: Mapping[int, SlotEntry]) -> tuple[dict[int, ExpertWeights], list[int]]:
+        """The hit path: weights of the present experts whose bytes are in; the others (slow)."""
+        out, slow = {}, []
+        for e, entry in present.items():
+            w = self.cache.ready_weights(layer, entry)
+            if w is None:
+                slow.append(e)
+            else:
+                out[e] = w
+        return out, slow
+
     def _claim(self, key: Key) -> bool:
         if self.cache.claim(key) is not None:
             return True
-        self._release_holds()
+        self.ahead.release_holds()
         return self.cache.claim(key) is not None
 
-    def _fetch_now(self, layer: int, missing: list[int], pinned: list[int],
-                   joined: Mapping[int, cf.Future] | None = None) -> dict[int, ExpertWeights]:
+    def _fetch_now(self, layer: int, missing: list[int],
+                   joined: Mapping[int, cf.Future] | None = None) -> tuple[dict[int, ExpertWeights], set[int]]:
         """Demand-fetch `missing`: into claimed slots, or bypassing the cache when none is free.
         Experts in `joined` are already requested (a lazy prefetch): land them, never ask twice.
-        Deferred prefetches go out right after the demand message, before we wait on it."""
+        Deferred prefetches go out right after the demand message, before we wait on it.
+        Returns the weights and the experts that got a slot (pinned: the caller's to release);
+        if it fails, nothing it claimed stays behind."""
         if not missing:
-            self._flush_deferred()
-            return {}
+            self.ahead.flush_deferred()
+            return {}, set()
         joined = joined or {}
         slotted = {e for e in missing if self._claim((layer, e))}
-        pinned += sorted(slotted)
-        self._bypassed.setdefault(layer, set()).update(set(missing) - slotted)  # `_wait` may refetch: add
         fresh = [e for e in missing if e not in joined]
         self.c["misses"] += len(fresh)
         self.c["bypassed"] += len(missing) - len(slotted)
-        sent = dict(zip(fresh, self.client.fetch([(layer, e) for e in fresh], "now") if fresh else []))
-        futures = [joined.get(e) or sent[e] for e in missing]
         out: dict[int, ExpertWeights] = {}
+        futures: list[cf.Future] = []
         try:
-            self._flush_deferred()
+            sent = dict(zip(fresh, self.client.fetch([(layer, e) for e in fresh], "now") if fresh else []))
+            futures = [joined.get(e) or sent[e] for e in missing]
+            self.ahead.flush_deferred()
             for e, fut in zip(missing, futures):
                 out[e] = self._land_now(layer, e, fut, e in slotted, "ahead_bytes" if e in joined else "demand_bytes")
         except BaseException:
-            self.client.cancel(futures)
-            _release_unused(self.client, futures, len(out))
-            for e in slotted:
-                if e not in out:
-                    self.cache.abort((layer, e))
-                    pinned.remove(e)
+            self._abandon(layer, futures, out, slotted)
             raise
-        return out
+        return out, slotted
+
+    def _abandon(self, layer: int, futures: list[cf.Future], out: Mapping[int, Any], slotted: set[int]) -> None:
+        """A demand fetch failed: drop the slots it claimed (unpin those already landed), cancel
+        what is in flight and hand back the leases that came."""
+        for e in sorted(slotted):
+            if e in out:
+                self.cache.unpin((layer, e))
+            else:
+                self.cache.abort((layer, e))
+        self.client.cancel(futures)
+        _release_unused(self.client, futures, len(out))
 
     def _land_now(self, layer: int, e: int, fut: cf.Future, slotted: bool, counter: str) -> ExpertWeights:
         lease = self._result(fut, (layer, e))
@@ -188,25 +207,33 @@ class StreamedExperts(AheadPrefetches, AcquireSource):
         except cf.TimeoutError:
             raise IodUnavailable(f"expert {key} not delivered within {self.fetch_timeout_s}s") from None
 
-    def _wait(self, layer: int, e: int, pinned: list[int], fut: cf.Future | None) -> ExpertWeights:
-        """A present expert still in flight: land its prefetch here if its lease is in and
-        the receiver has not started on it (join it, never fetch it twice), else wait for the
-        receiver; refetch if that prefetch failed."""
+    def _wait(self, layer: int, e: int, fut: cf.Future | None) -> tuple[ExpertWeights, bool]:
+        """A present expert still in flight: land its prefetch here or wait for the receiver;
+        refetch it if that prefetch failed. Owns `e`'s pin while it runs: returns the weights
+        and whether `e` is pinned in a slot (a refetch may bypass the cache); unpins if it fails."""
         key = (layer, e)
         try:
-            if fut is not None:
-                try:
-                    self.receiver.land_here(key, fut, self.fetch_timeout_s)
-                except cf.TimeoutError:
-                    raise IodUnavailable(f"prefetched expert {key} not delivered within "
-                                         f"{self.fetch_timeout_s}s") from None
-            if not self.cache.wait(key, self.fetch_timeout_s):
-                raise IodUnavailable(f"prefetched expert {key} not delivered within {self.fetch_timeout_s}s")
-            return self.cache.weights(key)
-        except FetchFailed:  # the prefetch failed or was cancelled: fetch it now
-            pinned.remove(e)  # the failed entry took its pins with it
+            return self._landed(key, fut), True
+        except FetchFailed:  # the prefetch failed or was cancelled, its entry gone with its pins
             self.c["refetched"] += 1
-            return self._fetch_now(layer, [e], pinned)[e]
+            got, slotted = self._fetch_now(layer, [e])
+            return got[e], bool(slotted)
+        except BaseException:
+            self.cache.unpin(key)
+            raise
+
+    def _landed(self, key: Key, fut: cf.Future | None) -> ExpertWeights:
+        """Land `fut` here if its lease is in and the receiver has not started on it (join it,
+        never fetch it twice), else wait for the receiver to land it."""
+        late = f"prefetched expert {key} not delivered within {self.fetch_timeout_s}s"
+        if fut is not None:
+            try:
+                self.receiver.land_here(key, fut, self.fetch_timeout_s)
+            except cf.TimeoutError:
+                raise IodUnavailable(late) from None
+        if not self.cache.wait(key, self.fetch_timeout_s):
+            raise IodUnavailable(late)
+        return self.cache.weights(key)
 
 
 LANDINGS = ("eager", "lazy")

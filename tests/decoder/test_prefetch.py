@@ -4,7 +4,6 @@ accounting, failures, and the batched hit path."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import queue
 import threading
 
 import pytest
@@ -37,10 +36,10 @@ def setup(make_tiny_model):
         yield layout, load_model(layout), ResidentExperts(layout), daemon.endpoint
 
 
-def streamed(layout, endpoint, landing="eager", slots=6):
+def streamed(layout, endpoint, landing="eager", slots=6, wrap=None):
     cache = DeviceSlotCache(layout.experts, slots)
     client = IodClient(endpoint, expect_fingerprint=layout.fingerprint.as_dict())
-    return StreamedExperts(client, layout, cache, owns_client=True, landing=landing)
+    return StreamedExperts(wrap(client) if wrap else client, layout, cache, owns_client=True, landing=landing)
 
 
 class Hints(ResidentExperts):
@@ -101,6 +100,7 @@ def test_prefetches_land_on_the_receiver_thread(setup):
         st = src.stats()
     assert writers == {(1, 2): "moestream-receiver", (1, 6): "moestream-receiver"}
     assert st["misses"] == 0 and st["useful"] == st["hidden"] == 2 and st["hidden_share"] == 1.0
+    assert st["hits"] == 0  # a prefetched expert counts as useful, not as a hit
     assert st["prefetch_bytes"] == st["bytes_fetched"] > 0 and st["cache"]["pinned"] == 0
 
 
@@ -113,23 +113,42 @@ def test_wrong_predictions_are_counted_and_unpinned(setup):
         src.release(2, [1, 5])
         assert src.receiver.drain(10.0)
         st = src.stats()
+        src.acquire(2, [1, 5])  # both resident now, nothing prefetched: two plain hits
+        src.release(2, [1, 5])
+        again = src.stats()
+    assert st["hits"] == 0 and again["hits"] == 2 and again["acquired"] == 4 and again["hit_rate"] == 0.5
     assert st["prefetch_sent"] == 2 and st["useful"] == 1 and st["wasted"] + st["cancelled"] == 1
     assert st["misses"] == 1 and st["predicted"] == 2 and st["predicted_right"] == 1
     assert st["prefetch_precision"] == 0.5 and st["cache"]["pinned"] == 0
 
 
-class FailingAhead:
-    """The real client, except `ahead` fetches return futures the test fails by hand."""
+class HeldAhead:
+    """The real client, except that the answers to `ahead` fetches are held back until the
+    test passes them on (`pass_on`) or fails them (`fail`); with `send=False` those fetches
+    never reach the daemon."""
 
-    def __init__(self, client):
-        self.client, self.pending = client, []
+    def __init__(self, send=True):
+        self.client, self.send, self.held = None, send, []  # (the real future, the one handed out)
+
+    def wrap(self, client):
+        self.client = client
+        return self
 
     def fetch(self, keys, priority="now"):
         if priority != "ahead":
             return self.client.fetch(keys, priority)
-        futs = [cf.Future() for _ in keys]
-        self.pending += futs
-        return futs
+        real = self.client.fetch(keys, priority) if self.send else [None] * len(keys)
+        out = [cf.Future() for _ in keys]
+        self.held += zip(real, out)
+        return out
+
+    def pass_on(self):
+        for real, out in self.held:
+            out.set_result(real.result(10))
+
+    def fail(self, error):
+        for _, out in self.held:
+            out.set_exception(error)
 
     def __getattr__(self, name):
         return getattr(self.client, name)
@@ -137,19 +156,17 @@ class FailingAhead:
 
 def test_failed_prefetch_is_fetched_again_on_demand(setup):
     layout, _, resident, endpoint = setup
-    with streamed(layout, endpoint) as src:
-        failing = FailingAhead(src.client)
-        src.client = src.receiver.client = failing
+    held = HeldAhead(send=False)
+    with streamed(layout, endpoint, wrap=held.wrap) as src:
         src.begin_step()
         src.prefetch(0, [4])
         assert (0, 4) in src.cache and not src.cache.wait((0, 4), timeout=0)  # claimed, in flight
-        boom = threading.Timer(0.2, lambda: failing.pending[0].set_exception(IodRequestError("read_failed", "boom")))
+        boom = threading.Timer(0.2, lambda: held.fail(IodRequestError("read_failed", "boom")))
         boom.start()
         got = src.acquire(0, [4])  # waits on the in-flight prefetch, which fails, then fetches now
         boom.join()
         assert torch.equal(got[4].up, resident.acquire(0, [4])[4].up)
         src.release(0, [4])
-        src.client = src.receiver.client = failing.client
         st = src.stats()
     assert st["refetched"] == 1 and st["misses"] == 1 and st["cache"]["pinned"] == 0
 
@@ -173,8 +190,7 @@ def test_lazy_prefetch_claims_no_slot_and_lands_on_use(setup):
         src.begin_step()
         src.prefetch(1, [2, 6])
         assert len(src.cache) == 0  # nothing evicted or claimed for a guess
-        for fut in src._ahead[1].values():
-            fut.result(10)
+        assert src.ahead.wait_answered(10.0)  # both leases are in the arena
         got = src.acquire(1, [2, 6])
         assert same(got, resident.acquire(1, [2, 6]), [2, 6])
         src.release(1, [2, 6])
@@ -202,21 +218,20 @@ def test_lazy_wrong_guesses_hand_their_leases_back(setup):
 
 def test_compute_thread_takes_over_a_landing_the_receiver_has_not_started(setup):
     layout, _, resident, endpoint = setup
-    with streamed(layout, endpoint, "eager") as src:
-        real, held = src.receiver._queue, queue.SimpleQueue()
-        src.receiver._queue = held  # the receiver thread never hears of this prefetch
+    held = HeldAhead()
+    with streamed(layout, endpoint, "eager", wrap=held.wrap) as src:
         src.begin_step()
-        src.prefetch(0, [3])
+        src.prefetch(0, [3])  # the receiver hears of its lease only once the test passes it on
         writers = []
         real_write = src.cache.write
         src.cache.write = lambda key, parts: (writers.append(threading.current_thread().name), real_write(key, parts))
-        got = src.acquire(0, [3])
+        later = threading.Timer(0.2, held.pass_on)
+        later.start()
+        got = src.acquire(0, [3])  # takes the landing over, then waits for the lease
+        later.join()
         assert same(got, resident.acquire(0, [3]), [3])
         src.release(0, [3])
-        src.receiver._queue = real
-        while not held.empty():
-            real.put(held.get())  # the receiver now sees it taken and skips it
-        assert src.receiver.drain(10.0)
+        assert src.receiver.drain(10.0)  # the receiver saw it taken and skipped it
         st = src.stats()
     assert writers == ["MainThread"] and st["landed_by_compute"] == 1 and st["useful"] == 1
     assert st["cache"]["pinned"] == 0 and st["prefetch_sent"] == st["useful"]

@@ -202,3 +202,19 @@ def test_pin_present_counts_and_pins_under_one_call():
     cache.release_many(0, [1])
     assert cache.policy.pin_count((0, 1)) == 0
     cache.check()
+
+
+def test_an_entry_is_filling_then_ready_then_failed():
+    f = FakeFile(Q.Q8_0)
+    cache = DeviceSlotCache(f.index, 2)
+    cache.claim((0, 1))
+    entry = cache.pin_present(0, [1])[0][1]
+    assert cache.ready_weights(0, entry) is None and not cache.wait((0, 1), timeout=0)  # filling
+    cache.write((0, 1), f.parts(0, 1))
+    assert torch.equal(cache.ready_weights(0, entry).down, f.reference(0, 1)["down"])  # ready
+    with pytest.raises(ValueError, match="no slot waiting"):
+        cache.write((0, 1), f.parts(0, 1))  # a ready entry is not filled twice
+    cache.abort((0, 1))
+    assert cache.ready_weights(0, entry) is None and (0, 1) not in cache  # failed: dropped with its pins
+    assert cache.pinned() == 0
+    cache.check()

@@ -142,12 +142,17 @@ def test_refetch_keeps_earlier_bypasses_and_failure_forgets_them(benches, fails)
         if fails:
             with pytest.raises(IodUnavailable):
                 src.acquire(0, [0, 1, 2])
-            assert src._bypassed == {}
         else:
             got = src.acquire(0, [0, 1, 2])
-            assert set(got) == {0, 1, 2} and src._bypassed == {0: {2}} and src.c["refetched"] == 1
+            st = src.stats()
+            assert set(got) == {0, 1, 2} and st["refetched"] == 1 and st["bypassed"] == 1
+            assert st["cache"]["pinned"] == 2  # 0 (refetched into its slot) and 1; 2 has none
             src.release(0, [0, 1, 2])
-        assert src.cache.pinned() == 0 and src._bypassed == {}
+        assert src.cache.pinned() == 0
+        src.acquire(0, [2])  # now 2 gets a slot: its release must unpin it, whatever came before
+        assert src.cache.slot_of((0, 2)) is not None and src.cache.pinned() == 1
+        src.release(0, [2])
+        assert src.cache.pinned() == 0
 
 
 def test_open_streamed_checks_capacity_arguments(benches):
