@@ -115,7 +115,9 @@ class Run:
                                    name="bench-decode", landing=landing)
             status = None
         self.stack.enter_context(source)
-        return source, (Prefetcher(self.model, source, prefetch, at=self.args.prefetch_at) if prefetch else None), status
+        top = self.cfg.resolved_prefetch_top
+        hook = Prefetcher(self.model, source, prefetch, top, self.args.prefetch_at) if prefetch else None
+        return source, hook, status
 
 
 class Phase:

@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="layers of router look-ahead for prefetching (default 1, 0 = off): after layer L the "
                          "routers of layers L+1..L+N guess their experts, fetched `ahead` so disk reads overlap "
                          "compute; deeper keeps more reads in flight when experts come from disk")
+    ap.add_argument("--prefetch-top", type=int, dest="prefetch_top", metavar="N",
+                    help="prefetch each token's N most likely experts per predicted layer (default: 1 with the "
+                         "quant format, where a wrong guess costs a disk read and an eviction in the shared arena; "
+                         "else the model's top-k)")
     ap.add_argument("--stats", action="store_true", default=None,
                     help="print tok/s and the expert source's counters (on stderr)")
     ap.add_argument("--json", action="store_true", default=None,
@@ -116,7 +120,8 @@ def open_streamed(cfg: DecoderConfig, layout: Any, model: Any) -> tuple[Any, Cal
         source = connect(layout, cfg.iod, device=cfg.torch_device, dtype=cfg.torch_dtype,
                          slot_format=cfg.resolved_slot_format, fetch_timeout_s=cfg.fetch_timeout_s,
                          name="moestream-generate", **sized)
-    return source, (Prefetcher(model, source, cfg.prefetch) if cfg.prefetch > 0 else None)
+    hook = Prefetcher(model, source, cfg.prefetch, top_k=cfg.resolved_prefetch_top) if cfg.prefetch > 0 else None
+    return source, hook
 
 
 def prompt_ids(cfg: DecoderConfig, tok: Any) -> list[list[int]]:
