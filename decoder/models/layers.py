@@ -155,9 +155,9 @@ def _qkv(x: torch.Tensor, w: Weights, a: AttnShape, B: int, T: int) -> tuple[tor
     q, k, v = _proj(x, w, "attn_q"), _proj(x, w, "attn_k"), _proj(x, w, "attn_v")  # [N, H*hd], [N, Hkv*hd] x2
     if a.qk_norm == "full":
         q, k = rms_norm(q, w["attn_q_norm"], a.eps), rms_norm(k, w["attn_k_norm"], a.eps)
-    q = q.view(B, T, a.n_head, a.head_dim)  # [B, T, H, hd]
-    k = k.view(B, T, a.n_head_kv, a.head_dim)  # [B, T, Hkv, hd]
-    v = v.view(B, T, a.n_head_kv, a.head_dim)  # [B, T, Hkv, hd]
+    q = q.reshape(B, T, a.n_head, a.head_dim)  # [B, T, H, hd]
+    k = k.reshape(B, T, a.n_head_kv, a.head_dim)  # [B, T, Hkv, hd]
+    v = v.reshape(B, T, a.n_head_kv, a.head_dim)  # [B, T, Hkv, hd]
     if a.qk_norm == "head":
         q, k = rms_norm(q, w["attn_q_norm"], a.eps), rms_norm(k, w["attn_k_norm"], a.eps)
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(kv), T, hd]
@@ -201,7 +201,9 @@ def attention(x: torch.Tensor, w: Weights, a: AttnShape, layer: int, cache: KVCa
     vals = cache.v[layer][:, :, :start + T]  # [B, Hkv, S, hd]
     q = q.reshape(B, a.n_head_kv, -1, a.head_dim)  # [B, Hkv, rep*T, hd]; head h uses kv head h // rep
     out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=st.mask)  # [B, Hkv, rep*T, hd]
-    out = out.view(B, a.n_head, T, a.head_dim).transpose(1, 2).reshape(B * T, a.n_head * a.head_dim)  # [N, H*hd]
+    # reshape, not view: the kernel SDPA picks decides the output's strides (CUDA float32's is not
+    # contiguous in these dims), and a copy where needed is cheap next to the projections
+    out = out.reshape(B, a.n_head, T, a.head_dim).transpose(1, 2).reshape(B * T, a.n_head * a.head_dim)  # [N, H*hd]
     return _proj(out, w, "attn_output")  # [N, d]
 
 

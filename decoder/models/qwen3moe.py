@@ -122,7 +122,7 @@ class Model:
             h = self._block(i, h, active, cache, st, experts, after_attention)
             if after_layer is not None:
                 after_layer(i, h[active])
-        h = h.view(B, T, -1)[:, -1] if last_only else h.view(B, T, -1)  # [B, d] | [B, T, d]
+        h = h.reshape(B, T, -1)[:, -1] if last_only else h.reshape(B, T, -1)  # [B, d] | [B, T, d]
         return linear(rms_norm(h, self.norm, self.hparams.rms_eps), self.lm_head)  # [B, (T,) V]
 
     __call__ = forward

@@ -159,3 +159,19 @@ def test_dense_weights_kept_quantized_match_dequantized(setups, quant):
         got = quant_model.forward(tokens, quant_model.new_cache(1, len(PROMPT)), experts)
         want = s.model.forward(tokens, s.model.new_cache(1, len(PROMPT)), experts)
     assert (got - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama", "olmoe"])
+def test_every_architecture_runs_quantized(make_tiny_model, arch):
+    """The CPU default (experts and dense weights on their blocks) against the dequantized model,
+    for every architecture (Qwen2-MoE's shared expert included), prompt and decode steps."""
+    from moestream.decoder.models import load_model
+
+    path = make_tiny_model(arch=arch, quant="Q8_0", layers=2, experts=8, top_k=2)
+    layout = ModelLayout(path)
+    quant, ref = load_model(layout, keep_quantized=True), load_model(layout)
+    with QuantResidentExperts(layout) as q_src, ResidentExperts(layout) as ref_src:
+        got = generate(quant, q_src, [PROMPT[:9]], 4, keep_logits=True)
+        want = generate(ref, ref_src, [PROMPT[:9]], 4, keep_logits=True)
+    for a, b in zip(got.logits, want.logits):
+        assert (a - b).abs().max().item() <= 1e-4 * max(1.0, b.abs().max().item())

@@ -1,0 +1,84 @@
+"""The CUDA paths as users run them (skipped without a GPU): every architecture x {float32,
+bfloat16} x {resident, streamed through a real daemon} x {raw, dequant} slots, the prompt as one
+sequence and token by token.
+
+- float32 on CUDA within 1e-4 (relative to the logits' scale) of float32 on the CPU;
+- streamed == resident bit for bit on the same device and dtype;
+- bfloat16 picks float32's argmax wherever float32's top-2 margin exceeds MARGIN (bfloat16 keeps
+  8 bits of mantissa: ~0.4 % per rounding, a few roundings per layer).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moestream.common.layout import ModelLayout
+from moestream.decoder.experts import ResidentExperts
+from moestream.decoder.models import load_model
+from moestream.decoder.streamed import open_streamed
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+ARCHS = ["qwen3moe", "qwen2moe", "llama", "olmoe"]
+PROMPT = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 128, 9]
+MARGIN = 0.05  # logits units, against float32's top-2 gap
+
+
+@pytest.fixture(scope="module")
+def models(make_tiny_model):
+    return {a: make_tiny_model(arch=a, quant="Q8_0", layers=2, experts=8, top_k=2) for a in ARCHS}
+
+
+def forward(layout, model, source, one_sequence: bool) -> torch.Tensor:
+    """Logits [T, V] of PROMPT, as one forward pass or token by token through the KV cache."""
+    cache = model.new_cache(1, len(PROMPT))
+    if one_sequence:
+        return model.forward(torch.tensor([PROMPT], device=model.device), cache, source)[0].float().cpu()
+    steps = [model.forward(torch.tensor([[t]], device=model.device), cache, source)[0] for t in PROMPT]
+    return torch.cat(steps).float().cpu()
+
+
+def resident(layout, device, dtype, fmt):
+    return load_model(layout, device, dtype), ResidentExperts(layout, device, dtype, fmt)
+
+
+@pytest.mark.parametrize("one_sequence", [True, False])
+@pytest.mark.parametrize("fmt", ["raw", "dequant"])
+@pytest.mark.parametrize("arch", ARCHS)
+@torch.inference_mode()
+def test_float32_matches_cpu_and_streamed_matches_resident(models, start_daemon, arch, fmt, one_sequence):
+    layout = ModelLayout(models[arch])
+    cpu = forward(layout, *resident(layout, "cpu", torch.float32, "dequant"), one_sequence)
+    model, res = resident(layout, "cuda", torch.float32, fmt)
+    gpu = forward(layout, model, res, one_sequence)
+    assert (gpu - cpu).abs().max().item() <= 1e-4 * max(1.0, cpu.abs().max().item())
+    daemon = start_daemon(models[arch], arena_slots=8)
+    with open_streamed(layout, daemon.endpoint, device="cuda", dtype=torch.float32, slots=4, slot_format=fmt) as src:
+        assert torch.equal(forward(layout, model, src, one_sequence), gpu)
+
+
+@pytest.mark.parametrize("fmt", ["raw", "dequant"])
+@pytest.mark.parametrize("arch", ARCHS)
+@torch.inference_mode()
+def test_bfloat16_agrees_with_float32_where_the_margin_is_clear(models, start_daemon, arch, fmt):
+    layout = ModelLayout(models[arch])
+    f32 = forward(layout, *resident(layout, "cuda", torch.float32, fmt), True)
+    model, res = resident(layout, "cuda", torch.bfloat16, fmt)
+    bf16 = forward(layout, model, res, True)
+    top2 = f32.topk(2, dim=-1).values  # [T, 2]
+    clear = (top2[:, 0] - top2[:, 1]) > MARGIN
+    assert torch.equal(bf16.argmax(-1)[clear], f32.argmax(-1)[clear])
+    daemon = start_daemon(models[arch], arena_slots=8)
+    with open_streamed(layout, daemon.endpoint, device="cuda", dtype=torch.bfloat16, slots=4, slot_format=fmt) as src:
+        assert torch.equal(forward(layout, model, src, True), bf16)
+    tokenwise = forward(layout, model, res, False)  # through the KV cache
+    assert torch.equal(tokenwise.argmax(-1)[clear], f32.argmax(-1)[clear])
+
+
+def test_generate_cli_float32_on_cuda(models, capsys):
+    from moestream.decoder import cli
+
+    for arch in ARCHS:
+        rc = cli.main(["--model", str(models[arch]), "--resident", "--device", "cuda", "--dtype", "float32",
+                       "--prompt-ids", "5,17,99", "-n", "4", "--no-progress"])
+        assert rc == 0, capsys.readouterr().err
