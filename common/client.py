@@ -10,15 +10,18 @@ answering, says it is shutting down, or no longer knows us (it restarted).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import grp
 import itertools
 import logging
 import os
 import select
+import stat
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -62,6 +65,9 @@ class Lease:
 class IodClient:
     def __init__(self, endpoint: str, *, expect_fingerprint: dict | None = None, timeout_s: float = 5.0,
                  name: str | None = None):
+        problem = endpoint_problem(endpoint)
+        if problem is not None:  # e.g. permission denied: waiting for a welcome would only hide it
+            raise IodUnavailable(problem)
         self.endpoint, self.timeout_s = endpoint, timeout_s
         self._sock_lock = threading.Lock()
         self._last_send = time.monotonic()
@@ -99,12 +105,11 @@ class IodClient:
 
     # -- handshake ----------------------------------------------------------------------------
     def _handshake(self, name: str | None, expect: dict | None) -> dict:
-        self._submit(P.Hello(P.PROTOCOL_VERSION, (name or f"pid-{os.getpid()}")[: P.MAX_NAME], os.getpid()).encode())
+        self._submit(P.Hello(P.PROTOCOL_VERSION, P.escape(name or f"pid-{os.getpid()}")[: P.MAX_NAME], os.getpid()).encode())
         try:
             msg = self._welcome.result(self.timeout_s)
         except cf.TimeoutError:
-            raise IodUnavailable(f"no answer from moestream-iod at {self.endpoint} within {self.timeout_s}s "
-                                 "(is the daemon running?)") from None
+            raise IodUnavailable(no_answer(self.endpoint, self.timeout_s)) from None
         if isinstance(msg, BaseException):
             raise msg
         welcome = asdict(msg)
@@ -301,6 +306,11 @@ class IodClient:
                 fut.set_result(None)
         elif isinstance(msg, P.Welcome) and not self._welcome.done():
             self._welcome.set_result(msg)
+        elif isinstance(msg, P.StatusReply) and not self._welcome.done():  # our hello reached a status socket
+            ep = msg.status.get("endpoint") if isinstance(msg.status, dict) else None
+            self._welcome.set_result(IodUnavailable(
+                f"{self.endpoint} is moestream-iod's status endpoint (it answers `moestream status` only); "
+                f"connect decoders to its request endpoint{f' {ep}' if ep else ''}"))
 
     def _on_ready(self, m: P.Ready) -> None:
         key = (m.layer, m.expert)
@@ -356,6 +366,65 @@ class IodClient:
         for f in futs:
             if not f.done():
                 f.set_exception(exc)
+
+
+def ipc_path(endpoint: str) -> str | None:
+    """The socket file of an `ipc://` endpoint; None for other transports and abstract `ipc://@name`."""
+    if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
+        return endpoint[len("ipc://"):]
+    return None
+
+
+def endpoint_problem(endpoint: str) -> str | None:
+    """What makes an ipc endpoint unusable by this process right now (ZeroMQ would retry silently):
+    permission denied on the path, or a path that is not a socket. None if nothing is known wrong
+    (a missing socket may still appear: the daemon may be starting)."""
+    path = ipc_path(endpoint)
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except PermissionError:
+        return (f"permission denied on the socket path {path} (a directory on it is not searchable by uid "
+                f"{os.getuid()}): {_group_hint(path)}")
+    except OSError as e:
+        return f"cannot use the socket path {path}: {e.strerror}"
+    if not stat.S_ISSOCK(st.st_mode):
+        return f"{path} is not a socket: is the endpoint right?"
+    if not os.access(path, os.R_OK | os.W_OK):
+        return f"permission denied on the socket {path} (uid {os.getuid()}): {_group_hint(path)}"
+    return None
+
+
+def no_answer(endpoint: str, timeout_s: float) -> str:
+    """The message for a daemon that did not answer in time, saying what is known about the endpoint."""
+    problem = endpoint_problem(endpoint)
+    if problem is not None:
+        return problem
+    path = ipc_path(endpoint)
+    head = f"no answer from moestream-iod at {endpoint} within {timeout_s}s"
+    if path is not None and not os.path.lexists(path):
+        return f"{head}: there is no socket at {path} (is the daemon running, and is this its endpoint?)"
+    return f"{head} (is the daemon running, and is this its endpoint?)"
+
+
+def _group_hint(path: str) -> str:
+    """Which group to join, from the socket file (or its nearest visible parent)."""
+    p = Path(path)
+    for candidate in (p, *p.parents):
+        try:
+            gid = candidate.stat().st_gid
+        except OSError:
+            continue
+        try:
+            group = grp.getgrgid(gid).gr_name
+        except KeyError:
+            group = str(gid)
+        return (f"the daemon's sockets are for group {group!r}; join it (usermod -aG {group} USER, then log in "
+                "again) or ask the admin to set socket_group")
+    return "ask the admin which group may use the daemon (socket_group)"
 
 
 def _drain_pipe(fd: int) -> None:

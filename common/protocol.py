@@ -75,6 +75,27 @@ def _str(v: Any, name: str, limit: int = MAX_NAME) -> str:
     return v
 
 
+def _client_name(v: Any) -> str:
+    """A client name goes into logs and `moestream status`: printable characters only, bounded."""
+    if not isinstance(v, str):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"name must be a string, got {type(v).__name__}")
+    if len(v) > MAX_NAME:
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"name longer than {MAX_NAME} characters")
+    if not v.isprintable():
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"name {escape(v)[:80]!r} has non-printable characters "
+                            "(control characters, newlines, escapes)")
+    return v
+
+
+def escape(text: str) -> str:
+    """`text` with every non-printable character (and the backslash) written as a Python escape
+    (\\n, \\x1b, \\u2028, \\\\), so what a peer chose cannot forge a log line or drive a terminal:
+    for names, before they reach a log line or `moestream status`."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(c if c.isprintable() and c != "\\" else repr(c)[1:-1] for c in text)
+
+
 def _keys(v: Any) -> list[tuple[int, int]]:
     if not isinstance(v, list) or not v:
         raise ProtocolError(ErrorCode.BAD_MESSAGE, "keys must be a non-empty list of [layer, expert]")
@@ -120,7 +141,7 @@ class Hello(Message):
 
     @classmethod
     def from_map(cls, m: dict[str, Any]) -> Hello:
-        return cls(_int(m.get("version"), "version"), _str(m.get("name", ""), "name"), _int(m.get("pid", 0), "pid"))
+        return cls(_int(m.get("version"), "version"), _client_name(m.get("name", "")), _int(m.get("pid", 0), "pid"))
 
 
 @dataclass

@@ -14,19 +14,22 @@ from typing import Any
 import zmq
 
 from . import protocol as P
-from .client import IodError, IodRequestError, IodUnavailable
+from .client import IodError, IodRequestError, IodUnavailable, endpoint_problem, no_answer
 
 
 
 def get_status(endpoint: str, timeout_s: float = 3.0) -> dict:
     """Ask a daemon's status endpoint for its status (a plain dict)."""
+    problem = endpoint_problem(endpoint)
+    if problem is not None:  # ZeroMQ would retry silently until the timeout
+        raise IodUnavailable(problem)
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(endpoint)
         sock.send(P.Status().encode())
         if not sock.poll(int(timeout_s * 1000)):
-            raise IodUnavailable(f"no status from {endpoint} within {timeout_s}s (is moestream-iod running?)")
+            raise IodUnavailable(f"no status: {no_answer(endpoint, timeout_s)}")
         msg = P.decode_reply(sock.recv())
     except zmq.ZMQError as e:
         raise IodUnavailable(f"cannot reach {endpoint!r}: {e}") from None
@@ -82,7 +85,8 @@ def format_status(s: dict[str, Any]) -> str:
                       f"mean {s['reader']['in_flight']['mean']:.1f}"),
         ("latency", f"all p50 {lat['all']['p50_ms']:.3f} ms p99 {lat['all']['p99_ms']:.3f} ms; "
                     f"miss p50 {lat['miss']['p50_ms']:.3f} ms p99 {lat['miss']['p99_ms']:.3f} ms"),
-        ("errors", f"{s['errors']:,} " + (json.dumps(s["errors_by_code"]) if s["errors_by_code"] else "")),
+        ("errors", f"{s['errors']:,} " + (json.dumps(s["errors_by_code"]) if s["errors_by_code"] else "")
+                   + (f"; {s['replies_dropped']:,} replies dropped (client not reading)" if s.get("replies_dropped") else "")),
         ("hottest", ", ".join(f"({layer},{e})x{n}" for layer, e, n in s["hottest"][:8]) or "-"),
     ]
     lines = [f"{k:<14} {v}" for k, v in rows]
@@ -90,7 +94,7 @@ def format_status(s: dict[str, Any]) -> str:
     if s["clients"]:
         lines.append(f"  {'name':<20} {'pid':>7} {'leases':>6} {'requests':>9} {'hits':>8} {'misses':>7} {'served':>12} {'idle':>6}")
         for c in s["clients"]:
-            lines.append(f"  {c['name'][:20]:<20} {c['pid']:>7} {c['leases']:>6} {c['requests']:>9,} "
+            lines.append(f"  {P.escape(str(c['name']))[:20]:<20} {c['pid']:>7} {c['leases']:>6} {c['requests']:>9,} "
                          f"{c['hits'] + c['joined']:>8,} {c['misses']:>7,} {_mib(c['bytes_served']):>12} {c['idle_s']:>5.1f}s")
     return "\n".join(lines)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import typing
 import re
 import tomllib
@@ -66,7 +67,10 @@ class IodConfig:
     socket_mode: int = 0o660  # ipc socket files and the shm arena
     log_level: str = "info"
     allow_remote: bool = False  # a tcp:// endpoint on a non-loopback address
+    allow_abstract: bool = False  # ipc://@name (Linux abstract sockets: no file, so no permissions apply)
     max_queued: int = 65536  # queued expert loads (now + ahead) before `busy`/`dropped`
+    max_queued_per_client: int = 16384  # one client's experts requested and not yet answered, before `busy`
+    max_replies_queued: int = 65536  # replies waiting for one client to read them; past this they are dropped
     ahead_max_age_s: float = 5.0  # queued `ahead` work older than this is dropped as stale
     now_reserve: float = 0.25  # share of read places and of arena slots prefetches may not take
 
@@ -79,6 +83,11 @@ class IodConfig:
             ep = getattr(self, name)
             if not re.match(r"^(ipc|tcp)://.+", ep):
                 raise ConfigError(f"{name} {ep!r} must look like ipc:///path or tcp://127.0.0.1:PORT")
+            if ep.startswith("ipc://@") and not self.allow_abstract:
+                raise ConfigError(f"{name} {ep!r} is an abstract socket: it has no file, so socket_mode and "
+                                  "socket_group do not apply and any local user (any uid in this network "
+                                  "namespace) could connect; use ipc:///path, or pass --allow-abstract "
+                                  "(allow_abstract = true) to accept that")
             if ep.startswith("tcp://") and not self.allow_remote and not _loopback(ep):
                 raise ConfigError(f"{name} {ep!r} is not a loopback address: decoders share the arena through "
                                   "this host's /dev/shm anyway; pass --allow-remote to bind it regardless")
@@ -88,7 +97,7 @@ class IodConfig:
         if len(given) > 1:
             raise ConfigError(f"give one of memory, arena_bytes, arena_slots, not {' and '.join(given)}")
         _positive(self, "arena_bytes", "arena_slots", "memory", "queue_depth", "lease_timeout_s", "max_queued",
-                  "ahead_max_age_s")
+                  "max_queued_per_client", "max_replies_queued", "ahead_max_age_s")
         if isinstance(self.now_reserve, bool) or not 0 <= self.now_reserve < 1:
             raise ConfigError(f"now_reserve must be a share in [0, 1), got {self.now_reserve!r}")
         if self.queue_depth > MAX_DEPTH:
@@ -101,7 +110,9 @@ class IodConfig:
             raise ConfigError(f"socket_mode {oct(self.socket_mode)} must not grant access to others (e.g. 0660)")
 
     def ipc_paths(self) -> list[Path]:
-        return [Path(ep[len("ipc://"):]) for ep in (self.endpoint, self.status_endpoint) if ep.startswith("ipc://")]
+        """The socket files of the ipc endpoints (abstract `ipc://@name` ones have none)."""
+        return [Path(ep[len("ipc://"):]) for ep in (self.endpoint, self.status_endpoint)
+                if ep.startswith("ipc://") and not ep.startswith("ipc://@")]
 
 
 def _loopback(endpoint: str) -> bool:
@@ -122,10 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="The moestream I/O daemon: owns a GGUF MoE file and serves its experts to decoders "
         "through a shared-memory arena (ZeroMQ + msgpack). Options override the TOML config file.",
         epilog="Config-file-only keys: max_queued (queued expert reads before `busy`, default 65536), "
+        "max_queued_per_client (one client's requested experts not yet answered before `busy`, default 16384), "
+        "max_replies_queued (replies waiting for one client to read them before they are dropped, leaving no "
+        "lease, default 65536), "
         "ahead_max_age_s (queued prefetches older than this are dropped, default 5). "
         "now_reserve (share of read places and of arena slots prefetches may not take, default 0.25). "
+        "SIGHUP is ignored (logged): restart the daemon to apply a changed config. "
         "Exit codes: 0 clean stop (SIGTERM/SIGINT), 1 fatal error, 2 bad configuration.")
     a = p.add_argument
+    a("--version", action="version", version=f"moestream-iod {_version()}")
     a("--config", type=Path, metavar="PATH", help=f"TOML file with the same keys as these options (underscores), default {DEFAULT_CONFIG} if it exists")
     a("--model", metavar="PATH", help="the GGUF MoE file to serve (required here or in the config)")
     a("--endpoint", metavar="URL", help=f"ZeroMQ endpoint for requests (default {DEFAULT_ENDPOINT})")
@@ -144,7 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
     a("--log-level", choices=LOG_LEVELS, help="default info")
     a("--allow-remote", action="store_true", default=None,
       help="allow a tcp:// endpoint on a non-loopback address (default: loopback only)")
+    a("--allow-abstract", action="store_true", default=None,
+      help="allow ipc://@name abstract-socket endpoints, which have no file and so no permissions: any local "
+      "user can connect (default: refused)")
     return p
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("moestream")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def load_config(argv: list[str] | None = None) -> IodConfig:

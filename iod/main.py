@@ -1,8 +1,9 @@
 """`moestream-iod`: load the model index, create the arena, bind the sockets, serve until SIGTERM.
 
 Exit codes: 0 after a clean SIGTERM/SIGINT drain; 1 fatal runtime error (bad model file,
-arena or socket trouble), one clear line on stderr; 2 bad configuration. Nothing is left in
-/dev/shm or on disk either way.
+arena or socket trouble), one clear line on stderr; 2 bad configuration (including an ipc
+endpoint path that exists and is not a socket: it is never removed). Nothing is left in
+/dev/shm or on disk either way. SIGHUP is logged and ignored (no config reload: restart).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import sys
 from pathlib import Path
 
@@ -49,6 +51,7 @@ def _exit_on_signals() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # no reload (see _on_hangup); ignored until the loop logs it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(cfg: IodConfig) -> int:
+    _check_endpoint_paths(cfg)  # before anything is created: a wrong path is a configuration error
     layout = ModelLayout(cfg.model)
     slot_bytes = layout.experts.slot_bytes(cfg.direct)
     overhead = own_memory() + OVERHEAD_MARGIN
@@ -106,7 +110,7 @@ def run(cfg: IodConfig) -> int:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_serve(server))
         # the loop restored default handlers: a second SIGTERM now must not skip the clean-up
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
         log.info("stopped")
     return 0
@@ -129,6 +133,7 @@ async def _serve(server: Server) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, _on_hangup)
     notify(f"READY=1\nSTATUS=serving {server.layout.path.name}\nMAINPID={os.getpid()}")
     serving = loop.create_task(server.serve(stop))
     waiter = loop.create_task(stop.wait())
@@ -136,6 +141,12 @@ async def _serve(server: Server) -> None:
     notify("STOPPING=1")
     waiter.cancel()
     await serving
+
+
+def _on_hangup() -> None:
+    """SIGHUP (systemctl reload, a closed terminal) is ignored: the model, arena and sockets cannot
+    change under connected decoders, so a changed config takes a restart."""
+    log.warning("SIGHUP ignored: the configuration is not reloaded; restart the daemon to apply changes")
 
 
 def _loop_factory():
@@ -166,10 +177,35 @@ def _bind(server: Server, cfg: IodConfig) -> None:
             os.chown(path, -1, grp.getgrnam(cfg.socket_group).gr_gid)
 
 
+def _check_endpoint_paths(cfg: IodConfig) -> None:
+    """An ipc endpoint may only name a socket (stale or live) or nothing: never unlink anything else."""
+    for path in cfg.ipc_paths():
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise ConfigError(f"ipc endpoint path {path}: {e.strerror}") from None
+        if not stat.S_ISSOCK(st.st_mode):
+            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) \
+                else "a regular file" if stat.S_ISREG(st.st_mode) else "not a socket"
+            raise ConfigError(f"ipc endpoint path {path} exists and is {kind}, not a socket: "
+                              "refusing to replace it (choose another endpoint path or remove it yourself)")
+
+
+def _is_socket(path: Path) -> bool:
+    try:
+        return stat.S_ISSOCK(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _clear_stale(path: Path) -> None:
-    """Remove a socket file left by a crashed daemon; refuse to steal a live one."""
-    if not path.exists():
+    """Remove a socket file left by a crashed daemon; refuse to steal a live one or touch a non-socket."""
+    if not path.exists() and not path.is_symlink():
         return
+    if not _is_socket(path):
+        raise ConfigError(f"ipc endpoint path {path} exists and is not a socket: refusing to replace it")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         try:
             s.connect(str(path))
@@ -183,8 +219,9 @@ def _clear_stale(path: Path) -> None:
 
 def _remove_socket_files(cfg: IodConfig) -> None:
     for path in cfg.ipc_paths():
-        with contextlib.suppress(OSError):
-            path.unlink()
+        if _is_socket(path):  # only ever a socket: never a file that replaced ours meanwhile
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def main_entry() -> None:

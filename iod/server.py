@@ -25,7 +25,7 @@ from .config import IodConfig
 from .host_cache import HostCache
 from .readers import Reader, plan_reads
 from .scheduler import Load, Scheduler, Waiter
-from .sockets import drain, router
+from .sockets import Oversize, drain, router
 from .status import Stats, StatusEndpoint, build_status
 
 log = logging.getLogger("moestream.iod")
@@ -50,7 +50,7 @@ class Server:
         self.stats = Stats()
         self.clients: dict[bytes, ClientState] = {}
         self.closing = False
-        self.sock = router(ctx)
+        self.sock = router(ctx, cfg.max_replies_queued)
         self.status = StatusEndpoint(self, router(ctx))
         self.loop: asyncio.AbstractEventLoop | None = None
         self._drain_scheduled = self._draining = False
@@ -101,7 +101,7 @@ class Server:
     def _expire_clients(self) -> None:
         cutoff = time.monotonic() - self.cfg.lease_timeout_s
         for c in [c for c in self.clients.values() if c.last_seen < cutoff]:
-            log.info("client %s (pid %d) silent for %.1fs: freeing %d leases", c.name, c.pid,
+            log.info("client %s (pid %d) silent for %.1fs: freeing %d leases", P.escape(c.name), c.pid,
                      time.monotonic() - c.last_seen, sum(c.leases.values()))
             self.stats.clients_expired += 1
             self._drop_client(c)
@@ -133,17 +133,24 @@ class Server:
             self._drain_scheduled = True
             self.loop.call_soon(self._drain)
 
-    def _send(self, ident: bytes, body: bytes) -> None:
+    def _send(self, ident: bytes, body: bytes) -> bool:
+        """Queue one reply; False if it was dropped (peer gone, or its queue at the high-water mark)."""
         try:
             self.sock.send_multipart([ident, body], zmq.NOBLOCK, copy=True)
+            sent = True
         except zmq.ZMQError as e:  # peer gone (ROUTER_MANDATORY) or its queue is full
             log.debug("send to %r failed: %s", ident, e)
+            sent = False
         if not self._draining:  # inside `_drain` its own EVENTS check covers this send
             self._schedule_drain()
+        return sent
 
-    def _handle_frames(self, frames: list[bytes]) -> None:
+    def _handle_frames(self, frames: list[bytes], over: Oversize | None = None) -> None:
         ident = frames[0]
         try:
+            if over is not None:  # already dropped unbuffered: only say why
+                code = P.ErrorCode.BAD_MESSAGE if over.frames > 2 else P.ErrorCode.TOO_LARGE
+                raise P.ProtocolError(code, over.describe(2))
             if len(frames) != 2:
                 raise P.ProtocolError(P.ErrorCode.BAD_MESSAGE, f"expected 1 frame, got {len(frames) - 1}")
             self._dispatch(ident, P.decode_request(frames[1]))
@@ -203,12 +210,18 @@ class Server:
             raise P.ProtocolError(P.ErrorCode.SHUTTING_DOWN, "daemon is shutting down", msg.rid)
         if msg.rid in c.pending:
             raise P.ProtocolError(P.ErrorCode.DUPLICATE_ID, f"request id {msg.rid} is still pending", msg.rid)
+        cap = self.cfg.max_queued_per_client
+        if c.outstanding + len(msg.keys) > cap:  # what one client can make the daemon hold is bounded
+            c.n.busy += 1
+            self.stats.totals.busy += 1
+            raise P.ProtocolError(P.ErrorCode.BUSY, f"{c.outstanding} experts requested and not yet answered; "
+                                  f"{len(msg.keys)} more would pass this client's limit of {cap}", msg.rid)
         n_layer, n_expert = self.layout.experts.n_layer, self.layout.experts.n_expert
         for layer, expert in msg.keys:
             if layer >= n_layer or expert >= n_expert:
                 raise P.ProtocolError(P.ErrorCode.OUT_OF_RANGE, f"expert ({layer}, {expert}) not in "
                                       f"[0,{n_layer}) x [0,{n_expert})", msg.rid)
-        c.pending[msg.rid] = len(msg.keys)
+        c.add_pending(msg.rid, len(msg.keys))
         t0 = time.monotonic()
         for key in msg.keys:
             self._fetch_one(c, Waiter(c.ident, msg.rid, key, t0), msg.priority)
@@ -250,16 +263,22 @@ class Server:
 
     # -- answers ------------------------------------------------------------------------------
     def _serve(self, c: ClientState, w: Waiter, slot: int) -> None:
+        """Send one `ready` and lease the slot to `c` only if the reply was queued: a reply dropped
+        at the high-water mark (a client that does not read) leaves no lease and no count behind."""
+        c.answered(w.rid)
+        info = self.cache.slots[slot]
+        ready = P.Ready(w.rid, w.key[0], w.key[1], slot, info.generation, info.parts)
+        if not self._send(c.ident, ready.encode()):
+            c.n.replies_dropped += 1
+            self.stats.totals.replies_dropped += 1
+            return
         gen = self.cache.lease(slot)
         c.leases[(slot, gen)] += 1
-        info = self.cache.slots[slot]
-        self._send(c.ident, P.Ready(w.rid, w.key[0], w.key[1], slot, gen, info.parts).encode())
         c.n.readies += 1
         c.n.bytes_served += info.nbytes
         self.stats.totals.readies += 1
         self.stats.totals.bytes_served += info.nbytes
         self.stats.latency_all.append(time.monotonic() - w.t0)
-        c.answered(w.rid)
 
     def _answer_error(self, w: Waiter, code: P.ErrorCode, message: str) -> None:
         c = self.clients.get(w.client)

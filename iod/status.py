@@ -21,7 +21,7 @@ import zmq
 
 from moestream.common import protocol as P
 
-from .sockets import drain
+from .sockets import Oversize, drain
 
 
 if TYPE_CHECKING:
@@ -45,6 +45,8 @@ class ClientCounters:
     bytes_served: int = 0
     errors: int = 0
     releases: int = 0
+    busy: int = 0  # fetches refused: the client's own limit of outstanding experts (max_queued_per_client)
+    replies_dropped: int = 0  # `ready`s that could not be queued (client not reading): no lease kept
 
 
 @dataclass
@@ -108,6 +110,7 @@ def build_status(server: Server) -> dict[str, Any]:
         "requests": t.requests, "hits": t.hits, "joined": t.joined, "misses": t.misses,
         "hit_rate": (t.hits + t.joined) / t.requests if t.requests else 0.0,
         "readies": t.readies, "releases": t.releases, "errors": t.errors,
+        "replies_dropped": t.replies_dropped, "client_busy": t.busy,
         "errors_by_code": dict(st.errors_by_code),
         "reads": st.reads, "read_errors": st.read_errors, "bytes_read": st.bytes_read,
         "bytes_served": t.bytes_served,
@@ -139,12 +142,16 @@ class StatusEndpoint:
             self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
 
     def _drain(self) -> None:
-        if drain(self.sock, self._reply, 64):
+        if drain(self.sock, self._reply, 64, max_frames=3):  # REQ peers add an empty delimiter frame
             self.loop.call_soon(self._drain)
 
-    def _reply(self, frames: list[bytes]) -> None:
+    def _reply(self, frames: list[bytes], over: Oversize | None = None) -> None:
+        if over is not None:
+            body = P.Error(P.ErrorCode.TOO_LARGE.value, over.describe(3)).encode()
+        else:
+            body = self._answer(frames[-1])
         try:
-            self.sock.send_multipart([*frames[:-1], self._answer(frames[-1])], zmq.NOBLOCK)
+            self.sock.send_multipart([*frames[:-1], body], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the asker left
 

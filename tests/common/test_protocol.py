@@ -63,7 +63,9 @@ def test_requests_and_replies_are_separate():
     (pack({"op": "fetch", "rid": -1, "keys": [[0, 0]]}), P.ErrorCode.BAD_MESSAGE),
     (pack({"op": "release", "slot": 1}), P.ErrorCode.BAD_MESSAGE),
     (pack({"op": "hello", "version": "1"}), P.ErrorCode.BAD_MESSAGE),
-    (pack({"op": "hello", "version": 1, "name": "x" * 1000}), P.ErrorCode.TOO_LARGE),
+    (pack({"op": "hello", "version": 1, "name": "x" * 1000}), P.ErrorCode.BAD_MESSAGE),  # names: bad_message
+    (pack({"op": "hello", "version": 1, "name": "a\x1b[2Jb"}), P.ErrorCode.BAD_MESSAGE),
+    (pack({"op": "hello", "version": 1, "name": "a\nb"}), P.ErrorCode.BAD_MESSAGE),
     (b"\x00" * (P.MAX_FRAME_BYTES + 1), P.ErrorCode.TOO_LARGE),
 ])
 def test_bad_requests(frame, code):
@@ -86,3 +88,11 @@ def test_no_pickle_or_extension_types():
         P.decode_request(pack({"op": "ping", "t": msgpack.ExtType(1, b"x")}))
     with pytest.raises(P.ProtocolError):
         P.decode_request(ext)
+
+
+def test_escape_makes_names_safe_to_print():
+    assert P.escape("decoder-1 é✓") == "decoder-1 é✓"
+    assert P.escape("a\nb\x1b[2J\x07\u2028\\") == "a\\nb\\x1b[2J\\x07\\u2028\\\\"
+    assert P.escape("a\nb").isprintable()
+    hello = P.decode_request(P.Hello(P.PROTOCOL_VERSION, "décodeur ✓").encode())
+    assert hello.name == "décodeur ✓"

@@ -46,6 +46,9 @@ def _malformed(i: int, rng: random.Random, good_slot: int) -> tuple[list[bytes],
         (lambda: [pack({"op": "cancel", "rid": None})], "bad_message"),
         (lambda: [pack({"op": "ping"}), b"extra"], "bad_message"),
         (lambda: [pack({1: 2})], "bad_msgpack"),
+        (lambda: [pack({"op": "ping"})] + [b"x" * 100] * rng.randint(2, 60), "bad_message"),  # many frames
+        (lambda: [b"\x00" * (P.MAX_FRAME_BYTES + 2048)], "too_large"),  # over the total: dropped unparsed
+        (lambda: [pack({"op": "hello", "version": P.PROTOCOL_VERSION, "name": "a\nb"})], "bad_message"),
     ]
     make, code = kinds[i % len(kinds)]
     return make(), code

@@ -60,6 +60,7 @@ def test_unit_essentials() -> None:
     assert keys["Type"] == "notify"
     assert keys["ExecStart"] == "/usr/local/bin/moestream-iod --config /etc/moestream/iod.toml"
     assert keys["Restart"] == "on-failure"
+    assert keys["RestartPreventExitStatus"] == "2"  # a configuration error is not retried in a loop
     assert keys["User"] == keys["Group"] == "moestream"
     assert keys["RuntimeDirectory"] == "moestream"
     assert keys["ProtectSystem"] == "strict" and keys["ProtectHome"] == "read-only"

@@ -1,0 +1,253 @@
+"""One daemon, many users (issue 12): what one peer, careless or hostile, must not be able to do.
+
+Every test runs a real daemon process and talks to it over its real sockets.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import zmq
+
+from moestream.common import protocol as P
+from moestream.common.client import IodClient, IodRequestError, IodUnavailable
+from moestream.common.spawn import spawn_daemon
+from moestream.common.status_cli import format_status, get_status
+
+IOD = [sys.executable, "-m", "moestream.iod.main"]
+
+
+def _run_iod(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([*IOD, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _dealer(endpoint: str, **opts: int) -> zmq.Socket:
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    for k, v in opts.items():
+        s.setsockopt(getattr(zmq, k), v)
+    s.connect(endpoint)
+    return s
+
+
+def _reply(s: zmq.Socket, timeout_s: float = 10) -> P.Message:
+    assert s.poll(int(timeout_s * 1000)), "no reply"
+    return P.decode_reply(s.recv())
+
+
+def _memory_kib(pid: int) -> dict[str, int]:
+    with open(f"/proc/{pid}/status") as f:
+        return {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in f) if k in ("VmRSS", "VmHWM")}
+
+
+def _config(tmp_path: Path, text: str) -> list[str]:
+    path = tmp_path / f"iod-{uuid.uuid4().hex[:6]}.toml"
+    path.write_text(text)
+    return ["--config", str(path)]
+
+
+# -- item 6: an endpoint naming a regular file ----------------------------------------------
+def test_endpoint_naming_a_regular_file_is_refused_and_left_alone(tiny_model, tmp_path):
+    victim = tmp_path / "notes.txt"
+    victim.write_text("precious\n")
+    out = _run_iod("--model", str(tiny_model), "--arena-slots", "2", "--endpoint", f"ipc://{victim}",
+                   "--status-endpoint", f"ipc://{tmp_path}/status.sock")
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is a regular file, not a socket" in lines[0] and str(victim) in lines[0], lines
+    assert victim.read_text() == "precious\n"
+    assert not (tmp_path / "status.sock").exists()
+
+
+# -- item 5: abstract sockets ---------------------------------------------------------------
+def test_abstract_endpoint_refused_unless_allowed(tiny_model, tmp_path):
+    abstract = f"ipc://@moestream-test-{uuid.uuid4().hex}"
+    out = _run_iod("--model", str(tiny_model), "--arena-slots", "2", "--endpoint", abstract,
+                   "--status-endpoint", f"ipc://{tmp_path}/status.sock")
+    assert out.returncode == 2
+    assert "abstract socket" in out.stderr and "no file" in out.stderr and "--allow-abstract" in out.stderr
+    with spawn_daemon(tiny_model, run_dir=tmp_path / "run", arena_slots=2,
+                      extra_args=["--endpoint", abstract, "--allow-abstract"]) as d:
+        with IodClient(abstract, name="abstract-ok") as c:
+            c.ping()
+        assert get_status(d.status_endpoint)["endpoint"] == abstract
+
+
+# -- item 7: client names -------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["ok\nmoestream-iod: INFO forged line", "\x1b[2J\x07", "x" * (P.MAX_NAME + 1), 5,
+                                  "nul\x00", "line\u2028sep"])
+def test_bad_client_names_are_refused_at_hello(tiny_model, start_daemon, name):
+    d = start_daemon(tiny_model, arena_slots=2)
+    s = _dealer(d.endpoint)
+    try:
+        s.send(P.Hello(P.PROTOCOL_VERSION, name).encode())
+        msg = _reply(s)
+        assert isinstance(msg, P.Error) and msg.code == "bad_message", msg
+        assert "\n" not in msg.message and "\x1b" not in msg.message
+        assert get_status(d.status_endpoint)["clients"] == []
+    finally:
+        s.close()
+
+
+def test_names_are_escaped_in_status(tiny_model, start_daemon):
+    d = start_daemon(tiny_model, arena_slots=2)
+    with IodClient(d.endpoint, name="tab\there é✓") as c:  # the client escapes what it would be refused for
+        c.ping()
+        s = get_status(d.status_endpoint)
+        assert [x["name"] for x in s["clients"]] == ["tab\\there é✓"]
+    # an older daemon (or anything answering on the status socket) may send anything: the table escapes it
+    s["clients"][0]["name"] = "evil\nforged\x1b[31m\x07"
+    table = format_status(s)
+    assert "\x1b" not in table and "\x07" not in table and "forged" not in table.split("\n")[-1][:3]
+    assert "evil\\nforged\\x1b[" in table
+
+
+# -- item 3: bounded memory per message and per client --------------------------------------
+def test_huge_multipart_message_is_dropped_without_buffering(tiny_model, start_daemon):
+    d = start_daemon(tiny_model, arena_slots=2)
+    before = _memory_kib(d.pid)
+    s = _dealer(d.endpoint, SNDHWM=0)
+    try:
+        big = b"\x00" * (15 << 20)
+        s.send_multipart([big] * 40)  # 600 MiB in one message (each frame under the old 16 MiB limit)
+        s.send(P.Ping(7.0).encode())  # after it: answered once the daemon has dealt with the big one
+        deadline = time.monotonic() + 20
+        while True:
+            msg = _reply(s, max(0.1, deadline - time.monotonic()))
+            if isinstance(msg, P.Pong):
+                break
+        after = _memory_kib(d.pid)
+        grew_mib = (after["VmHWM"] - before["VmHWM"]) / 1024
+        assert grew_mib < 64, f"daemon peak memory grew by {grew_mib:.0f} MiB ({before} -> {after})"
+        # many small frames: read one at a time, dropped, one error; too big in total: too_large
+        s.send_multipart([b"x" * 1000] * 40)
+        msg = _reply(s)
+        assert isinstance(msg, P.Error) and msg.code == "bad_message" and "41 frames" in msg.message, msg
+        s.send(b"\x00" * (P.MAX_FRAME_BYTES + 4096))
+        msg = _reply(s)
+        assert isinstance(msg, P.Error) and msg.code == "too_large", msg
+        with IodClient(d.endpoint) as c:
+            c.release(c.fetch([(0, 0)])[0].result(10))
+    finally:
+        s.close()
+
+
+def test_outstanding_requests_per_client_are_capped(tiny_model, start_daemon, tmp_path, wait_status):
+    d = start_daemon(tiny_model, arena_slots=4, extra_args=_config(tmp_path, "max_queued_per_client = 8\n"))
+    with IodClient(d.endpoint, name="greedy") as c, IodClient(d.endpoint, name="other") as other:
+        held = [f.result(10) for f in c.fetch([(0, e) for e in range(4)])]  # the arena is now all leased
+        waiting = c.fetch([(1, e) for e in range(6)])  # queued: no slot can be freed
+        wait_status(d.status_endpoint, lambda s: any(x["outstanding"] == 6 for x in s["clients"]))
+        refused = c.fetch([(0, 4), (0, 5), (0, 6)])
+        for f in refused:
+            with pytest.raises(IodRequestError, match="busy") as e:
+                f.result(10)
+        assert "limit of 8" in e.value.message
+        assert not any(f.done() for f in waiting)
+        other_waiting = other.fetch([(1, e) for e in range(8)])  # the limit is per client
+        for client, futures in ((c, waiting), (other, other_waiting)):
+            for f in futures:  # each lease back as it comes: 4 slots serve 14 requests
+                f.add_done_callback(lambda f, client=client: client.release(f.result()))
+        for lease in held:
+            c.release(lease)
+        for f in [*waiting, *other_waiting]:
+            f.result(10)
+        s = get_status(d.status_endpoint)
+        assert s["client_busy"] == 1 and s["errors_by_code"] == {"busy": 1}
+        assert [x["outstanding"] for x in s["clients"]] == [0, 0]
+
+
+# -- item 4: replies dropped at the high-water mark -----------------------------------------
+def test_client_that_never_reads_holds_no_lease_for_dropped_replies(tiny_model, start_daemon, tmp_path):
+    d = start_daemon(tiny_model, arena_slots=16, extra_args=_config(tmp_path, "max_replies_queued = 1000\n"))
+    keys = [[layer, e] for layer in range(2) for e in range(8)]
+    with IodClient(d.endpoint) as warm:  # every expert cached: each fetch is 16 immediate `ready`s
+        for f in warm.fetch([tuple(k) for k in keys]):
+            warm.release(f.result(10))
+    s = _dealer(d.endpoint, RCVHWM=1, RCVBUF=4096, SNDHWM=0)
+    try:
+        s.send(P.Hello(P.PROTOCOL_VERSION, "never-reads").encode())
+        assert isinstance(_reply(s), P.Welcome)
+        n = 0
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the daemon has had to drop replies
+            for _ in range(100):
+                n += 1
+                s.send(P.Fetch(n, keys).encode())
+            st = get_status(d.status_endpoint)
+            if st["replies_dropped"]:
+                break
+        st = get_status(d.status_endpoint)
+        (me,) = [x for x in st["clients"] if x["name"] == "never-reads"]
+        assert me["replies_dropped"] > 0
+        assert me["leases"] == me["readies"] == st["arena"]["leases"], "a lease without a delivered reply"
+        got = 0
+        while s.poll(500):
+            if isinstance(P.decode_reply(s.recv()), P.Ready):
+                got += 1
+        st = get_status(d.status_endpoint)
+        (me,) = [x for x in st["clients"] if x["name"] == "never-reads"]
+        assert got == me["readies"] == me["leases"] == st["arena"]["leases"]
+        assert me["readies"] + me["replies_dropped"] == me["requests"]
+    finally:
+        s.close()
+
+
+# -- item 10: systemd fit -------------------------------------------------------------------
+def test_sighup_is_logged_and_ignored(tiny_model, start_daemon):
+    d = start_daemon(tiny_model, arena_slots=2)
+    with IodClient(d.endpoint) as c:
+        os.kill(d.pid, signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "SIGHUP ignored" not in d.log_text() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert d.alive() and "SIGHUP ignored" in d.log_text()
+        c.release(c.fetch([(0, 1)])[0].result(10))
+    assert d.stop() == 0
+
+
+def test_version():
+    out = _run_iod("--version")
+    assert out.returncode == 0 and out.stdout.startswith("moestream-iod ") and out.stdout.split()[1][0].isdigit()
+
+
+# -- item 11: errors that say what is wrong -------------------------------------------------
+def test_client_pointed_at_status_socket_is_told_so(tiny_model, start_daemon):
+    d = start_daemon(tiny_model, arena_slots=2)
+    t0 = time.monotonic()
+    with pytest.raises(IodUnavailable, match="status endpoint") as e:
+        IodClient(d.status_endpoint, timeout_s=3)
+    assert d.endpoint in str(e.value) and time.monotonic() - t0 < 2
+
+
+def test_client_without_permission_is_told_so(tiny_model, start_daemon, tmp_path):
+    d = start_daemon(tiny_model, arena_slots=2)
+    # Root may open anything: there the client drops to nobody once imported (the interpreter may sit
+    # where nobody cannot read it); otherwise the socket file loses its permissions.
+    code = ("import os, sys\nfrom moestream.common.client import IodClient, IodUnavailable\n"
+            "if os.geteuid() == 0:\n    os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
+            "try:\n    IodClient(sys.argv[1], timeout_s=3)\nexcept IodUnavailable as e:\n    print(e)\n")
+    if os.geteuid() != 0:
+        os.chmod(d.endpoint[len("ipc://"):], 0)
+    out = subprocess.run([sys.executable, "-c", code, d.endpoint], capture_output=True, text=True, timeout=30)
+    assert "permission denied" in out.stdout and d.endpoint[len("ipc://"):] in out.stdout, out
+
+
+def test_endpoint_that_is_not_a_socket_is_told_so(tmp_path):
+    notsock = tmp_path / "plain"
+    notsock.write_text("")
+    t0 = time.monotonic()
+    with pytest.raises(IodUnavailable, match="is not a socket"):
+        get_status(f"ipc://{notsock}")
+    with pytest.raises(IodUnavailable, match="is not a socket"):
+        IodClient(f"ipc://{notsock}", timeout_s=3)
+    with pytest.raises(IodUnavailable, match="no answer .* there is no socket at"):
+        IodClient(f"ipc://{tmp_path}/missing.sock", timeout_s=0.3)
+    assert time.monotonic() - t0 < 2
