@@ -95,17 +95,20 @@ class Arena(_Slots):
     @classmethod
     def create(cls, n_slots: int, slot_bytes: int, *, mode: int = 0o660, group: str | None = None,
                prefault: bool = True) -> Arena:
-        """A new segment with a unique name, not world-accessible, every page touched once."""
+        """A new segment with a unique name, every page touched once. Its mode is `mode` less any
+        write bit but the owner's (0660 -> 0640): the group (decoders) may read the experts and
+        never change what the others are served; nobody else may open it."""
         _check_geometry(n_slots, slot_bytes)
         name = f"{NAME_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"  # the pid says whose it is
         path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode & 0o660)
+        mode = arena_mode(mode)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
         try:
             # Held for the daemon's life: a segment nobody holds locked is a crashed daemon's.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if os.stat(path).st_ino != os.fstat(fd).st_ino:
                 raise ArenaError(f"{path} was removed while being created")
-            os.fchmod(fd, mode & 0o660)  # umask must not decide who can read the experts
+            os.fchmod(fd, mode)  # umask must not decide who can read the experts
             if group is not None:
                 os.fchown(fd, -1, _gid(group))
             os.ftruncate(fd, n_slots * slot_bytes)
@@ -197,6 +200,12 @@ class ArenaView(_Slots):
 
     def close(self) -> None:
         self._unmap()
+
+
+def arena_mode(socket_mode: int) -> int:
+    """The arena file's mode for a daemon whose sockets get `socket_mode`: owner read-write, the
+    group read-only at most, others nothing."""
+    return socket_mode & 0o640
 
 
 def _gid(group: str) -> int:

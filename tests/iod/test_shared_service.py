@@ -251,3 +251,21 @@ def test_endpoint_that_is_not_a_socket_is_told_so(tmp_path):
     with pytest.raises(IodUnavailable, match="no answer .* there is no socket at"):
         IodClient(f"ipc://{tmp_path}/missing.sock", timeout_s=0.3)
     assert time.monotonic() - t0 < 2
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the reader as a second uid in the group")
+def test_a_group_member_can_read_the_arena_but_never_write_it(tiny_model, start_daemon):
+    """Item 1: the arena is group read-only. A decoder in the socket group (here: nobody, in group
+    nogroup) attaches it read-only and fetches, but cannot open it for writing."""
+    import grp
+
+    group = grp.getgrgid(65534).gr_name
+    d = start_daemon(tiny_model, arena_slots=2, extra_args=["--socket-group", group])
+    arena = next(p for p in os.listdir("/dev/shm") if p.startswith(f"moestream-{d.pid}-"))
+    path = f"/dev/shm/{arena}"
+    assert os.stat(path).st_mode & 0o777 == 0o640 and os.stat(path).st_gid == 65534
+    code = ("import os, sys\nos.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
+            "try:\n    os.open(sys.argv[1], os.O_RDWR)\nexcept PermissionError:\n    print('no write')\n"
+            "fd = os.open(sys.argv[1], os.O_RDONLY)\nprint('read', len(os.read(fd, 16)))\n")
+    out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=30)
+    assert out.stdout.split() == ["no", "write", "read", "16"], out
