@@ -26,7 +26,7 @@ MAX_FRAME_BYTES = 256 << 10  # requests are small; anything bigger is refused un
 MAX_REPLY_BYTES = 16 << 20  # status replies and welcomes can carry tables
 MAX_KEYS = 4096  # experts per fetch
 MAX_NAME = 256  # client names, error messages are cut here
-PRIORITIES = ("now", "ahead")
+PRIORITIES = ("now", "ahead", "cached")  # cached: serve only from the arena, never read
 
 
 class ErrorCode(str, enum.Enum):
@@ -41,6 +41,7 @@ class ErrorCode(str, enum.Enum):
     DUPLICATE_ID = "duplicate_id"  # fetch id already in use by this client
     BUSY = "busy"  # queue full: retry later
     DROPPED = "dropped"  # stale `ahead` work dropped
+    NOT_CACHED = "not_cached"  # a `cached` fetch of an expert the arena does not hold (nothing is read)
     IO_ERROR = "io_error"  # the read failed
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"

@@ -7,7 +7,10 @@ A decoder on CPU keeps no expert memory of its own. For each layer, `ArenaExpert
    wanted expert — including a prefetch still in flight, which is cancelled so that it cannot
    queue behind other prefetches — goes out in one `fetch now` message;
 3. sends the predictions deferred until now (`prefetch_ahead(..., defer=True)`), so they queue
-   behind this layer's demand at the daemon, which reads `now` before `ahead`;
+   behind this layer's demand at the daemon, which reads `now` before `ahead`. Predictions come
+   in two strengths: `ahead` (read from disk if need be: each token's top-1 guess by default, a
+   wrong guess costs a read and an eviction) and `cached` (the rest of the top-k: leased only if
+   the arena already holds them, never read: a right guess then costs the layer no round trip);
 4. computes the experts whose leases have arrived (one kernel call per batch of arrivals),
    straight from the read-only arena slots (`quant_experts.run_experts`, zero copies), and
    releases those leases at once: the slots stay in the daemon's host tier (decayed LFU,
@@ -52,13 +55,15 @@ class Prefetches:
     def __init__(self, client: IodClient, limit: int):
         self.client, self.limit = client, max(0, limit)
         self._by_layer: dict[int, dict[int, cf.Future]] = {}
-        self.c = dict.fromkeys(("sent", "skipped", "useful", "hidden", "late", "wasted", "cancelled"), 0)
+        self.c = dict.fromkeys(("sent", "sent_if_cached", "not_cached", "skipped", "useful", "hidden", "late",
+                                "wasted", "cancelled"), 0)
 
     def outstanding(self) -> int:
         return sum(len(m) for m in self._by_layer.values())
 
-    def send(self, predictions: Predictions) -> None:
-        """One `fetch ahead` for the predicted experts not requested yet, within `limit`."""
+    def send(self, predictions: Predictions, priority: str = "ahead") -> None:
+        """One fetch (`ahead`: read if need be; `cached`: only if the arena holds it) for the
+        predicted experts not requested yet, within `limit`."""
         keys, room = [], self.limit - self.outstanding()
         for layer in sorted(predictions):
             mine = self._by_layer.setdefault(layer, {})
@@ -70,20 +75,22 @@ class Prefetches:
                 room -= 1
         if not keys:
             return
-        for (layer, e), fut in zip(keys, self.client.fetch(keys, "ahead")):
+        for (layer, e), fut in zip(keys, self.client.fetch(keys, priority)):
             self._by_layer[layer][e] = fut
-        self.c["sent"] += len(keys)
+        self.c["sent" if priority == "ahead" else "sent_if_cached"] += len(keys)
 
     def take(self, layer: int, wanted: list[int]) -> dict[int, cf.Future]:
         """`layer` runs now: return its prefetches of `wanted` experts whose lease came; give up
         the rest (in flight ones are cancelled: the caller fetches those `now`)."""
         mine = self._by_layer.pop(layer, {})
         landed = {e: f for e, f in mine.items() if e in wanted and _leased(f)}
-        late = [f for e, f in mine.items() if e in wanted and e not in landed]
-        unused = [f for e, f in mine.items() if e not in wanted]
+        refused = [f for f in mine.values() if f.done() and not f.cancelled() and f.exception() is not None]
+        late = [f for e, f in mine.items() if e in wanted and e not in landed and f not in refused]
+        unused = [f for e, f in mine.items() if e not in wanted and f not in refused]
         self.c["useful"] += len(landed) + len(late)
         self.c["hidden"] += len(landed)
         self.c["late"] += len(late)
+        self.c["not_cached"] += len(refused)  # or dropped: fetched `now` if wanted
         self._count_unused(unused)
         self.give_up(late + unused)
         return landed
@@ -123,7 +130,7 @@ class ArenaExperts(ExpertSource):
         limit = prefetch_limit if prefetch_limit is not None else n_slots // 2 - layout.hparams.n_expert_used
         self.prefetches = Prefetches(client, limit)
         self._base = np.frombuffer(client.arena.whole(), dtype=np.uint8) if client.arena is not None else None
-        self._deferred: dict[int, set[int]] = {}
+        self._deferred: list[tuple[Predictions, Predictions]] = []  # sent after the next layer's demand
         self._closed = False
         self.c: dict[str, Any] = dict.fromkeys(("acquired", "demand", "refetched", "bytes_fetched"), 0)
         self.c.update(stall_s=0.0, compute_s=0.0)
@@ -133,12 +140,19 @@ class ArenaExperts(ExpertSource):
         self._deferred.clear()
         self.prefetches.clear()
 
-    def prefetch_ahead(self, predictions: Predictions, defer: bool = False) -> None:
-        if not defer:
-            self.prefetches.send(predictions)
-            return
-        for layer, experts in predictions.items():
-            self._deferred.setdefault(layer, set()).update(int(e) for e in experts)
+    def prefetch_ahead(self, predictions: Predictions, defer: bool = False,
+                       if_cached: Predictions | None = None) -> None:
+        """`predictions` are fetched `ahead` (read if need be); `if_cached` ones only if the arena
+        holds them (a lease, no read: a hit then costs this layer no round trip)."""
+        if defer:
+            self._deferred.append((predictions, if_cached or {}))
+        else:
+            self._send(predictions, if_cached or {})
+
+    def _send(self, predictions: Predictions, if_cached: Predictions) -> None:
+        self.prefetches.send(predictions, "ahead")
+        if any(if_cached.values()):
+            self.prefetches.send(if_cached, "cached")
 
     def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         groups = group_by_expert(ids)
@@ -188,9 +202,9 @@ class ArenaExperts(ExpertSource):
         if fresh:
             pending.update(zip(self.client.fetch([(layer, e) for e in fresh], "now"), fresh))
             self.c["demand"] += len(fresh)
-        if self._deferred:
-            deferred, self._deferred = self._deferred, {}
-            self.prefetches.send({k: sorted(v) for k, v in deferred.items()})
+        deferred, self._deferred = self._deferred, []
+        for predictions, if_cached in deferred:
+            self._send(predictions, if_cached)
         return pending
 
     def _arrivals(self, layer: int, pending: dict[cf.Future, int]) -> Iterator[dict[int, Lease]]:
@@ -256,8 +270,9 @@ def describe_stats(st: dict[str, Any]) -> str:
     lines = [f"experts: {st['acquired']} used, {st['demand']} fetched now, {st['bytes_fetched'] / 2**20:.1f} MiB "
              f"delivered, stall {st['stall_s'] * 1e3:.1f} ms, compute {st['compute_s'] * 1e3:.1f} ms"
              + (f", {st['refetched']} refetched" if st["refetched"] else "")]
-    if p["sent"] or p["skipped"]:
-        lines.append(f"prefetch: {p['sent']} sent, {p['useful']} useful ({p['hidden']} in time, {p['late']} late), "
-                     f"{p['wasted']} wasted, {p['cancelled']} cancelled, {p['skipped']} over the limit; "
-                     f"hid {st['hidden_share']:.1%} of the misses")
+    if p["sent"] or p["sent_if_cached"] or p["skipped"]:
+        lines.append(f"prefetch: {p['sent']} sent ahead, {p['sent_if_cached']} if cached ({p['not_cached']} were "
+                     f"not), {p['useful']} useful ({p['hidden']} in time, {p['late']} late), {p['wasted']} wasted, "
+                     f"{p['cancelled']} cancelled, {p['skipped']} over the limit; hid {st['hidden_share']:.1%} of "
+                     f"the fetches")
     return "\n".join(lines)

@@ -69,9 +69,11 @@ class ExpertSource(ABC):
     def begin_step(self) -> None:
         """One forward pass starts (policy decay tick; prefetches of the last one are given up)."""
 
-    def prefetch_ahead(self, predictions: Predictions, defer: bool = False) -> None:
+    def prefetch_ahead(self, predictions: Predictions, defer: bool = False,
+                       if_cached: Predictions | None = None) -> None:
         """Hint that these layers' experts will probably be needed soon. With `defer` the
-        hint waits until the next `mix` has requested its own experts."""
+        hint waits until the next `mix` has requested its own experts. `if_cached`: less likely
+        ones, worth having at hand only where that costs no read (a source may ignore them)."""
 
     @abstractmethod
     def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

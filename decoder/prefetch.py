@@ -158,7 +158,8 @@ class Prefetcher:
             raise ValueError(f"prefetch point must be one of {self.AT}, got {at!r}")
         hp = model.hparams
         self.model, self.source, self.depth, self.at = model, source, depth, at
-        self.top_k = top_k or hp.n_expert_used
+        self.k = hp.n_expert_used
+        self.top_k = min(top_k or self.k, self.k)  # fetched ahead; the rest of the top-k only if cached
         self.n_layer = hp.n_layer
         self.predictions = 0  # (layer, expert) keys predicted
         self.predict_s = 0.0
@@ -180,11 +181,13 @@ class Prefetcher:
             return
         t0 = time.perf_counter()
         # top-k of the router logits: softmax keeps their order
-        ids = [torch.topk(self.model.router_logits(nxt, h), self.top_k, dim=-1).indices for nxt in layers]  # [n, k]
-        picked = torch.stack(ids).flatten(1).tolist()  # [layers][n*k]: one host sync for all of them
-        predictions = {nxt: sorted(set(row)) for nxt, row in zip(layers, picked)}
+        ids = [torch.topk(self.model.router_logits(nxt, h), self.k, dim=-1).indices for nxt in layers]  # [n, k]
+        picked = torch.stack(ids).tolist()  # [layers][n][k]: one host sync for all of them
+        predictions = {nxt: sorted({e for row in rows for e in row[:self.top_k]}) for nxt, rows in zip(layers, picked)}
+        if_cached = {nxt: sorted({e for row in rows for e in row[self.top_k:]} - set(predictions[nxt]))
+                     for nxt, rows in zip(layers, picked)}
         self.predictions += sum(len(es) for es in predictions.values())
-        self.source.prefetch_ahead(predictions, defer=defer)
+        self.source.prefetch_ahead(predictions, defer=defer, if_cached=if_cached)
         self.predict_s += time.perf_counter() - t0
 
     def stats(self) -> dict[str, Any]:

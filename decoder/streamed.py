@@ -64,9 +64,11 @@ class StreamedExperts(AcquireSource):
         """Send `fetch ahead` for predicted experts not resident."""
         self.ahead.send({layer: experts})
 
-    def prefetch_ahead(self, predictions: Mapping[int, Sequence[int]], defer: bool = False) -> None:
+    def prefetch_ahead(self, predictions: Mapping[int, Sequence[int]], defer: bool = False,
+                       if_cached: Mapping[int, Sequence[int]] | None = None) -> None:
         """`prefetch` for several layers in one message; with `defer` (made before a layer's
-        `acquire`) it goes out right after that layer's own demand fetch."""
+        `acquire`) it goes out right after that layer's own demand fetch. `if_cached` is not used:
+        a slot cache copies what it is given, so only real predictions are worth a slot."""
         (self.ahead.defer if defer else self.ahead.send)(predictions)
 
     def acquire(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:

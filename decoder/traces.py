@@ -193,8 +193,9 @@ class RoutingRecorder(ExpertSource):
         self.steps.append([])
         self.inner.begin_step()
 
-    def prefetch_ahead(self, predictions: Predictions, defer: bool = False) -> None:
-        self.inner.prefetch_ahead(predictions, defer)
+    def prefetch_ahead(self, predictions: Predictions, defer: bool = False,
+                       if_cached: Predictions | None = None) -> None:
+        self.inner.prefetch_ahead(predictions, defer, if_cached)
 
     def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         self.steps[-1].extend((layer, e) for e in sorted(set(ids.flatten().tolist())))  # one sync, tracing only

@@ -241,7 +241,10 @@ class Server:
         if load is not None:
             c.n.joined += 1
             self.stats.totals.joined += 1
-            self.sched.join(load, w, priority)
+            self.sched.join(load, w, "ahead" if priority == "cached" else priority)
+            return
+        if priority == "cached":  # a guess worth a lease (in the arena or on its way), not a read
+            self._answer_error(w, P.ErrorCode.NOT_CACHED, "not in the arena")
             return
         c.n.misses += 1
         self.stats.totals.misses += 1

@@ -124,7 +124,30 @@ def test_a_prefetch_that_failed_is_fetched_again_now(setups, start_daemon):
         failed = sum(1 for f in mine.values() if f.cancelled() or f.exception() is not None)
         got = src.mix(0, x, weights, ids)
         assert torch.equal(got, want)
-        assert src.stats()["prefetch"]["useful"] == 5 and src.stats()["demand"] == failed >= 1
+        p = src.stats()["prefetch"]
+        assert p["useful"] + p["not_cached"] == 5 and p["not_cached"] == 1  # the dropped one was no use
+        assert src.stats()["demand"] == failed >= 1
+
+
+def test_predictions_if_cached_never_read(setups, start_daemon):
+    """`cached` prefetches lease what the arena holds and never cause a read; a right guess then
+    leaves the layer nothing to wait for."""
+    from moestream.common.status_cli import get_status
+
+    s = setups("Q8_0")
+    daemon = start_daemon(s.path, arena_slots=8)
+    x, weights, ids = torch.randn(1, s.layout.hparams.n_embd), torch.full((1, 2), 0.5), torch.tensor([[1, 2]])
+    with open_arena(s.layout, daemon.endpoint, prefetch_limit=8) as src, QuantResidentExperts(s.layout) as resident:
+        src.prefetch_ahead({}, if_cached={0: [1, 2]})  # nothing in the arena yet
+        got = src.mix(0, x, weights, ids)
+        reads = get_status(daemon.status_endpoint)["reads"]
+        assert reads == 2  # the two demand reads only: the cached guesses read nothing
+        src.begin_step()
+        src.prefetch_ahead({}, if_cached={0: [1, 2, 5]})  # 1, 2 are in the arena now; 5 is not
+        assert torch.equal(src.mix(0, x, weights, ids), got) and torch.equal(got, resident.mix(0, x, weights, ids))
+        st = src.stats()
+        assert get_status(daemon.status_endpoint)["reads"] == reads  # no read for 5, none for 1, 2
+        assert st["prefetch"]["hidden"] + st["prefetch"]["late"] == 2 and st["demand"] <= 2 + st["prefetch"]["late"]
 
 
 def test_quant_on_cuda_or_with_slots_is_a_clear_error(tiny_model):

@@ -47,7 +47,7 @@ class Hints(ResidentExperts):
         super().__init__(layout)
         self.hints: list[tuple[int, list[int]]] = []
 
-    def prefetch_ahead(self, predictions, defer=False):
+    def prefetch_ahead(self, predictions, defer=False, if_cached=None):
         self.hints += [(layer, list(experts)) for layer, experts in predictions.items()]
 
 
@@ -263,7 +263,7 @@ def test_attention_point_hints_are_sent_after_the_layer_pins_its_own(setup):
             calls.append(("acquire", layer))
             return super().acquire(layer, experts)
 
-        def prefetch_ahead(self, predictions, defer=False):
+        def prefetch_ahead(self, predictions, defer=False, if_cached=None):
             calls.append(("hint", defer, sorted(predictions)))
 
     hook = Prefetcher(model, Source(layout), 2, at="attention")

@@ -219,7 +219,7 @@ def test_sigterm_cleans_up(tiny_model, start_daemon):
     d = start_daemon(tiny_model, arena_slots=2)
     with IodClient(d.endpoint) as c:
         arena = Path("/dev/shm") / c.welcome["arena_name"]
-        assert arena.exists() and (arena.stat().st_mode & 0o777) == 0o660
+        assert arena.exists() and (arena.stat().st_mode & 0o777) == 0o640  # group read-only
         [f.result(5) for f in c.fetch([(0, 0)])]  # exit with a lease held
         sock = Path(d.endpoint[len("ipc://"):])
         assert (sock.stat().st_mode & 0o777) == 0o660
