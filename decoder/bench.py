@@ -42,9 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefetch depth of the 'tight, prefetch' phase (default 1; a 'tight, no prefetch' phase "
                    "always runs beside it; 0 = only that one). On a CPU prefetch did not win on the shipped "
                    "model: a miss costs mostly dequantizing, which prefetch cannot take off the busy cores")
-    p.add_argument("--prefetch-at", choices=("layer", "attention"), default="layer",
-                   help="predict layer L+1 after layer L (default: more accurate) or after layer L's attention "
-                   "(earlier, sent once L's own experts are pinned)")
+    p.add_argument("--prefetch-at", choices=("layer", "attention"), default=None,
+                   help="predict layer L+1 after layer L (more accurate) or after layer L's attention "
+                   "(earlier, sent once L's own experts are requested); default: attention with quant, else layer")
     p.add_argument("--landing", choices=("auto", "eager", "lazy"), default="auto",
                    help="prefetched experts land eagerly into a slot on the receiver thread, or lazily from the "
                    "arena when their layer runs (auto: eager on cuda, lazy on cpu)")
@@ -116,7 +116,8 @@ class Run:
             status = None
         self.stack.enter_context(source)
         top = self.cfg.resolved_prefetch_top
-        hook = Prefetcher(self.model, source, prefetch, top, self.args.prefetch_at) if prefetch else None
+        at = self.args.prefetch_at or self.cfg.resolved_prefetch_at
+        hook = Prefetcher(self.model, source, prefetch, top, at) if prefetch else None
         return source, hook, status
 
 
@@ -146,7 +147,7 @@ class Phase:
             p = st["prefetch"]
             return {"acquired": st["acquired"], "misses": d["reads"], "hits": st["acquired"] - d["reads"],
                     "useful": p["useful"], "hidden": p["hidden"], "bytes_fetched": d["bytes_read"],
-                    "stall_s": st["stall_s"], "predicted": p["sent"], "predicted_right": p["useful"]}
+                    "stall_s": st["stall_s"], "predicted": p["sent"] + p["sent_if_cached"], "predicted_right": p["useful"]}
         keys = ("acquired", "hits", "misses", "useful", "hidden", "bytes_fetched", "stall_s", "predicted",
                 "predicted_right")
         return {k: st[k] for k in keys if k in st}

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="layers of router look-ahead for prefetching (default 1, 0 = off): after layer L the "
                          "routers of layers L+1..L+N guess their experts, fetched `ahead` so disk reads overlap "
                          "compute; deeper keeps more reads in flight when experts come from disk")
+    ap.add_argument("--prefetch-at", dest="prefetch_at", choices=["layer", "attention"],
+                    help="predict layer L+1's experts after layer L (more accurate) or after layer L's "
+                         "attention (the fetch then overlaps all of layer L's experts; default with the quant format)")
     ap.add_argument("--prefetch-top", type=int, dest="prefetch_top", metavar="N",
                     help="prefetch each token's N most likely experts per predicted layer (default: 1 with the "
                          "quant format, where a wrong guess costs a disk read and an eviction in the shared arena; "
@@ -120,7 +123,9 @@ def open_streamed(cfg: DecoderConfig, layout: Any, model: Any) -> tuple[Any, Cal
         source = connect(layout, cfg.iod, device=cfg.torch_device, dtype=cfg.torch_dtype,
                          slot_format=cfg.resolved_slot_format, fetch_timeout_s=cfg.fetch_timeout_s,
                          name="moestream-generate", **sized)
-    hook = Prefetcher(model, source, cfg.prefetch, top_k=cfg.resolved_prefetch_top) if cfg.prefetch > 0 else None
+    top = cfg.resolved_prefetch_top
+    at = cfg.resolved_prefetch_at
+    hook = Prefetcher(model, source, cfg.prefetch, top_k=top, at=at) if cfg.prefetch > 0 else None
     return source, hook
 
 

@@ -36,6 +36,7 @@ class DecoderConfig:
     cache_bytes: int | None = None  # ... or in bytes
     slot_format: str = "auto"  # auto -> raw on cuda, quant on cpu
     prefetch: int = 1  # layers of router look-ahead (0 = off)
+    prefetch_at: str | None = None  # predict after a layer or after its attention (default: see below)
     prefetch_top: int | None = None  # experts per token and layer to prefetch (default: the model's top-k)
     max_new_tokens: int = 32
     temperature: float = 0.0
@@ -54,6 +55,8 @@ class DecoderConfig:
         self._check_numbers()
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.prefetch_at not in (None, "layer", "attention"):
+            raise ConfigError(f"prefetch_at must be layer or attention, got {self.prefetch_at!r}")
         if self.slot_format not in SLOT_FORMATS:
             raise ConfigError(f"slot_format must be one of {', '.join(SLOT_FORMATS)}, got {self.slot_format!r}")
         _ = self.torch_device  # validates the device name (and that CUDA exists when asked for)
@@ -120,6 +123,15 @@ class DecoderConfig:
         if self.slot_format != "auto":
             return self.slot_format
         return "raw" if self.torch_device.type == "cuda" else "quant"
+
+    @property
+    def resolved_prefetch_at(self) -> str:
+        """After layer L's attention with the quant format: the guess for L+1 then has all of L's
+        experts to arrive (peer model, 32 tokens: 11.9 vs 11.3 tok/s at a 25 % cap, 17.7 vs 16.3 at
+        50 %); after layer L otherwise (the slot cache path's measured default)."""
+        if self.prefetch_at is not None:
+            return self.prefetch_at
+        return "attention" if self.resolved_slot_format == "quant" else "layer"
 
     @property
     def resolved_prefetch_top(self) -> int | None:
