@@ -129,8 +129,11 @@ def open_streamed(cfg: DecoderConfig, layout: Any, model: Any) -> tuple[Any, Cal
     return source, hook
 
 
-def prompt_ids(cfg: DecoderConfig, tok: Any) -> list[list[int]]:
+def prompt_ids(cfg: DecoderConfig, tok: Any, n_vocab: int) -> list[list[int]]:
     if cfg.prompt_ids:
+        bad = sorted({t for ids in cfg.prompt_ids for t in ids if t >= n_vocab})
+        if bad:
+            raise ValueError(f"--prompt-ids: token ids {bad[:5]} are not in the model's vocabulary of {n_vocab}")
         return [list(ids) for ids in cfg.prompt_ids]
     texts = [tok.render_chat([{"role": "user", "content": p}]) if cfg.chat else p for p in cfg.prompts]
     return [tok.encode(t) for t in texts]
@@ -151,7 +154,7 @@ def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
 
     layout = ModelLayout(cfg.model)
     tok = GGUFTokenizer.from_layout(layout)
-    ids = prompt_ids(cfg, tok)
+    ids = prompt_ids(cfg, tok, layout.hparams.n_vocab)
     t0 = time.perf_counter()
     model = load_model(layout, cfg.torch_device, cfg.torch_dtype, progress=cfg.progress,
                        keep_quantized=cfg.resolved_slot_format == "quant")

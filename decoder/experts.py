@@ -3,9 +3,9 @@
 The model never knows where experts live: the MoE block routes, then asks its `ExpertSource`
 to `mix(layer, x, weights, ids)` (every routed expert's SwiGLU output, weighted and summed).
 
-- `QuantExperts` family (`quant_experts.py`, CPU): computed on the quantized GGUF blocks
-  where they lie: the file's memory map (`QuantResidentExperts`) or a leased slot of the
-  daemon's shared-memory arena (`arena_experts.ArenaExperts`); no dequantized copy is kept.
+- CPU, the `quant` format: computed on the quantized GGUF blocks where they lie, the file's
+  memory map (`quant_experts.QuantResidentExperts`) or a leased slot of the daemon's
+  shared-memory arena (`arena_experts.ArenaExperts`); no dequantized copy is kept.
 - `AcquireSource` family: float weights per expert, `acquire`d for a layer and `release`d
   after it: `ResidentExperts` below (dequantized at start, or raw and dequantized on use)
   and the device slot cache of `streamed.StreamedExperts` (the GPU path).

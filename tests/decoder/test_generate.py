@@ -159,6 +159,8 @@ def test_cli_json_and_trace(tiny_model, tmp_path, capsys):
     assert len(steps) == 4  # the prompt's forward pass and three decode steps
     assert all(len({layer for layer, _ in step}) == 2 for step in steps)  # every layer routed
     assert len(steps[1]) == 2 * 2  # one token: top-2 in each of 2 layers
+    assert cli.main(["--model", str(tiny_model), "--resident", "--prompt-ids", "1,999999", "--no-progress"]) == 1
+    assert "token ids [999999] are not in the model's vocabulary" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["--model", str(tiny_model), "--resident", "--prompt-ids", "1,x"])
     assert "token ids must be comma-separated integers, got '1,x'" in capsys.readouterr().err
