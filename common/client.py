@@ -164,14 +164,23 @@ class IodClient:
         return self.slot_view(lease)[off : off + n]
 
     def release(self, lease: Lease) -> None:
-        key = (lease.slot, lease.generation)
+        self.release_many([lease])
+
+    def release_many(self, leases: Sequence[Lease]) -> None:
+        """Hand back leases in one message (views of them must not be used afterwards)."""
+        if not leases:
+            return
+        keys = [(lease.slot, lease.generation) for lease in leases]
         with self._lock:
-            if self._held.get(key, 0) <= 0:
-                raise ValueError(f"lease {lease.layer, lease.expert} (slot {lease.slot}) is not held")
-            self._held[key] -= 1
-            if not self._held[key]:
-                del self._held[key]
-        self._submit(P.Release(lease.slot, lease.generation).encode())
+            for lease, key in zip(leases, keys):
+                if self._held.get(key, 0) < keys.count(key):
+                    raise ValueError(f"lease {lease.layer, lease.expert} (slot {lease.slot}) is not held")
+            for key in keys:
+                self._held[key] -= 1
+                if not self._held[key]:
+                    del self._held[key]
+        more = [list(k) for k in keys[1:]] or None
+        self._submit(P.Release(keys[0][0], keys[0][1], more).encode())
 
     def cancel(self, futures: Iterable[cf.Future]) -> None:
         """Cancel requests still pending (typically stale prefetches); leases that arrive anyway are released."""

@@ -21,7 +21,7 @@ import msgpack
 # Where a system daemon (systemd/moestream-iod.service) listens; clients default to these.
 DEFAULT_ENDPOINT = "ipc:///run/moestream/iod.sock"
 DEFAULT_STATUS_ENDPOINT = "ipc:///run/moestream/status.sock"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: `cached` fetches, `release` with `more` pairs
 MAX_FRAME_BYTES = 256 << 10  # requests are small; anything bigger is refused unparsed
 MAX_REPLY_BYTES = 16 << 20  # status replies and welcomes can carry tables
 MAX_KEYS = 4096  # experts per fetch
@@ -191,13 +191,32 @@ class Ready(Message):
 
 @dataclass
 class Release(Message):
+    """Hand back one lease (slot, generation), plus optionally more: [[slot, generation], ...]
+    (a decoder returns a layer's leases in one message)."""
+
     op: ClassVar[str] = "release"
     slot: int
     generation: int
+    more: list | None = None
 
     @classmethod
     def from_map(cls, m: dict[str, Any]) -> Release:
-        return cls(_int(m.get("slot"), "slot", 0, 2**31), _int(m.get("generation"), "generation"))
+        more = m.get("more")
+        if more is not None:
+            if not isinstance(more, list) or len(more) > MAX_KEYS:
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"release 'more' must be a list of at most {MAX_KEYS} "
+                                    "[slot, generation] pairs")
+            more = [_pair(p) for p in more]
+        return cls(_int(m.get("slot"), "slot", 0, 2**31), _int(m.get("generation"), "generation"), more)
+
+    def leases(self) -> list[tuple[int, int]]:
+        return [(self.slot, self.generation), *((p[0], p[1]) for p in self.more or ())]
+
+
+def _pair(p: Any) -> list[int]:
+    if not isinstance(p, list) or len(p) != 2:
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "release 'more' entries must be [slot, generation]")
+    return [_int(p[0], "slot", 0, 2**31), _int(p[1], "generation")]
 
 
 @dataclass

@@ -98,9 +98,7 @@ class Prefetches:
     def give_up(self, futures: list[cf.Future]) -> None:
         """Cancel what is in flight (one message) and hand back leases that came."""
         self.client.cancel([f for f in futures if not f.done()])  # a lease arriving later goes back
-        for f in futures:
-            if _leased(f):
-                self.client.release(f.result())
+        self.client.release_many([f.result() for f in futures if _leased(f)])
 
     def clear(self) -> None:
         """Give up every prefetch (a new forward pass starts, or the source closes)."""
@@ -165,8 +163,7 @@ class ArenaExperts(ExpertSource):
                     mats = {e: self._mats(layer, lease) for e, lease in leases.items()}
                     outputs.update(run_experts(x, groups, weights, self._base, mats))
                 finally:
-                    for lease in leases.values():
-                        self.client.release(lease)
+                    self.client.release_many(list(leases.values()))
                 self.c["compute_s"] += time.perf_counter() - t0
         except BaseException:
             self.prefetches.give_up(list(pending))  # `_arrivals` keeps `pending` to what is still owed

@@ -257,12 +257,17 @@ class Server:
         c.answered(msg.rid, n)
 
     def _release(self, c: ClientState, msg: P.Release) -> None:
-        if not c.drop_lease(msg.slot, msg.generation):
-            raise P.ProtocolError(P.ErrorCode.NOT_LEASED, f"slot {msg.slot} generation {msg.generation} is not leased to you")
-        c.n.releases += 1
-        self.stats.totals.releases += 1
-        self.cache.release(msg.slot, msg.generation)
+        bad = []
+        for slot, generation in msg.leases():
+            if not c.drop_lease(slot, generation):
+                bad.append(f"slot {slot} generation {generation}")
+                continue
+            c.n.releases += 1
+            self.stats.totals.releases += 1
+            self.cache.release(slot, generation)
         self.sched.pump()
+        if bad:  # the others were released: one bad pair does not cost the client its good ones
+            raise P.ProtocolError(P.ErrorCode.NOT_LEASED, f"{', '.join(bad[:4])} not leased to you")
 
     # -- answers ------------------------------------------------------------------------------
     def _serve(self, c: ClientState, w: Waiter, slot: int) -> None:

@@ -96,3 +96,16 @@ def test_escape_makes_names_safe_to_print():
     assert P.escape("a\nb").isprintable()
     hello = P.decode_request(P.Hello(P.PROTOCOL_VERSION, "décodeur ✓").encode())
     assert hello.name == "décodeur ✓"
+
+
+@pytest.mark.parametrize("more, ok", [
+    (None, True), ([[1, 2], [3, 4]], True), ([], True),
+    ("x", False), ([[1]], False), ([[1, -2]], False), ([[1, 2]] * (P.MAX_KEYS + 1), False),
+])
+def test_release_with_more_pairs_is_validated(more, ok):
+    frame = msgpack.packb({"op": "release", "slot": 0, "generation": 1, "more": more}, use_bin_type=True)
+    if ok:
+        assert P.decode_request(frame).leases() == [(0, 1), *((a, b) for a, b in more or ())]
+    else:
+        with pytest.raises(P.ProtocolError, match="more|generation|slot"):
+            P.decode_request(frame)

@@ -69,3 +69,18 @@ def test_now_joined_prefetch_is_not_dropped_as_stale(tiny_model, start_daemon, t
         b.release(now.result(10))
     q = get_status(d.status_endpoint)["queues"]
     assert q["dropped"] == 0 and q["reads_started_now"] == 2 and q["reads_started_ahead"] == 0
+
+
+def test_one_release_message_hands_back_many_leases(tiny_model, start_daemon):
+    """`release_many`: a layer's leases go back in one message; a bad pair among them is refused
+    (not_leased) while the good ones are still released."""
+    d = start_daemon(tiny_model, arena_slots=4)
+    with IodClient(d.endpoint) as c:
+        leases = [f.result(10) for f in c.fetch([(0, e) for e in range(4)])]
+        assert get_status(d.status_endpoint)["arena"]["leased_slots"] == 4
+        c.release_many(leases)
+        c.ping()  # the release went out before the ping's answer came back
+        st = get_status(d.status_endpoint)
+        assert st["arena"]["leased_slots"] == 0 and st["releases"] == 4
+        with pytest.raises(ValueError, match="is not held"):
+            c.release_many(leases[:1])
