@@ -100,15 +100,7 @@ class DecoderConfig:
 
     @property
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        try:
-            dev = torch.device(self.device)
-        except RuntimeError:
-            raise ConfigError(f"unknown device {self.device!r} (use auto, cpu, cuda or cuda:N)") from None
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"device {self.device!r} asked for but CUDA is not available here")
-        return dev
+        return resolve_device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -155,6 +147,19 @@ class DecoderConfig:
             values.update(load_toml(toml_path))
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto -> cuda if available, else cpu; a clear ConfigError for a bad or absent device."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} asked for but CUDA is not available here")
+    return dev
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:

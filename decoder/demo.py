@@ -151,9 +151,9 @@ def cache_slots(args: argparse.Namespace, model_path: Path) -> int:
 
 def device_slots(args: argparse.Namespace) -> bool:
     """Whether the decoder keeps its own slot cache (CUDA) rather than computing from the arena (CPU)."""
-    import torch
+    from .config import resolve_device
 
-    return args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+    return resolve_device(args.device).type == "cuda"
 
 
 def generate_streamed(args: argparse.Namespace, model_path: Path, endpoint: str) -> int:

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..common.procfs import proc_read_bytes as read_bytes_of
+
 SAMPLE_EVERY_S = 0.005
 ASK_EVERY_S = 0.02
 
@@ -75,12 +77,9 @@ def block_read_bytes(stat: Path | str | None) -> int | None:
 
 
 def proc_read_bytes(pid: int | str) -> int | None:
-    """A process's /proc/PID/io read_bytes (mmap faults included); None when it is gone."""
-    for line in read_or_empty(f"/proc/{pid}/io").splitlines():
-        key, _, value = line.partition(":")
-        if key == "read_bytes":
-            return int(value)
-    return None
+    """`common.procfs.proc_read_bytes`, None when the process is gone."""
+    n = read_bytes_of(pid)
+    return None if n < 0 else n
 
 
 def proc_mem(pid: int) -> int:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from moestream.common.layout import PAGE, ExpertPart, round_up, slot_offsets
+from moestream.common.procfs import proc_read_bytes
 
 from .depth_gauge import DepthGauge
 
@@ -328,16 +329,6 @@ class PendingQueue:
             return left
 
 
-def proc_read_bytes(pid: int | str = "self") -> int:
-    """Bytes a process caused to be fetched from storage (`/proc/PID/io` read_bytes), -1 if unknown."""
-    try:
-        with open(f"/proc/{pid}/io") as f:
-            for line in f:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return -1
 
 
 def open_fd(path: str, direct: bool) -> int:
