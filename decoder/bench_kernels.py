@@ -50,7 +50,7 @@ def random_matrix(qtype: Any, n_out: int, n_in: int, rng: np.random.Generator) -
     """[n_out * row_bytes] uint8 of random blocks that decode to small, finite weights."""
     from gguf import GGML_QUANT_SIZES
 
-    from ..common.quantize import ENCODABLE, random_blocks
+    from ..authoring.quantize import ENCODABLE, random_blocks
 
     block, type_size = GGML_QUANT_SIZES[qtype]
     n_blocks = n_out * n_in // block
@@ -58,7 +58,7 @@ def random_matrix(qtype: Any, n_out: int, n_in: int, rng: np.random.Generator) -
         return random_blocks(n_blocks, qtype, 0.02, rng).reshape(-1)
     if qtype.name not in _SCALES:
         raise ValueError(f"cannot make random {qtype.name} blocks (known: Q5_K, Q2_K, Q3_K, IQ4_NL, IQ4_XS "
-                         "and the types moestream.common.quantize writes)")
+                         "and the types moestream.authoring.quantize writes)")
     blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
     for off, value in _SCALES[qtype.name].items():
         blocks[:, off:off + 2] = np.frombuffer(np.float16(value).tobytes(), dtype=np.uint8)

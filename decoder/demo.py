@@ -53,7 +53,7 @@ def default_model(cache: Path | None = None) -> Path:
     shipped = shipped_model()
     if shipped is not None:
         return shipped
-    from ..common.make_model import make_model
+    from ..authoring.make_model import make_model
 
     folder = Path(cache) if cache is not None else cache_dir()
     path = folder / DEMO_FILE

@@ -70,7 +70,7 @@ def export(run: Path, out_dir: Path, quants: list[str]) -> list[Path]:
     """Write one GGUF per quant type; returns their paths."""
     from tokenizers import Tokenizer
 
-    from ..common.gguf_write import write_moe_gguf
+    from ..authoring.gguf_write import write_moe_gguf
     from .train_tiny import gguf_hparams
 
     cfg, state = load_run(run)

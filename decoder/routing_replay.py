@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..common.policy_sim import simulate, split_per_layer
+from ..authoring.policy_sim import simulate, split_per_layer
 
 NARROW_SHARE = 0.5  # routing narrower than this share of the experts per layer counts as narrow
 NARROW_MIN_TOKENS = 32

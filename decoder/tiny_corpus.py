@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..common.tokenizer_data import SPECIAL_TOKENS, TOKEN_CONTROL, TOKEN_NORMAL
+from ..authoring.tokenizer_data import SPECIAL_TOKENS, TOKEN_CONTROL, TOKEN_NORMAL
 
 EXCLUDED_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "encodings", "__pycache__"})
 HELD_OUT_MOD = 20
@@ -50,7 +50,7 @@ def split_texts(split: str, root: Path | None = None) -> list[str]:
 # -- tokenizer --------------------------------------------------------------------------------
 def train_tokenizer(texts: list[str], vocab: int):
     """Byte-level BPE trained with the same split (Qwen2 regex + NFC) the decoder rebuilds from GGUF."""
-    from ..common.tokenizer_data import train_tokenizer as train_bpe
+    from ..authoring.tokenizer_data import train_tokenizer as train_bpe
     from .tokenizer import build_bpe
 
     probe = build_bpe(["a"], [], None, "qwen2")  # the decoder's own normalizer (NFC) for "qwen2"
@@ -60,7 +60,7 @@ def train_tokenizer(texts: list[str], vocab: int):
 
 def inference_tokenizer(tok):
     """`tok` as the decoder rebuilds it from GGUF metadata, so training ids == inference ids."""
-    from ..common.tokenizer_data import merges_list, vocab_list
+    from ..authoring.tokenizer_data import merges_list, vocab_list
     from .tokenizer import build_bpe
 
     tokens = vocab_list(tok)

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from ..common.tokenizer_data import QWEN2_SPLIT_REGEX, TOKEN_CONTROL, TOKEN_USER_DEFINED
+from ..authoring.tokenizer_data import QWEN2_SPLIT_REGEX, TOKEN_CONTROL, TOKEN_USER_DEFINED
 
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")

@@ -57,7 +57,7 @@ def predictability(real: np.ndarray, pred: np.ndarray) -> dict:
 
 def cache_hit_rates(real: np.ndarray, n_expert: int, fractions=(0.25, 0.5)) -> list[dict]:
     """Hit rates of decayed LFU, LRU and Belady on the trace, at caches of a fraction of all experts."""
-    from ..common.policy_sim import simulate
+    from ..authoring.policy_sim import simulate
 
     N, L, k = real.shape
     steps = [[(layer, int(e)) for layer, ids in enumerate(tok) for e in ids] for tok in real]
@@ -94,7 +94,7 @@ def report_markdown(meta: dict, stats: dict) -> str:
               f"the layer's k most popular experts {p['popular']:.3f}; random guess "
               f"{meta['top_k'] / meta['n_expert']:.3f}."]
     if stats.get("cache"):
-        lines += ["", "## Cache hit rates on `routing.npy` (common.policy_sim, one step per token)", "",
+        lines += ["", "## Cache hit rates on `routing.npy` (authoring.policy_sim, one step per token)", "",
                   "| cache (share of all experts) | slots | decayed LFU | LRU | Belady |", "|---|---|---|---|---|"]
         for c in stats["cache"]:
             lines.append(f"| {c['fraction']:.0%} | {c['capacity']} | {c['lfu']:.3f} | {c['lru']:.3f} | {c['belady']:.3f} |")

@@ -8,7 +8,7 @@ the next layers pick from the hidden state after this layer (what a prefetcher c
 
 Files written to `--out`:
 - `routing.npy`  int16 [tokens, layers, k]: real expert ids, prompt and generated tokens
-  (`common.policy_sim` reads it); `decode.npy` the same for generated tokens only.
+  (`authoring.policy_sim` reads it); `decode.npy` the same for generated tokens only.
 - `predicted.npy` int16 [tokens, depth, layers, k]: `[t, d-1, l]` = top-k of layer l's router
   applied to the hidden state after layer l-d (-1 where l < d).
 - `meta.json` (model, prompts, segments, sampling) and `REPORT.md` (skew, predictability).
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..common.policy_sim import write_trace
+from ..authoring.policy_sim import write_trace
 from .experts import ExpertSource, Predictions
 from .models.layers import route
 from .trace_stats import cache_hit_rates, predictability, report_markdown, skew

@@ -44,7 +44,7 @@ def make_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
     """`make_tiny_model(**make_model_kwargs) -> Path`, built once per distinct kwargs per session.
 
     Treat the returned file as read-only (copy it before patching bytes)."""
-    from moestream.common.make_model import make_model
+    from moestream.authoring.make_model import make_model
 
     root = tmp_path_factory.mktemp("models")
     cache: dict[tuple, Path] = {}

@@ -49,6 +49,10 @@ def test_daemon_and_decoder_meet_only_in_common():
     assert not _touches(_imports("common"), "decoder") and not _touches(_imports("common"), "iod")
 
 
+def test_the_contract_and_the_daemon_never_import_the_authoring_tools():
+    assert not _touches(_imports("common"), "authoring") and not _touches(_imports("iod"), "authoring")
+
+
 def test_status_and_the_daemon_run_without_torch():
     code = ("import sys, moestream.cli, moestream.common.status_cli, moestream.iod.main, moestream.iod.server; "
             "sys.exit('torch' in sys.modules)")

@@ -13,12 +13,12 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("moestream.decoder.demo", "make a tiny model, start a daemon, generate streamed text"),
     "generate": ("moestream.decoder.cli", "generate text from a GGUF MoE (resident or streamed from moestream-iod)"),
-    "make-model": ("moestream.common.make_model", "write a tiny GGUF MoE with random weights"),
+    "make-model": ("moestream.authoring.make_model", "write a tiny GGUF MoE with random weights"),
     "inspect": ("moestream.common.inspect", "print a GGUF MoE's architecture and expert index"),
     "status": ("moestream.common.status_cli", "show a running moestream-iod's status"),
     "iod": ("moestream.iod.main", "run the I/O daemon (same as moestream-iod)"),
     "bench": ("moestream.bench", "benchmarks: `bench io` (daemon delivery), `bench decode` (tok/s)"),
-    "simulate": ("moestream.common.policy_sim", "replay a routing trace through LFU, LRU and Belady caches"),
+    "simulate": ("moestream.authoring.policy_sim", "replay a routing trace through LFU, LRU and Belady caches"),
 }
 
 

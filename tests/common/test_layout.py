@@ -11,8 +11,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q, GGUFReader
 from gguf import quants as gq
 
-from moestream.common import make_model as mm
-from moestream.common.gguf_write import write_moe_gguf
+from moestream.authoring import make_model as mm
+from moestream.authoring.gguf_write import write_moe_gguf
 from moestream.common.layout import PAGE, SUPPORTED_QTYPES, ExpertPart, ModelFormatError, ModelLayout, slot_offsets
 
 ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe")

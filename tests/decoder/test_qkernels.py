@@ -14,7 +14,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
-from moestream.common.quantize import encode
+from moestream.authoring.quantize import encode
 from moestream.decoder import qkernels as qk
 
 RTOL = 1e-5

@@ -12,7 +12,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from moestream.common.layout import ExpertIndex, TensorInfo
-from moestream.common.quantize import random_blocks
+from moestream.authoring.quantize import random_blocks
 from moestream.decoder.slot_cache import DeviceSlotCache, FetchFailed
 from moestream.decoder.slot_format import bytes_per_slot, slot_layouts, slots_for_bytes
 from policy_check import CheckedPolicy

@@ -70,7 +70,7 @@ def test_special_tokens(ours):
 
 def test_plain_prose_matches_the_factory_tokenizer(ours, tiny_model):
     """On prose both pre-tokenizer regexes split alike, so the ids must equal the trained JSON's."""
-    from moestream.common.tokenizer_data import get_tokenizer
+    from moestream.authoring.tokenizer_data import get_tokenizer
     from tokenizers import Tokenizer
 
     trained: Tokenizer = get_tokenizer(ModelLayout(tiny_model).hparams.n_vocab)

@@ -85,7 +85,7 @@ def test_daemon_refuses_a_budget_too_small_in_one_line(tiny_model, tmp_path):
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory):
     """2 layers x 40 experts of ~0.8 MiB: 64 MiB of experts, more than a small budget holds."""
-    from moestream.common.make_model import make_model
+    from moestream.authoring.make_model import make_model
 
     return make_model(tmp_path_factory.mktemp("wide") / "wide.gguf", layers=2, experts=40, hidden=256, expert_ff=1024)
 

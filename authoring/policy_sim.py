@@ -28,7 +28,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .policy import SlotPolicy
+from ..common.policy import SlotPolicy
 
 POLICIES = ("lfu", "lru", "belady")
 Trace = Sequence[Sequence[Hashable]]
@@ -219,7 +219,7 @@ def split_per_layer(steps: Trace) -> list[list[tuple[int, int]]]:
 # -- CLI ---------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m moestream.common.policy_sim",
+        prog="python -m moestream.authoring.policy_sim",
         description="Hit rates of decayed LFU, LRU and Belady's optimum on an expert trace "
                     "(.json or .npy; formats in the module docstring), with lfu/belady and "
                     "lru/belady ratios.",

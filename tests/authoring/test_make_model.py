@@ -9,10 +9,10 @@ from gguf import GGMLQuantizationType as Q, GGUFReader
 from gguf import quants as gq
 from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES
 
-from moestream.common import make_model as mm
-from moestream.common.gguf_write import RandomTensor, write_moe_gguf
-from moestream.common.quantize import ENCODABLE, encode, random_blocks
-from moestream.common.tokenizer_data import SPECIAL_TOKENS, get_tokenizer
+from moestream.authoring import make_model as mm
+from moestream.authoring.gguf_write import RandomTensor, write_moe_gguf
+from moestream.authoring.quantize import ENCODABLE, encode, random_blocks
+from moestream.authoring.tokenizer_data import SPECIAL_TOKENS, get_tokenizer
 
 ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe")
 # relative RMS error of encode -> gguf dequantize on N(0, 1) data, per type (loose upper bounds)

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 
-from .arch import get_arch
+from ..common.arch import get_arch
 from .gguf_write import RandomTensor, TensorLike, normalize_hparams, tensor_nbytes, tensor_qtype, write_moe_gguf
 from .quantize import qtype_of
 from .tokenizer_data import get_tokenizer
-from .units import parse_size
+from ..common.units import parse_size
 
 MAX_TARGET_EXPERTS = 128  # --target-size adds experts up to this, then widens them
 ROUTER_STD = 1.0  # logits ~N(0, |h|): clearly different experts win for different tokens

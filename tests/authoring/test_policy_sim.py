@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moestream.common.policy_sim import (
+from moestream.authoring.policy_sim import (
     SimResult, load_trace, main, simulate, split_per_layer, write_trace,
 )
 

@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from .arch import ArchSpec, arch_key, get_arch
+from ..common.arch import ArchSpec, arch_key, get_arch
 from .quantize import check_row, encode, qtype_of, random_blocks, row_bytes
 
 CHUNK_BYTES = 64 << 20  # bytes generated/quantized per write call
