@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
-from .arch import EXPERT_PARTS, SHARED_EXPERT_TENSORS, ArchSpec, arch_key, get_arch
+from .arch import EXPERT_PARTS, SHARED_EXPERT_TENSORS, ArchSpec, arch_key, dense_shapes, get_arch
 
 PAGE = 4096
 
@@ -282,10 +282,16 @@ class ModelLayout:
             if spec.shared_expert:
                 for t in SHARED_EXPERT_TENSORS:
                     self._require(f"blk.{layer}.{t}.weight")
-            router = self.dense[f"blk.{layer}.ffn_gate_inp.weight"]
-            if router.shape != (hp.n_embd, hp.n_expert):
-                raise ModelFormatError(f"{name}: mis-shaped router tensor {router.name!r}: shape {list(router.shape)}, "
-                                       f"expected {[hp.n_embd, hp.n_expert]}")
+        self._check_dense_shapes()
+
+    def _check_dense_shapes(self) -> None:
+        """Every dense tensor the family knows has one of the shapes it may have (ggml order)."""
+        for name, shapes in dense_shapes(self.spec, self.hparams).items():
+            t = self.dense.get(name)
+            if t is not None and t.shape not in shapes:
+                want = " or ".join(str(list(s)) for s in shapes)
+                raise ModelFormatError(f"{self.path.name}: mis-shaped tensor {name!r}: shape {list(t.shape)}, "
+                                       f"expected {want} (ggml order)")
 
     def _require(self, tensor: str) -> TensorInfo:
         if tensor not in self.dense:

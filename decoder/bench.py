@@ -86,7 +86,7 @@ class Run:
         """Decode tok/s of one generation (EOS ignored: every run decodes the same count)."""
         from .generate import generate
 
-        result = generate(self.model, source, [self.prompt], self.args.tokens, self.cfg.sampling, after_layer=hook)
+        result = generate(self.model, source, [self.prompt], self.args.tokens, self.cfg.sampling, observer=hook)
         if self.cfg.torch_device.type == "cuda":
             torch.cuda.synchronize(self.cfg.torch_device)
         return result.decode_tok_s()

@@ -171,7 +171,7 @@ def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
     stream = TextStream(tok.decode, lambda _i, text: print(text, end="", flush=True)) if single else None
     with source:
         result = generate(model, source, ids, cfg.max_new_tokens, cfg.sampling, tok.stop_ids, tok.pad_id,
-                          on_token=stream, after_layer=hook)
+                          on_token=stream, observer=hook)
         stats = source.stats()
     if cfg.trace_out:
         source.write(cfg.trace_out, layout.hparams.n_layer, layout.hparams.n_expert)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from .experts import ExpertSource
+from .models.moe_transformer import LayerObserver, MoEModel
 from .sampling import Sampler, SamplingParams
 
 OnToken = Callable[[int, int], None]  # (sequence index, token id)
@@ -85,9 +86,9 @@ class _Batch:
 
 
 @torch.inference_mode()
-def generate(model: Any, experts: ExpertSource, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+def generate(model: MoEModel, experts: ExpertSource, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              sampling: SamplingParams = SamplingParams(), stop_ids: frozenset[int] = frozenset(),
-             pad_id: int = 0, on_token: OnToken | None = None, after_layer: Callable | None = None,
+             pad_id: int = 0, on_token: OnToken | None = None, observer: LayerObserver | None = None,
              keep_logits: bool = False) -> GenerationResult:
     """Generate up to `max_new_tokens` per prompt (token ids), stopping each on a stop id."""
     if max_new_tokens < 1:
@@ -97,7 +98,7 @@ def generate(model: Any, experts: ExpertSource, prompts: Sequence[Sequence[int]]
     sampler, batch = Sampler(sampling), _Batch(len(prompts), max_new_tokens, stop_ids, on_token)
     result = GenerationResult(batch.tokens, batch.finish, [len(p) for p in prompts])
     t0 = time.perf_counter()
-    logits = model.forward(tokens, cache, experts, valid, after_layer, last_only=True)  # [B, V]
+    logits = model.forward(tokens, cache, experts, valid, observer, last_only=True)  # [B, V]
     while True:
         if keep_logits:
             result.logits.append(logits.float().cpu())
@@ -108,7 +109,7 @@ def generate(model: Any, experts: ExpertSource, prompts: Sequence[Sequence[int]]
             break
         running = batch.running()  # [B]
         step = torch.where(running, latest_tokens(batch), pad_id)[:, None].to(model.device)  # [B, 1]
-        logits = model.forward(step, cache, experts, running[:, None].to(model.device), after_layer, last_only=True)
+        logits = model.forward(step, cache, experts, running[:, None].to(model.device), observer, last_only=True)
         result.steps += 1
     result.decode_s = time.perf_counter() - t0 - result.prefill_s
     return result

@@ -1,6 +1,6 @@
 """Prefetch ahead of time: predict the next layers' experts and land them off the compute path.
 
-`Prefetcher` is the model's `after_layer` hook: after layer L it applies the routers of
+`Prefetcher` observes the forward pass (a `LayerObserver`): after layer L it applies the routers of
 layers L+1..L+d to the current hidden state (the residual stream changes slowly from one
 layer to the next, so this predicts most of the real routing), takes the top-k, and hints
 the expert source, which sends `fetch ahead` for the predicted experts that are not resident.
@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 from ..common.client import IodClient
+from .experts import ExpertSource
+from .models.moe_transformer import LayerObserver, MoEModel
 from .slot_cache import DeviceSlotCache, Key
 
 log = logging.getLogger("moestream.prefetch")
@@ -135,8 +137,8 @@ class Receiver:
             self.copy_s += time.perf_counter() - t0
 
 
-class Prefetcher:
-    """The model's `after_layer` hook: hint the next `depth` layers' predicted experts.
+class Prefetcher(LayerObserver):
+    """Observes the forward pass and hints the next `depth` layers' predicted experts.
 
     `at` picks when a prediction is made:
     - ``"layer"``: after layer L, from its output (the most accurate guess, but only layer
@@ -145,13 +147,12 @@ class Prefetcher:
       accurate guess, but the fetch overlaps all of layer L's MoE block). The source sends it
       once layer L's own experts are pinned and its misses requested (`prefetch_ahead(...,
       defer=True)`), so a prefetch never evicts what the current layer is about to use.
-    The model calls `after_attention` when its hook has one (see `qwen3moe.Model.forward`).
     `source` is any `ExpertSource`: `prefetch_ahead` gets all of a call's layers at once.
     """
 
     AT = ("layer", "attention")
 
-    def __init__(self, model: Any, source: Any, depth: int = 1, top_k: int | None = None, at: str = "layer"):
+    def __init__(self, model: MoEModel, source: ExpertSource, depth: int = 1, top_k: int | None = None, at: str = "layer"):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"prefetch depth must be an int >= 0, got {depth!r}")
         if at not in self.AT:
@@ -164,7 +165,7 @@ class Prefetcher:
         self.predictions = 0  # (layer, expert) keys predicted
         self.predict_s = 0.0
 
-    def __call__(self, layer: int, h: torch.Tensor) -> None:
+    def after_layer(self, layer: int, h: torch.Tensor) -> None:
         """After `layer`: h [n, d] are the real tokens' hidden rows."""
         if self.at == "layer":
             self._hint(layer, h, defer=False)

@@ -3,7 +3,7 @@
 Prompts are slices of held-out stdlib files (the start of a file: docstrings and imports, or
 its middle: code), each continued by seeded sampling, one prompt at a time so tokens are in
 the order a cache sees them. Per processed token we record each layer's real top-k (from the
-MoE block's own `route`) and, through the `after_layer` hook, the top-k that the routers of
+MoE block's own routing) and, after each layer, the top-k that the routers of
 the next layers pick from the hidden state after this layer (what a prefetcher can know).
 
 Files written to `--out`:
@@ -20,16 +20,15 @@ import argparse
 import hashlib
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..authoring.policy_sim import write_trace
 from .experts import ExpertSource, Predictions
-from .models.layers import route
+from .models.moe_transformer import LayerObserver, MoEModel
 from .trace_stats import cache_hit_rates, predictability, report_markdown, skew
 
 
@@ -49,28 +48,20 @@ class TraceConfig:
             raise ValueError("--prompts, --prompt-tokens and --new-tokens must be >= 1")
 
 
-@dataclass
-class Recorder:
+class Recorder(LayerObserver):
     """Collects real and predicted routing of every real token a forward pass processes."""
 
-    model: object
-    real: list[list[torch.Tensor]] = field(default_factory=list)  # per forward: per layer [n, k]
-    pred: list[list[list[torch.Tensor | None]]] = field(default_factory=list)  # per forward: [depth][layer]
+    def __init__(self, model: MoEModel):
+        self.model = model
+        self.real: list[list[torch.Tensor]] = []  # per forward: per layer [n, k]
+        self.pred: list[list[list[torch.Tensor | None]]] = []  # per forward: [depth][layer]
 
-    def __post_init__(self) -> None:
-        inner = self.model.ffn
-        hp = self.model.hparams
-        L, k = hp.n_layer, hp.n_expert_used
-
-        def ffn(layer: int, x: torch.Tensor, experts):
-            if layer == 0:  # a new forward pass starts
-                self.real.append([])
-                self.pred.append([[None] * L for _ in range(L - 1)])
-            logits = F.linear(x, self.model.layers[layer]["ffn_gate_inp"])  # [n, E], as moe() computes it
-            self.real[-1].append(route(logits, k, hp.norm_topk_prob)[1].cpu())  # [n, k]
-            return inner(layer, x, experts)
-
-        self.model.ffn = ffn  # instance attribute: the model's _block calls self.ffn
+    def routed(self, layer: int, ids: torch.Tensor) -> None:
+        L = self.model.hparams.n_layer
+        if layer == 0:  # a new forward pass starts
+            self.real.append([])
+            self.pred.append([[None] * L for _ in range(L - 1)])
+        self.real[-1].append(ids.cpu())  # [n, k]
 
     def after_layer(self, layer: int, h: torch.Tensor) -> None:
         hp = self.model.hparams
@@ -125,7 +116,7 @@ def record(cfg: TraceConfig) -> dict:
     with ResidentExperts(layout) as experts, torch.inference_mode():
         for i, p in enumerate(prompts):
             params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed + i)
-            res = generate(model, experts, [p["ids"]], cfg.new_tokens, params, after_layer=rec.after_layer)
+            res = generate(model, experts, [p["ids"]], cfg.new_tokens, params, observer=rec)
             # The last sampled token is never fed back, so it has no routing.
             segments.append({"file": p["file"], "start_token": p["start_token"], "prompt": len(p["ids"]),
                              "generated": max(0, len(res.tokens[0]) - 1)})

@@ -1,14 +1,20 @@
 """One module per architecture; `get_model_module(arch)` finds it by GGUF `general.architecture`.
 
-Every module exposes the same names: `ARCH`, `Model(hparams, dense)` (with `forward`,
-`new_cache`, `router_logits`, `hparams`), `TENSOR_NAMES` (GGUF -> Hugging Face names) and
-`HF_FUSED`. Adding a family = one module + one line in `_REGISTRY`.
+Every module exposes the same names: `ARCH`, `Model(hparams, dense)` (the generic
+`moe_transformer.MoETransformer`, or a subclass where the family has something really new; it
+satisfies `moe_transformer.MoEModel`), `TENSOR_NAMES` (GGUF -> Hugging Face names) and
+`HF_FUSED`. Adding a family = its `common.arch` entry + one module + one line in `_REGISTRY`.
 """
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
+
+import torch
+
+from ...common.layout import ModelLayout
+from .moe_transformer import MoEModel
 
 # GGUF architecture name -> module under decoder.models (imported on first use)
 _REGISTRY: dict[str, str] = {
@@ -29,11 +35,10 @@ def get_model_module(arch: str) -> ModuleType:
     return importlib.import_module(f"{__name__}.{_REGISTRY[arch]}")
 
 
-def load_model(layout, device="cpu", dtype=None, progress: bool = False, keep_quantized: bool = False):
+def load_model(layout: ModelLayout, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               progress: bool = False, keep_quantized: bool = False) -> MoEModel:
     """The architecture's `Model` with every dense weight of `layout` materialized on `device`
     (2-D quantized ones kept as their blocks with `keep_quantized`, on a CPU)."""
-    import torch
-
     from ..weights import load_dense
 
     dense = load_dense(layout, device, dtype or torch.float32, progress, keep_quantized)

@@ -12,10 +12,11 @@ a pad key. Pad rows skip the MoE block entirely, so they never fetch an expert.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
-from ..experts import ExpertSource
 from ..weights import QuantWeight
 
 Weights = dict[str, "torch.Tensor | QuantWeight"]
@@ -208,8 +209,12 @@ def attention(x: torch.Tensor, w: Weights, a: AttnShape, layer: int, cache: KVCa
 
 
 # -- MoE -----------------------------------------------------------------------------------
-def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax router then top-k: weights [N, k] (in logits' dtype) and expert ids [N, k]."""
+def route_softmax(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts then top-k: weights [N, k] (in logits' dtype) and expert ids [N, k].
+
+    With `norm_topk_prob` the k weights are renormalized (equal to a softmax over the top-k
+    logits: Mixtral, Qwen3-MoE); without, they stay shares of all experts (Qwen2-MoE, OLMoE).
+    """
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, E]
     weights, ids = torch.topk(probs, top_k, dim=-1)  # [N, k], [N, k]
     if norm_topk_prob:
@@ -217,20 +222,18 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch
     return weights.to(logits.dtype), ids
 
 
-def moe(x: torch.Tensor, router_w: torch.Tensor, experts: ExpertSource, layer: int,
-        top_k: int, norm_topk_prob: bool) -> torch.Tensor:
-    """Sparse MoE of rows x [N, d] (already normed): route, then the expert source mixes."""
-    if x.shape[0] == 0:
-        return torch.zeros_like(x)  # no real token in this step: nothing to fetch
-    weights, ids = route(linear(x, router_w), top_k, norm_topk_prob)  # [N, k], [N, k]
-    return experts.mix(layer, x, weights, ids)  # [N, d]
+Router = Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
+# `ArchSpec.routing` -> the routing function of that family
+ROUTING: dict[str, Router] = {"softmax": route_softmax}
 
 
 def shared_expert(x: torch.Tensor, w: Weights) -> torch.Tensor:
-    """Qwen2-MoE's always-on expert, scaled per row by sigmoid(gate_inp_shexp . x): x [N, d] -> [N, d].
+    """An always-on expert, scaled per row by sigmoid(gate_inp_shexp . x): x [N, d] -> [N, d].
 
-    GGUF stores the shared gate as a [d] vector (HF's [1, d] Linear, squeezed).
+    llama.cpp's converter writes the shared gate as [d, 1] (HF's Linear(d, 1)); older writers
+    squeezed it to a [d] vector. Both are accepted at load (`common.arch.dense_shapes`).
     """
-    gate = torch.sigmoid(x @ w["ffn_gate_inp_shexp"])[:, None]  # [N, 1]
+    g = w["ffn_gate_inp_shexp"]
+    logit = linear(x, g) if len(g.shape) == 2 else (x @ g)[:, None]  # [N, 1]
     h = F.silu(linear(x, w["ffn_gate_shexp"])) * linear(x, w["ffn_up_shexp"])  # [N, ff]
-    return gate * linear(h, w["ffn_down_shexp"])  # [N, d]
+    return torch.sigmoid(logit) * linear(h, w["ffn_down_shexp"])  # [N, d]

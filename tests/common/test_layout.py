@@ -165,10 +165,32 @@ def test_misshaped_expert_tensor(tmp_path):
                  "mis-shaped expert tensor", "blk.0.ffn_gate_exps.weight", "[64, 96, 4]", "[64, 64, 4]")
 
 
-def test_misshaped_router(tmp_path):
-    bad = np.zeros((4, 32), np.float32)  # [n_expert, n_embd/2]
-    expect_error(write_variant(tmp_path / "r.gguf", replace={"blk.1.ffn_gate_inp.weight": bad}),
-                 "mis-shaped router", "blk.1.ffn_gate_inp.weight", "[32, 4]", "[64, 4]")
+@pytest.mark.parametrize("arch, name, bad, want", [
+    ("qwen3moe", "blk.1.ffn_gate_inp.weight", (4, 32), "[64, 4]"),  # router over half the width
+    ("qwen3moe", "blk.0.attn_k.weight", (64, 64), "[64, 32]"),  # k as wide as q: kv_heads ignored
+    ("qwen3moe", "blk.1.attn_q_norm.weight", (64,), "[16]"),  # a full-width norm where per-head is due
+    ("olmoe", "blk.0.attn_k_norm.weight", (16,), "[64]"),  # per-head where full-width is due
+    ("qwen2moe", "blk.0.attn_v.bias", (64,), "[32]"),
+    ("qwen2moe", "blk.1.ffn_gate_inp_shexp.weight", (2, 64), "[64] or [64, 1]"),
+    ("llama", "output_norm.weight", (32,), "[64]"),
+])
+def test_misshaped_dense_tensor_is_named_with_expected_shape(tmp_path, arch, name, bad, want):
+    kv = 4 if arch == "olmoe" else 2
+    hp = mm.model_hparams(arch, layers=2, experts=4, top_k=2, hidden=64, expert_ff=64, heads=4, kv_heads=kv, vocab=300)
+    tensors = mm.build_tensors(arch, hp)
+    tensors[name] = np.zeros(bad, np.float32)
+    write_moe_gguf(tmp_path / "x.gguf", arch, hp, tensors, "F32", None)
+    found = str(list(reversed(bad)))  # ggml order
+    expect_error(tmp_path / "x.gguf", "mis-shaped tensor", repr(name), f"shape {found}", f"expected {want}")
+
+
+def test_shared_expert_gate_as_the_converter_writes_it_is_accepted(tmp_path):
+    """convert_hf_to_gguf.py keeps HF's Linear(d, 1) as ggml [d, 1]; our writer squeezes it to [d]."""
+    hp = mm.model_hparams("qwen2moe", layers=2, experts=4, top_k=2, hidden=64, expert_ff=64, heads=4, kv_heads=2, vocab=300)
+    tensors = mm.build_tensors("qwen2moe", hp)
+    tensors["blk.0.ffn_gate_inp_shexp.weight"] = np.ones((1, 64), np.float32)  # torch order [1, d]
+    write_moe_gguf(tmp_path / "x.gguf", "qwen2moe", hp, tensors, "F32", None)
+    assert ModelLayout(tmp_path / "x.gguf").dense["blk.0.ffn_gate_inp_shexp.weight"].shape == (64, 1)
 
 
 def test_inconsistent_expert_count(tmp_path):

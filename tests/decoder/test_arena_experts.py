@@ -35,7 +35,7 @@ class Setup:
         self.n_experts = hp.n_layer * hp.n_expert
 
     def run(self, source, hook=None, prompts=(PROMPT,)):
-        return generate(self.model, source, list(prompts), N_NEW, keep_logits=True, after_layer=hook)
+        return generate(self.model, source, list(prompts), N_NEW, keep_logits=True, observer=hook)
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,13 @@ with the routed ids, pads never routed).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from moestream.common.layout import ModelLayout
 from moestream.decoder.experts import ExpertSource, ResidentExperts
 from moestream.decoder.models import architectures, load_model
+from moestream.decoder.models.moe_transformer import OnLayer
 
 T = 12
 
@@ -50,7 +52,7 @@ def test_shape_dtype_and_source_contract(arch_model):
     hp, rec = layout.hparams, Recording(experts)
     seen = []
     logits = model.forward(tokens(layout, 2, T), model.new_cache(2, T), rec,
-                           after_layer=lambda i, h: seen.append((i, tuple(h.shape))))
+                           observer=OnLayer(lambda i, h: seen.append((i, tuple(h.shape)))))
     assert logits.shape == (2, T, hp.n_vocab) and logits.dtype == torch.float32
     assert torch.isfinite(logits).all()
     assert seen == [(i, (2 * T, hp.n_embd)) for i in range(hp.n_layer)]
@@ -111,3 +113,25 @@ def test_bfloat16_runs(arch_model):
     logits = model.forward(tokens(layout, 2, 4), model.new_cache(2, 4), experts)
     assert logits.dtype == torch.bfloat16 and logits.shape == (2, 4, layout.hparams.n_vocab)
     assert torch.isfinite(logits.float()).all()
+
+
+@torch.inference_mode()
+def test_shared_expert_gate_as_the_converter_writes_it_decodes_the_same(tmp_path):
+    """ggml [d, 1] (convert_hf_to_gguf.py) and [d] (squeezed) shared-expert gates: same logits."""
+    from moestream.authoring import make_model as mm
+    from moestream.authoring.gguf_write import write_moe_gguf
+
+    hp = mm.model_hparams("qwen2moe", layers=2, experts=4, top_k=2, hidden=64, expert_ff=64, heads=4,
+                          kv_heads=2, vocab=300)
+    tensors = mm.build_tensors("qwen2moe", hp)
+    logits = []
+    for i, shape in enumerate([(64,), (1, 64)]):
+        for layer in range(2):
+            name = f"blk.{layer}.ffn_gate_inp_shexp.weight"
+            tensors[name] = np.asarray(tensors[name]).reshape(shape)
+        write_moe_gguf(tmp_path / f"{i}.gguf", "qwen2moe", hp, tensors, "F32", None)
+        layout = ModelLayout(tmp_path / f"{i}.gguf")
+        model = load_model(layout)
+        with ResidentExperts(layout) as experts:
+            logits.append(model.forward(torch.tensor([[3, 1, 4, 1, 5]]), model.new_cache(1, 5), experts))
+    assert torch.equal(logits[0], logits[1])

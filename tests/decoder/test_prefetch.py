@@ -14,6 +14,7 @@ from moestream.common.spawn import spawn_daemon
 from moestream.decoder.experts import ResidentExperts
 from moestream.decoder.generate import generate
 from moestream.decoder.models import load_model
+from moestream.decoder.models.moe_transformer import OnLayer
 from moestream.decoder.prefetch import Prefetcher
 from moestream.decoder.sampling import SamplingParams
 from moestream.decoder.slot_cache import DeviceSlotCache
@@ -67,7 +68,7 @@ def test_prefetcher_hints_the_next_layers_top_k(setup, depth):
     seen = []
     cache = model.new_cache(1, 8)
     model.forward(torch.tensor([[5, 17, 99, 3]]), cache, src,
-                  after_layer=lambda i, h: (seen.append(h.clone()), hook(i, h)))
+                  observer=OnLayer(lambda i, h: (seen.append(h.clone()), hook.after_layer(i, h))))
     want = [(nxt, reference_topk(model, nxt, seen[layer], 2))
             for layer in range(3) for nxt in range(layer + 1, min(layer + 1 + depth, 3))]
     assert src.hints == want
@@ -176,7 +177,7 @@ def test_every_prefetch_is_judged_in_a_real_decode(setup):
     with streamed(layout, endpoint) as src:
         hook = Prefetcher(model, src, 1)
         generate(model, src, [[5, 17, 99, 3, 250], [7, 300]], 12, SamplingParams(temperature=1.0, seed=1),
-                 after_layer=hook)
+                 observer=hook)
         st = src.stats()
     assert st["prefetch_sent"] > 0 and st["hidden"] > 0
     assert st["prefetch_sent"] == st["useful"] + st["wasted"] + st["cancelled"]
@@ -245,7 +246,7 @@ def test_every_landing_and_prediction_point_is_bit_identical(setup, landing, at)
     want = generate(model, resident, PROMPTS, 6, sampling, keep_logits=True)
     with streamed(layout, endpoint, landing) as src:
         hook = Prefetcher(model, src, 1, at=at)
-        got = generate(model, src, PROMPTS, 6, sampling, after_layer=hook, keep_logits=True)
+        got = generate(model, src, PROMPTS, 6, sampling, observer=hook, keep_logits=True)
         src.close()
         st = src.stats()
     assert got.tokens == want.tokens and all(torch.equal(g, w) for g, w in zip(got.logits, want.logits))
@@ -267,5 +268,5 @@ def test_attention_point_hints_are_sent_after_the_layer_pins_its_own(setup):
             calls.append(("hint", defer, sorted(predictions)))
 
     hook = Prefetcher(model, Source(layout), 2, at="attention")
-    model.forward(torch.tensor([[5, 17, 99]]), model.new_cache(1, 4), hook.source, after_layer=hook)
+    model.forward(torch.tensor([[5, 17, 99]]), model.new_cache(1, 4), hook.source, observer=hook)
     assert calls == [("hint", True, [1, 2]), ("acquire", 0), ("hint", True, [2]), ("acquire", 1), ("acquire", 2)]

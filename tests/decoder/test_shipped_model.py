@@ -113,7 +113,7 @@ def test_streamed_decoding_gives_identical_tokens(shipped):
         cache = DeviceSlotCache(layout.experts, layout.hparams.n_layer * layout.hparams.n_expert // 4)
         client = IodClient(daemon.endpoint, expect_fingerprint=layout.fingerprint.as_dict())
         with StreamedExperts(client, layout, cache, owns_client=True) as src, torch.inference_mode():
-            got = generate(model, src, prompts, 12, after_layer=Prefetcher(model, src, 1))
+            got = generate(model, src, prompts, 12, observer=Prefetcher(model, src, 1))
             stats = src.stats()
     assert got.tokens == want.tokens
     assert stats["misses"] > 0 and stats["cache"]["evictions"] > 0

@@ -68,7 +68,7 @@ def run_streamed(b: Bench, slots: int, depth: int, slot_format: str | None = Non
     client = IodClient(b.endpoint, expect_fingerprint=b.layout.fingerprint.as_dict())
     with StreamedExperts(client, b.layout, cache, owns_client=True) as src:
         hook = Prefetcher(b.model, src, depth) if depth else None
-        result = generate(b.model, src, PROMPTS, n_new, sampling, after_layer=hook, keep_logits=True)
+        result = generate(b.model, src, PROMPTS, n_new, sampling, observer=hook, keep_logits=True)
         src.close()
         return result, src.stats()
 

@@ -1,0 +1,161 @@
+"""The one generic MoE transformer every architecture module builds on.
+
+What differs between the families it covers is read from their `common.arch.ArchSpec` entry,
+not coded per family: q/k norm ("none" | "head" | "full"), rope style ("neox" | "norm"),
+routing function (`layers.ROUTING`), attention biases (come with the weights), and an
+always-on shared expert. An architecture module is then its tensor-name tables plus, where
+something is really new (another attention, dense leading layers), a subclass overriding
+`attend`, `route` or `ffn`.
+
+The interfaces callers use are typed here: `MoEModel` (what generation, prefetch and the
+benchmarks need of a model) and `LayerObserver` (what a caller may see during a forward pass).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ...common.arch import ArchSpec, get_arch
+from ...common.layout import HParams
+from ..experts import ExpertSource
+from .layers import (ROUTING, AttnShape, KVCache, StepAttn, Weights, attention, embed, linear, rms_norm,
+                     shared_expert, step_attn)
+
+
+class LayerObserver:
+    """Sees a forward pass as it runs; every method is optional (a no-op here).
+
+    Subclass and override what you need: the prefetcher predicts from `after_attention` or
+    `after_layer`, the trace recorder keeps `routed`. `h` holds the real tokens' rows only.
+    """
+
+    def after_attention(self, layer: int, h: torch.Tensor) -> None:
+        """After `layer`'s attention, before its FFN: residual rows h [n, d]."""
+
+    def routed(self, layer: int, ids: torch.Tensor) -> None:
+        """`layer`'s router picked experts ids [n, k] for the real tokens."""
+
+    def after_layer(self, layer: int, h: torch.Tensor) -> None:
+        """After `layer`: hidden rows h [n, d]."""
+
+
+class OnLayer(LayerObserver):
+    """A plain `fn(layer, h)` called after each layer, as an observer."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def after_layer(self, layer: int, h: torch.Tensor) -> None:
+        self.fn(layer, h)
+
+
+class MoEModel(Protocol):
+    """What generation, prefetching and the benchmarks use of a model."""
+
+    hparams: HParams
+    device: torch.device
+    dtype: torch.dtype
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache: ...
+
+    def router_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor: ...
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, experts: ExpertSource,
+                valid: torch.Tensor | None = None, observer: LayerObserver | None = None,
+                last_only: bool = False) -> torch.Tensor: ...
+
+
+_NO_OBSERVER = LayerObserver()
+
+
+def layer_weights(dense: dict[str, torch.Tensor], layer: int) -> Weights:
+    """One layer's dense tensors keyed by short name: `attn_q`, `attn_q.bias`, ..."""
+    prefix = f"blk.{layer}."
+    out: Weights = {}
+    for name, t in dense.items():
+        if name.startswith(prefix):
+            out[name[len(prefix):].removesuffix(".weight")] = t
+    return out
+
+
+class MoETransformer:
+    """Forward pass over dense weights (materialized at start) and an `ExpertSource`."""
+
+    def __init__(self, hparams: HParams, dense: dict[str, torch.Tensor]):
+        self.hparams = hp = hparams
+        self.spec: ArchSpec = get_arch(hp.arch)
+        self.embed = dense["token_embd.weight"]  # [V, d]
+        self.norm = dense["output_norm.weight"]  # [d]
+        self.lm_head = dense.get("output.weight", self.embed)  # [V, d]; tied when absent
+        self.layers = [layer_weights(dense, i) for i in range(hp.n_layer)]
+        self.attn = AttnShape(hp.n_head, hp.n_head_kv, hp.head_dim, hp.rope_base, hp.rms_eps,
+                              self.spec.qk_norm, self.spec.rope)
+        self._route = ROUTING[self.spec.routing]
+        self.device, self.dtype = self.norm.device, self.norm.dtype
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        hp = self.hparams
+        return KVCache.empty(hp.n_layer, batch, hp.n_head_kv, hp.head_dim, capacity, self.device, self.dtype)
+
+    # -- the parts a family may override --------------------------------------------------
+    def attend(self, layer: int, x: torch.Tensor, cache: KVCache, st: StepAttn) -> torch.Tensor:
+        """Self-attention of normed rows x [N, d] -> [N, d]."""
+        return attention(x, self.layers[layer], self.attn, layer, cache, st)
+
+    def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router weights [n, k] and expert ids [n, k] for normed rows x [n, d]."""
+        hp = self.hparams
+        return self._route(linear(x, self.layers[layer]["ffn_gate_inp"]), hp.n_expert_used, hp.norm_topk_prob)
+
+    def ffn(self, layer: int, x: torch.Tensor, experts: ExpertSource, observer: LayerObserver) -> torch.Tensor:
+        """The feed-forward half of a layer on normed rows x [n, d]: routed experts (+ shared) -> [n, d]."""
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)  # no real token in this step: nothing to fetch
+        weights, ids = self.route(layer, x)  # [n, k], [n, k]
+        observer.routed(layer, ids)
+        out = experts.mix(layer, x, weights, ids)  # [n, d]
+        if self.spec.shared_expert:
+            out = out + shared_expert(x, self.layers[layer])  # [n, d]
+        return out
+
+    # -- the pass -------------------------------------------------------------------------
+    def router_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """That layer's ffn_norm then router applied to hidden rows h [N, d] -> [N, n_expert]."""
+        w = self.layers[layer]
+        return linear(rms_norm(h, w["ffn_norm"], self.hparams.rms_eps), w["ffn_gate_inp"])
+
+    def block(self, layer: int, h: torch.Tensor, active: torch.Tensor, cache: KVCache, st: StepAttn,
+              experts: ExpertSource, observer: LayerObserver) -> torch.Tensor:
+        """One layer on rows h [N, d]; only the `active` rows [n] go through the FFN."""
+        w, eps = self.layers[layer], self.hparams.rms_eps
+        h = h + self.attend(layer, rms_norm(h, w["attn_norm"], eps), cache, st)  # [N, d]
+        real = h[active]  # [n, d] real tokens only: pads fetch no experts
+        observer.after_attention(layer, real)
+        x = rms_norm(real, w["ffn_norm"], eps)  # [n, d]
+        return h.index_put((active,), self.ffn(layer, x, experts, observer), accumulate=True)  # [N, d]
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, experts: ExpertSource,
+                valid: torch.Tensor | None = None, observer: LayerObserver | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits [B, T, V] (or [B, V] with `last_only`) for tokens [B, T] appended to `cache`.
+
+        `valid` [B, T] marks real tokens (False = left padding / finished sequence); their
+        rows are computed through attention but skip the FFN and never move positions.
+        """
+        obs = observer or _NO_OBSERVER
+        B, T = tokens.shape
+        valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid.to(torch.bool)
+        positions, start = cache.advance(valid)  # [B, T]
+        active = valid.reshape(-1).nonzero().squeeze(1)  # [n] row indices of real tokens
+        st = step_attn(self.attn, cache, positions, start)  # rope tables and mask, shared by every layer
+        experts.begin_step()
+        h = embed(tokens.reshape(-1), self.embed, self.dtype)  # [N, d]
+        for i in range(self.hparams.n_layer):
+            h = self.block(i, h, active, cache, st, experts, obs)
+            obs.after_layer(i, h[active])
+        h = h.reshape(B, T, -1)[:, -1] if last_only else h.reshape(B, T, -1)  # [B, d] | [B, T, d]
+        return linear(rms_norm(h, self.norm, self.hparams.rms_eps), self.lm_head)  # [B, (T,) V]
+
+    __call__ = forward
