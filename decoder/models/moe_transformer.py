@@ -96,8 +96,16 @@ class MoETransformer:
         self.device, self.dtype = self.norm.device, self.norm.dtype
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """Attention state for `batch` sequences of up to `capacity` tokens (a family with other
+        state — a latent KV, a recurrent state — returns its own cache type)."""
         hp = self.hparams
         return KVCache.empty(hp.n_layer, batch, hp.n_head_kv, hp.head_dim, capacity, self.device, self.dtype)
+
+    def prepare(self, cache: KVCache, valid: torch.Tensor) -> StepAttn:
+        """Reserve this step's tokens (valid [B, T]) in `cache`; what every layer's `attend` shares
+        in this step (positions, rope tables, mask), computed once."""
+        positions, start = cache.advance(valid)  # [B, T]
+        return step_attn(self.attn, cache, positions, start)
 
     # -- the parts a family may override --------------------------------------------------
     def attend(self, layer: int, x: torch.Tensor, cache: KVCache, st: StepAttn) -> torch.Tensor:
@@ -147,9 +155,8 @@ class MoETransformer:
         obs = observer or _NO_OBSERVER
         B, T = tokens.shape
         valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid.to(torch.bool)
-        positions, start = cache.advance(valid)  # [B, T]
+        st = self.prepare(cache, valid)
         active = valid.reshape(-1).nonzero().squeeze(1)  # [n] row indices of real tokens
-        st = step_attn(self.attn, cache, positions, start)  # rope tables and mask, shared by every layer
         experts.begin_step()
         h = embed(tokens.reshape(-1), self.embed, self.dtype)  # [N, d]
         for i in range(self.hparams.n_layer):
