@@ -114,5 +114,9 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.watch)
         except KeyboardInterrupt:
             return 0
-        if not args.json:
+        if args.json:
+            continue
+        if sys.stdout.isatty():
             print("\033[2J\033[H", end="")  # clear the screen between refreshes
+        else:  # a file or a pipe gets the snapshots one after another, no screen codes
+            print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}")

@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--resident", action="store_true", default=None, help="load every expert in process (no daemon)")
     ap.add_argument("--prompt", action="append", dest="prompts", metavar="TEXT",
                     help="prompt text; repeat for several prompts decoded together as a batch")
+    ap.add_argument("--prompt-file", action="append", dest="prompt_files", metavar="FILE",
+                    help="read a prompt from FILE (`-` = standard input); repeatable, adds to --prompt")
     ap.add_argument("--prompt-ids", action="append", dest="prompt_ids", metavar="IDS", type=_ids,
                     help="a prompt as comma-separated token ids (e.g. 1,15,27); repeatable; instead of --prompt")
     ap.add_argument("-n", "--max-new-tokens", type=int, dest="max_new_tokens", help="tokens to generate per prompt (default 32)")
@@ -83,8 +85,22 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
+def read_prompt_files(paths: list[str]) -> list[str]:
+    """Each file's whole text (one prompt per file; `-` is standard input), without its final newline."""
+    out = []
+    for path in paths:
+        try:
+            text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--prompt-file {path}: {e}") from None
+        out.append(text[:-1] if text.endswith("\n") else text)
+    return out
+
+
 def config_from_args(args: argparse.Namespace) -> DecoderConfig:
-    values = {k: v for k, v in vars(args).items() if k != "config"}
+    values = {k: v for k, v in vars(args).items() if k not in ("config", "prompt_files")}
+    if args.prompt_files:
+        values["prompts"] = (args.prompts or []) + read_prompt_files(args.prompt_files)
     if values.get("cache_bytes") is not None:
         from ..common.units import parse_size
 
@@ -108,6 +124,20 @@ def default_slots(hp: Any) -> int:
     return min(hp.n_layer * hp.n_expert, 4 * hp.n_layer * hp.n_expert_used)
 
 
+def checked_slots(slots: int, hp: Any) -> int:
+    """--slots as given, capped at the model's expert count (with a notice); a warning when it is
+    below the top-k, where every token of every layer misses."""
+    total = hp.n_layer * hp.n_expert
+    if slots > total:
+        print(f"moestream generate: --slots {slots} is more than the model's {total} experts; using {total}",
+              file=sys.stderr)
+        slots = total
+    if slots < hp.n_expert_used:
+        print(f"moestream generate: warning: --slots {slots} is below the model's top-k ({hp.n_expert_used} experts "
+              f"per token and layer): every layer will wait on fetches", file=sys.stderr)
+    return slots
+
+
 def open_streamed(cfg: DecoderConfig, layout: Any, model: Any) -> tuple[Any, Callable | None]:
     try:
         from .arena_experts import open_arena
@@ -119,7 +149,7 @@ def open_streamed(cfg: DecoderConfig, layout: Any, model: Any) -> tuple[Any, Cal
         source = open_arena(layout, cfg.iod, fetch_timeout_s=cfg.fetch_timeout_s, name="moestream-generate")
     else:
         sized = {"cache_bytes": cfg.cache_bytes} if cfg.cache_bytes else \
-            {"slots": cfg.slots or default_slots(layout.hparams)}
+            {"slots": checked_slots(cfg.slots, layout.hparams) if cfg.slots else default_slots(layout.hparams)}
         source = connect(layout, cfg.iod, device=cfg.torch_device, dtype=cfg.torch_dtype,
                          slot_format=cfg.resolved_slot_format, fetch_timeout_s=cfg.fetch_timeout_s,
                          name="moestream-generate", **sized)

@@ -6,6 +6,7 @@ the field names; command-line values win.
 
 from __future__ import annotations
 
+import sys
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -47,7 +48,7 @@ class DecoderConfig:
     stats: bool = False
     json: bool = False  # one JSON object on stdout instead of text
     trace_out: str | None = None  # write the routing trace here (JSON, `moestream simulate` reads it)
-    progress: bool = True
+    progress: bool = field(default_factory=lambda: sys.stderr.isatty())  # bars only for a person watching
     fetch_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:

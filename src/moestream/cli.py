@@ -7,6 +7,7 @@ torch and the daemon and decoder packages never import each other.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # subcommand -> (module, one-line help)
@@ -53,4 +54,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_entry() -> None:
-    sys.exit(main())
+    sys.exit(run_quietly_in_pipes(main))
+
+
+def run_quietly_in_pipes(main_fn) -> int:
+    """`main_fn()`, but a reader that went away (`moestream status --watch 1 | head`) ends the
+    program quietly, as it does a C tool, instead of with a BrokenPipeError traceback."""
+    try:
+        code = main_fn()
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that flush is silent too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by the broken pipe
