@@ -7,11 +7,7 @@ own keys are never evicted while it runs, a key counts as a hit when it is resid
 start of its step, and a key repeated inside one step counts once. The capacity must hold
 one step's distinct keys. "lfu" runs the real `SlotPolicy`, with one `step()` per step.
 
-Trace files (written by `write_trace`, read by `load_trace`):
-- JSON: `{"n_layer": L, "n_expert": E, "steps": [[[layer, expert], ...], ...]}`
-  with 0 <= layer < L and 0 <= expert < E.
-- .npy: an integer array of shape [tokens, layers, k] holding expert ids; step t is
-  `{(layer, ids[t, layer, j])}` over all layers and j.
+Trace files: see `common.traces` (`generate --trace-out` writes them, `moestream warm` reads them too).
 
 `--per-layer` splits every step into one step per layer (the cache then only has to hold
 one layer's experts, and decay ticks per layer instead of per token).
@@ -21,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import sys
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..common.policy import SlotPolicy
+from ..common.traces import load_trace
 
 POLICIES = ("lfu", "lru", "belady")
 Trace = Sequence[Sequence[Hashable]]
@@ -156,55 +151,6 @@ def _pop_farthest(heap: list, next_use: dict[Hashable, float], s: int) -> None:
 
 
 # -- trace files -----------------------------------------------------------------------------
-def write_trace(path: str | Path, steps: Sequence[Sequence[tuple[int, int]]],
-                n_layer: int, n_expert: int) -> None:
-    """Write a JSON trace (see the module docstring)."""
-    doc = {"n_layer": n_layer, "n_expert": n_expert,
-           "steps": [[[int(l), int(e)] for l, e in step] for step in steps]}
-    Path(path).write_text(json.dumps(doc, separators=(",", ":")))
-
-
-def load_trace(path: str | Path) -> list[list[tuple[int, int]]]:
-    """Read a .json or .npy trace; raises ValueError naming what is wrong."""
-    path = Path(path)
-    if path.suffix == ".npy":
-        return _load_npy(path)
-    if path.suffix == ".json":
-        return _load_json(path)
-    raise ValueError(f"{path}: trace must be .json or .npy, got {path.suffix!r}")
-
-
-def _load_npy(path: Path) -> list[list[tuple[int, int]]]:
-    import numpy as np  # only the .npy format needs it
-
-    ids = np.load(path, allow_pickle=False)
-    if ids.ndim != 3 or ids.dtype.kind not in "iu":
-        raise ValueError(f"{path}: need an integer array [tokens, layers, k], "
-                         f"got dtype {ids.dtype} shape {ids.shape}")
-    if ids.size and ids.min() < 0:
-        raise ValueError(f"{path}: negative expert id {int(ids.min())}")
-    return [[(layer, int(e)) for layer, row in enumerate(tok) for e in row] for tok in ids]
-
-
-def _load_json(path: Path) -> list[list[tuple[int, int]]]:
-    doc = json.loads(path.read_text())
-    if not isinstance(doc, dict) or not {"n_layer", "n_expert", "steps"} <= doc.keys():
-        raise ValueError(f"{path}: need an object with n_layer, n_expert and steps")
-    n_layer, n_expert = doc["n_layer"], doc["n_expert"]
-    steps = []
-    for t, step in enumerate(doc["steps"]):
-        keys = []
-        for pair in step:
-            if (not isinstance(pair, list) or len(pair) != 2
-                    or not all(isinstance(x, int) for x in pair)
-                    or not (0 <= pair[0] < n_layer and 0 <= pair[1] < n_expert)):
-                raise ValueError(f"{path}: step {t}: bad key {pair!r} for "
-                                 f"n_layer={n_layer}, n_expert={n_expert}")
-            keys.append((pair[0], pair[1]))
-        steps.append(keys)
-    return steps
-
-
 def split_per_layer(steps: Trace) -> list[list[tuple[int, int]]]:
     """One step per (token, layer), in layer order within each token."""
     out = []

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..common.client import IodError, IodUnavailable
-from ..authoring.policy_sim import load_trace
+from ..common.traces import load_trace
 from ..common.spawn import DaemonProcess
 from ..common.status_cli import get_status
 from .bench_capped_plan import Plan, Split

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..authoring.policy_sim import write_trace
+from ..common.traces import write_trace
 from .experts import ExpertSource, Predictions
 from .models.moe_transformer import LayerObserver, MoEModel
 from .trace_stats import cache_hit_rates, predictability, report_markdown, skew

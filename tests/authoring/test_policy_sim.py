@@ -13,9 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moestream.authoring.policy_sim import (
-    SimResult, load_trace, main, simulate, split_per_layer, write_trace,
-)
+from moestream.authoring.policy_sim import SimResult, main, simulate, split_per_layer
+from moestream.common.traces import load_trace, write_trace
 
 # The classic reference string: 3 frames give 7 faults under OPT, 10 under LRU.
 TEXTBOOK = [[k] for k in (1, 2, 3, 4, 1, 2, 5, 1, 2, 3, 4, 5)]

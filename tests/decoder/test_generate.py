@@ -148,7 +148,7 @@ def test_cli_streamed_matches_resident(tiny_model, capsys):
 def test_cli_json_and_trace(tiny_model, tmp_path, capsys):
     import json
 
-    from moestream.authoring.policy_sim import load_trace
+    from moestream.common.traces import load_trace
 
     trace = tmp_path / "trace.json"
     assert cli.main(["--model", str(tiny_model), "--resident", "--prompt-ids", "5,17,99", "-n", "4", "--json",

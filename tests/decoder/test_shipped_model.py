@@ -16,7 +16,7 @@ import pytest
 import torch
 from moestream.common.client import IodClient
 from moestream.common.layout import ModelLayout
-from moestream.authoring.policy_sim import load_trace
+from moestream.common.traces import load_trace
 from moestream.common.spawn import spawn_daemon
 from moestream.decoder.experts import ResidentExperts
 from moestream.decoder.generate import generate
