@@ -1,4 +1,4 @@
-"""A small byte-level BPE tokenizer for tiny models, and its GGUF metadata.
+"""Small tokenizers for tiny models, and their GGUF metadata, in the two kinds llama.cpp writes.
 
 Trained with the `tokenizers` library on text every machine has: a sorted subset of the
 Python standard library's own sources, so the same vocab size gives the same tokenizer on
@@ -6,32 +6,40 @@ one interpreter version with no download. The trained JSON is cached under
 `$XDG_CACHE_HOME/moestream` (or `~/.cache/moestream`), keyed by vocab size, Python version
 and `TOKENIZER_VERSION`.
 
-`add_tokenizer_metadata` writes what llama.cpp's gpt2-style vocab loader reads
-(`tokenizer.ggml.model = "gpt2"`, tokens, token types, "a b" merges, special ids).
+- "bpe": byte-level BPE with Qwen2's split; `add_tokenizer_metadata` writes what llama.cpp's
+  gpt2-style vocab loader reads (`tokenizer.ggml.model = "gpt2"`, tokens, types, "a b" merges).
+- "spm": a SentencePiece-style BPE with byte fallback, as Mistral/Mixtral ship;
+  `add_spm_metadata` writes it as convert_hf_to_gguf.py writes a SentencePiece model
+  (`tokenizer.ggml.model = "llama"`: `<unk> <s> </s>`, the 256 `<0xNN>` byte tokens, pieces with
+  scores falling with merge rank, then the single characters, token types, no merges).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import sysconfig
 from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import gguf
+from gguf import TokenType
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+# Qwen2's split (`tokenizer.ggml.pre = "qwen2"`): single digits, letter runs, punctuation runs, newline and space runs
+from ..decoder.tokenizer import QWEN2_SPLIT_REGEX, SPACE
+
 TOKENIZER_VERSION = 2
-# Qwen2's pre-tokenizer split (what `tokenizer.ggml.pre = "qwen2"` means to llama.cpp and
-# transformers): single digits, letter runs, punctuation runs, newline and space runs.
-QWEN2_SPLIT_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CORPUS_MAX_BYTES = 2 << 20  # 2 MiB of stdlib source: a few seconds of training
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4  # llama.cpp token types
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS) + 1  # byte alphabet + specials + at least one merge
+TOKENIZER_KINDS = ("bpe", "spm")
+SPM_SPECIALS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2 as in Llama/Mistral
+SPM_BYTES = tuple(f"<0x{b:02X}>" for b in range(256))
+SPM_MAX_CHARS = 96  # most frequent characters kept as tokens; the rest fall back to bytes
+MIN_SPM_VOCAB = len(SPM_SPECIALS) + len(SPM_BYTES) + 8
 
 QWEN_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -39,6 +47,24 @@ QWEN_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+# Mistral's [INST] format; no {{ bos_token }}: encode adds BOS (add_bos_token = true)
+MISTRAL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('only user and assistant roles are supported') }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+@dataclass(frozen=True)
+class SpmVocab:
+    """A SentencePiece-style vocabulary as GGUF stores it: tokens, scores and llama.cpp token types."""
+
+    tokens: list[str]
+    scores: list[float]
+    types: list[int]
 
 
 def cache_dir() -> Path:
@@ -139,14 +165,18 @@ def merges_list(tok: Tokenizer) -> list[str]:
     return [m if isinstance(m, str) else f"{m[0]} {m[1]}" for m in merges]
 
 
-def add_tokenizer_metadata(writer: gguf.GGUFWriter, tok: Tokenizer) -> None:
-    """Write the gpt2-style (Qwen) tokenizer keys llama.cpp and transformers read."""
+def add_tokenizer_metadata(writer: gguf.GGUFWriter, tok: Tokenizer | SpmVocab) -> None:
+    """Write the tokenizer keys llama.cpp and transformers read: gpt2-style (Qwen) for a
+    `Tokenizer`, SentencePiece-style (Mistral) for an `SpmVocab`."""
+    if isinstance(tok, SpmVocab):
+        add_spm_metadata(writer, tok)
+        return
     tokens = vocab_list(tok)
     special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
-    writer.add_token_types([TOKEN_CONTROL if t in special else TOKEN_NORMAL for t in tokens])
+    writer.add_token_types([TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens])
     writer.add_token_merges(merges_list(tok))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     writer.add_bos_token_id(ids["<|endoftext|>"])  # Qwen: bos = pad = <|endoftext|>, not prepended
@@ -154,3 +184,80 @@ def add_tokenizer_metadata(writer: gguf.GGUFWriter, tok: Tokenizer) -> None:
     writer.add_pad_token_id(ids["<|endoftext|>"])
     writer.add_add_bos_token(False)
     writer.add_chat_template(QWEN_CHAT_TEMPLATE)
+
+
+def get_vocab(kind: str, vocab: int) -> Tokenizer | SpmVocab:
+    """The factory's tokenizer of `kind` ("bpe" or "spm") with `vocab` tokens."""
+    if kind == "bpe":
+        return get_tokenizer(vocab)
+    if kind == "spm":
+        return get_spm_vocab(vocab)
+    raise ValueError(f"unknown tokenizer kind {kind!r} (supported: {', '.join(TOKENIZER_KINDS)})")
+
+
+def train_spm(vocab: int, texts: Iterable[str] | None = None) -> SpmVocab:
+    """A SentencePiece-style BPE with `vocab` tokens: specials, 256 byte tokens, learned pieces.
+
+    Trained with `tokenizers` on ▁-escaped text split before each ▁ (SentencePiece's
+    split_by_whitespace); a corpus that runs out of merges is padded with UNUSED `[PAD<id>]`
+    tokens, as convert_hf_to_gguf.py pads a vocabulary smaller than the embedding."""
+    if vocab < MIN_SPM_VOCAB:
+        raise ValueError(f"vocab size {vocab} is too small for a SentencePiece vocabulary: it needs at least "
+                         f"{MIN_SPM_VOCAB} ({len(SPM_SPECIALS)} specials + 256 byte tokens + a few pieces)")
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="never", split=True)
+    n_learn = vocab - len(SPM_SPECIALS) - len(SPM_BYTES)
+    trainer = trainers.BpeTrainer(vocab_size=n_learn, limit_alphabet=min(SPM_MAX_CHARS, n_learn), show_progress=False)
+    tok.train_from_iterator(_iter_texts(corpus_files()) if texts is None else texts, trainer=trainer)
+    return _spm_vocab(tok, vocab)
+
+
+def _spm_vocab(tok: Tokenizer, vocab: int) -> SpmVocab:
+    """Merged pieces in merge order (score -rank), then single characters, as SentencePiece orders them."""
+    merged = ["".join(pair) for pair in (m.split(" ") if isinstance(m, str) else m
+                                          for m in json.loads(tok.to_str())["model"]["merges"])]
+    table, formed = tok.get_vocab(), set(merged)
+    chars = sorted((t for t in table if t not in formed), key=table.__getitem__)
+    reserved = set(SPM_SPECIALS) | set(SPM_BYTES)
+    pieces = [t for t in dict.fromkeys(merged + chars) if t not in reserved][:vocab - len(reserved)]
+    tokens = [*SPM_SPECIALS, *SPM_BYTES, *pieces]
+    pad = [f"[PAD{i}]" for i in range(len(tokens), vocab)]
+    types = ([TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
+             + [TokenType.NORMAL] * len(pieces) + [TokenType.UNUSED] * len(pad))
+    scores = [0.0] * len(reserved) + [-float(i) for i in range(len(pieces))] + [-1e9] * len(pad)
+    return SpmVocab(tokens + pad, scores, [int(t) for t in types])
+
+
+def get_spm_vocab(vocab: int) -> SpmVocab:
+    """The trained SentencePiece-style vocabulary for `vocab`, from the cache when it is there."""
+    py = f"{sys.version_info[0]}{sys.version_info[1]}"
+    path = cache_dir() / f"spm-v{TOKENIZER_VERSION}-py{py}-{vocab}.json"
+    if path.is_file():
+        try:
+            return SpmVocab(**json.loads(path.read_text(encoding="utf-8")))
+        except (ValueError, TypeError):  # a corrupt cache entry: retrain below
+            pass
+    spm = train_spm(vocab)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(spm), ensure_ascii=False), encoding="utf-8")
+    os.replace(tmp, path)  # atomic: concurrent test workers never read half a file
+    return spm
+
+
+def add_spm_metadata(writer: gguf.GGUFWriter, spm: SpmVocab) -> None:
+    """Write a SentencePiece vocabulary as convert_hf_to_gguf.py does for Mistral/Mixtral."""
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(spm.tokens)
+    writer.add_token_scores(spm.scores)
+    writer.add_token_types(spm.types)
+    ids = {t: spm.tokens.index(t) for t in SPM_SPECIALS}
+    writer.add_unk_token_id(ids["<unk>"])
+    writer.add_bos_token_id(ids["<s>"])
+    writer.add_eos_token_id(ids["</s>"])
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(True)
+    writer.add_chat_template(MISTRAL_CHAT_TEMPLATE)

@@ -14,8 +14,9 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
+from gguf import TokenType
 
-from ..authoring.tokenizer_data import SPECIAL_TOKENS, TOKEN_CONTROL, TOKEN_NORMAL
+ENDOFTEXT = "<|endoftext|>"  # the document separator the factory's vocabulary holds
 
 EXCLUDED_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "encodings", "__pycache__"})
 HELD_OUT_MOD = 20
@@ -60,17 +61,17 @@ def train_tokenizer(texts: list[str], vocab: int):
 
 def inference_tokenizer(tok):
     """`tok` as the decoder rebuilds it from GGUF metadata, so training ids == inference ids."""
-    from ..authoring.tokenizer_data import merges_list, vocab_list
+    from ..authoring.tokenizer_data import SPECIAL_TOKENS, merges_list, vocab_list
     from .tokenizer import build_bpe
 
     tokens = vocab_list(tok)
-    types = [TOKEN_CONTROL if t in SPECIAL_TOKENS else TOKEN_NORMAL for t in tokens]
+    types = [TokenType.CONTROL if t in SPECIAL_TOKENS else TokenType.NORMAL for t in tokens]
     return build_bpe(tokens, merges_list(tok), types, "qwen2")
 
 
 def encode_texts(tok, texts: list[str]) -> np.ndarray:
     """All texts as one id stream, each document followed by <|endoftext|>."""
-    eot = tok.token_to_id(SPECIAL_TOKENS[0])  # <|endoftext|>
+    eot = tok.token_to_id(ENDOFTEXT)
     ids: list[int] = []
     for enc in tok.encode_batch(texts, add_special_tokens=False):
         ids.extend(enc.ids)

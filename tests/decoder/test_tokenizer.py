@@ -86,8 +86,8 @@ def test_chat_template_matches_hf(ours, reference):
 
 
 def test_unsupported_metadata_is_named():
-    meta = {"tokenizer.ggml.model": "llama"}
-    with pytest.raises(TokenizerError, match="tokenizer.ggml.model 'llama'"):
+    meta = {"tokenizer.ggml.model": "rwkv"}
+    with pytest.raises(TokenizerError, match="tokenizer.ggml.model 'rwkv'"):
         GGUFTokenizer.from_metadata(lambda k, d=None: meta.get(k, d))
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.merges": ["a b"],
             "tokenizer.ggml.pre": "mystery"}
