@@ -53,8 +53,12 @@ def _arch_keys(spec: ArchSpec) -> dict[str, str]:
     keys = {spec.expert_ff_key: "n_ff_exp"} if spec.expert_ff_key else {}  # else feed_forward_length says it
     if spec.head_dim_key:
         keys.update({"attention.key_length": "head_dim", "attention.value_length": "head_dim"})
-    if spec.shared_expert:
-        keys["expert_shared_feed_forward_length"] = "n_ff_shexp"
+    if spec.shared_expert and spec.shared_ff_key:
+        keys[spec.shared_ff_key] = "n_ff_shexp"
+    if spec.linear_attn != "none":  # Gated DeltaNet sizes; rope turns only rope_dim of each head
+        keys.update({f"ssm.{k}": f"ssm_{k}" for k in ("conv_kernel", "state_size", "group_count", "time_step_rank",
+                                                       "inner_size")})
+        keys.update({"full_attention_interval": "full_attention_interval", "rope.dimension_count": "rope_dim"})
     return keys
 
 
@@ -97,8 +101,8 @@ def normalize_hparams(arch: str, hp: Any) -> dict[str, Any]:
 
 def tensor_qtype(name: str, shape: tuple[int, ...], expert_q: Q, dense_q: Q, notes: list[str]) -> Q:
     """The type a tensor is stored as (see the module docstring)."""
-    if len(shape) == 1 or name.endswith(".bias") or "norm" in name or ".ffn_gate_inp" in name:
-        return Q.F32
+    if len(shape) == 1 or name.endswith(".bias") or "norm" in name or ".ffn_gate_inp" in name or ".ssm_conv1d" in name:
+        return Q.F32  # (llama.cpp keeps the short conv kernels F32 too)
     if "_exps." in name:
         check_row(name, shape[-1], expert_q)
         return expert_q
@@ -140,12 +144,32 @@ def _add_metadata(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], file_q: Q, 
     spec = get_arch(arch)
     w.add_name(name)
     w.add_file_type(int(FILE_TYPES[file_q]))
+    extra = hp.get("extra", {})  # family-specific keys (ArchSpec.extra_keys), written as given
     for key, hkey in {**_COMMON_KEYS, **_arch_keys(spec)}.items():
-        w.add_uint32(arch_key(arch, key), int(hp[hkey]))
+        if key not in extra:
+            w.add_uint32(arch_key(arch, key), int(hp[hkey]))
+    for key, value in extra.items():
+        _add_typed(w, arch_key(arch, key), value)
     for key, hkey in _FLOAT_KEYS.items():
         w.add_float32(arch_key(arch, key), float(hp[hkey]))
+    if spec.linear_attn == "split_ba":  # Qwen3.5's loader requires its (interleaved) M-RoPE sections
+        half = hp["rope_dim"] // 2
+        a = round(half * 11 / 32)  # the real files' [11, 11, 10, 0] out of 32, scaled
+        w.add_array(arch_key(arch, "rope.dimension_sections"), [a, a, half - 2 * a, 0])
     if "norm_topk_prob" in hp and bool(hp["norm_topk_prob"]) != spec.norm_topk_prob:
         w.add_bool(arch_key(arch, "expert_weights_norm"), bool(hp["norm_topk_prob"]))
+
+
+def _add_typed(w: gguf.GGUFWriter, key: str, value: Any) -> None:
+    """One metadata value with the GGUF type llama.cpp reads it as (counts uint32, factors float32)."""
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    else:
+        w.add_string(key, str(value))
 
 
 def write_moe_gguf(
@@ -163,7 +187,8 @@ def write_moe_gguf(
 ) -> WriteReport:
     """Write `tensors` (numpy order, float32 or RandomTensor) as a llama.cpp-style GGUF MoE.
 
-    `tokenizer` is a `tokenizers.Tokenizer` (see tokenizer_data) or None to omit the vocab."""
+    `tokenizer` is a byte-level BPE `tokenizers.Tokenizer` or a SentencePiece `SpmVocab` (see
+    tokenizer_data), or None to omit the vocab."""
     t0, path = time.perf_counter(), Path(path)
     get_arch(arch)  # clear error for an unsupported family
     hpd = normalize_hparams(arch, hp)

@@ -18,7 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants as gq
 
 QK_K = 256
-_GGUF_PY = frozenset((Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1))  # gguf-py quantizes these
+_GGUF_PY = frozenset((Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.MXFP4))  # gguf-py quantizes these
 # Types encode() and random_blocks() handle: gguf-py's, plus our own K-quant encoders.
 ENCODABLE: frozenset[Q] = _GGUF_PY | {Q.Q4_K, Q.Q6_K}
 
@@ -191,5 +191,10 @@ def _rand_q6_k(raw: np.ndarray, a: float) -> None:
     _fill_f16(raw, 208, a / (32 * 48))
 
 
-_RANDOM = {Q.Q8_0: _rand_q8_0, Q.Q4_0: _rand_q4_0, Q.Q4_1: _rand_q4_1, Q.Q5_0: _rand_q5_0,
+def _rand_mxfp4(raw: np.ndarray, a: float) -> None:
+    # E8M0 exponent e: values 2^(e-128) * {0, +-1, ..., +-12} reach +-6 * 2^(e-127) ~ a
+    raw[:, 0] = int(np.clip(127 + round(np.log2(a / 6)), 1, 254))
+
+
+_RANDOM = {Q.MXFP4: _rand_mxfp4, Q.Q8_0: _rand_q8_0, Q.Q4_0: _rand_q4_0, Q.Q4_1: _rand_q4_1, Q.Q5_0: _rand_q5_0,
            Q.Q5_1: _rand_q5_1, Q.Q4_K: _rand_q4_k, Q.Q6_K: _rand_q6_k}

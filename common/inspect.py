@@ -36,7 +36,7 @@ def describe(layout: ModelLayout) -> dict[str, Any]:
                     "slot_bytes_direct_io": ex.slot_bytes(direct_io=True)},
         "quant_types": layout.quant_types(),
         "fingerprint": layout.fingerprint.as_dict(),
-        "sizing": sizing(ex.n_layer * ex.n_expert, ex.slot_bytes(direct_io=False)),
+        "sizing": sizing(ex.n_blobs, ex.slot_bytes(direct_io=False)),
     }
 
 
@@ -63,16 +63,22 @@ def format_text(d: dict[str, Any]) -> str:
                                         for k, v in hp.items() if k != "arch"),
         f"dense            {_mib(d['dense_bytes'])} in {d['dense_tensors']} tensors",
         f"experts          {ex['n_layer']} layers x {ex['n_expert']} experts, "
-        f"top {hp['n_expert_used']}, parts {'+'.join(ex['parts'])}",
+        f"top {hp['n_expert_used']}, parts {'+'.join(ex['parts'])}"
+        + (f"; first {hp['n_dense_lead']} layer(s) dense (no experts)" if hp.get("n_dense_lead") else ""),
         f"blob (max)       {_mib(ex['max_blob_bytes'])}",
         f"slot             {_mib(ex['slot_bytes'])} (O_DIRECT: {_mib(ex['slot_bytes_direct_io'])})",
         f"expert total     {_mib(ex['total_bytes'])}",
         "quant types      " + ", ".join(f"{k} x{v}" for k, v in sorted(d["quant_types"].items())),
-        f"fingerprint      sha256 {d['fingerprint']['header_sha256'][:16]}... "
-        f"size {d['fingerprint']['size']} mtime_ns {d['fingerprint']['mtime_ns']}",
+        *_fingerprint_lines(d["fingerprint"]),
         *_sizing_lines(d["sizing"]),
     ]
     return "\n".join(lines)
+
+
+def _fingerprint_lines(fp: dict[str, Any]) -> list[str]:
+    """The model's identity (what a daemon and a decoder compare) and the file's mtime (not compared)."""
+    return [f"fingerprint      size {fp['size']}, header sha256 {fp['header_sha256'][:16]}..., data sample sha256 "
+            f"{fp['sample_sha256'][:16]}... ({_mib(fp['sample_bytes'])} hashed); mtime_ns {fp['mtime_ns']} (not compared)"]
 
 
 def _sizing_lines(sz: dict[str, Any]) -> list[str]:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
-from .arch import EXPERT_PARTS, SHARED_EXPERT_TENSORS, ArchSpec, arch_key, dense_shapes, get_arch
+from .arch import EXPERT_PARTS, ArchSpec, arch_key, dense_shapes, get_arch, layer_tensors, mla_dims
 
 PAGE = 4096
 
@@ -96,31 +96,87 @@ class HParams:
     rms_eps: float
     context_length: int
     norm_topk_prob: bool
+    n_dense_lead: int = 0  # leading layers with a dense FFN instead of experts (leading_dense_block_count)
+    n_ff: int = 0  # those layers' FFN width (feed_forward_length)
+    # family-specific metadata (`ArchSpec.extra_keys`), keyed by the name without "<arch>."
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Hybrid linear-attention families (ArchSpec.linear_attn != "none"); zero / empty elsewhere.
+    rope_dim: int = 0  # rope.dimension_count where it is a part of head_dim (partial rotary); 0 = head_dim
+    recurrent: tuple[bool, ...] = ()  # per layer: Gated DeltaNet (True) or full attention (False)
+    ssm_conv_kernel: int = 0  # ssm.conv_kernel: causal conv width
+    ssm_state_size: int = 0  # ssm.state_size: key (= value) head dim of the delta rule
+    ssm_group_count: int = 0  # ssm.group_count: key heads
+    ssm_time_step_rank: int = 0  # ssm.time_step_rank: value heads
+    ssm_inner_size: int = 0  # ssm.inner_size: value heads x value head dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s FFN is routed experts (else a dense FFN: no expert to fetch)."""
+        return layer >= self.n_dense_lead
+
+
+SAMPLE_CHUNKS = 64  # data chunks hashed into a fingerprint, spread evenly over the tensor data
+SAMPLE_CHUNK_BYTES = 64 << 10  # 64 x 64 KiB = 4 MiB read per open, whatever the file's size
 
 
 @dataclass(frozen=True)
 class Fingerprint:
+    """The model's identity by content: `size`, `header_sha256` (metadata and tensor table) and
+    `sample_sha256` (`SAMPLE_CHUNKS` chunks spread over the tensor data; all of it when smaller).
+    Two files with the same three are the same model whatever their path and mtime (a copy, a
+    `touch`); a same-shaped model with other weights differs in the sample. `path`, `mtime_ns`
+    and `sample_bytes` are for people (and say which file), not compared."""
+
     path: str
     size: int
     mtime_ns: int
     header_sha256: str
+    sample_sha256: str
+    sample_bytes: int
 
     def as_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns, "header_sha256": self.header_sha256}
+        return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns, "header_sha256": self.header_sha256,
+                "sample_sha256": self.sample_sha256, "sample_bytes": self.sample_bytes}
+
+
+def sample_ranges(start: int, end: int, chunks: int = SAMPLE_CHUNKS,
+                  chunk: int = SAMPLE_CHUNK_BYTES) -> list[tuple[int, int]]:
+    """The byte ranges of [start, end) a fingerprint hashes: all of it when it fits in `chunks`
+    chunks, else `chunks` chunks evenly spread, the first at `start` and the last ending at `end`."""
+    n = end - start
+    if n <= chunks * chunk:
+        return [(start, end)] if n > 0 else []
+    step = (n - chunk) / (chunks - 1)
+    return [(start + int(i * step), start + int(i * step) + chunk) for i in range(chunks)]
 
 
 @dataclass
 class ExpertIndex:
-    """Byte ranges of every (layer, expert) blob."""
+    """Byte ranges of every (layer, expert) blob. Layers with a dense FFN (DeepSeek's leading
+    layers) have no experts: `moe_layers` lists the others, and sizes are over those only."""
 
     n_layer: int
     n_expert: int
     # parts[layer] = list of (part name, tensor) for that layer's expert tensors, in blob order
+    # (empty for a dense layer)
     tensors: list[list[tuple[str, TensorInfo]]] = field(default_factory=list)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [layer for layer, parts in enumerate(self.tensors) if parts]
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return 0 <= layer < len(self.tensors) and bool(self.tensors[layer])
+
+    @property
+    def n_blobs(self) -> int:
+        """(layer, expert) keys that exist: experts of the MoE layers."""
+        return len(self.moe_layers) * self.n_expert
 
     def parts(self, layer: int, expert: int) -> list[ExpertPart]:
         if not (0 <= layer < self.n_layer and 0 <= expert < self.n_expert):
             raise IndexError(f"expert ({layer}, {expert}) out of range [0,{self.n_layer}) x [0,{self.n_expert})")
+        if not self.tensors[layer]:
+            raise IndexError(f"expert ({layer}, {expert}): layer {layer} has a dense FFN, no experts")
         out = []
         for name, t in self.tensors[layer]:
             stride = t.nbytes // self.n_expert
@@ -132,12 +188,12 @@ class ExpertIndex:
 
     @cached_property
     def max_blob_bytes(self) -> int:
-        return max(self.blob_bytes(layer) for layer in range(self.n_layer))
+        return max(self.blob_bytes(layer) for layer in self.moe_layers)
 
     def slot_bytes(self, direct_io: bool = False) -> int:
         """Arena slot size: what `slot_offsets` needs for the largest blob (every expert of a
         layer has the same part sizes, so expert 0 stands for all of them)."""
-        return max((slot_offsets(self.parts(layer, 0), direct_io)[1] for layer in range(self.n_layer)), default=0)
+        return max((slot_offsets(self.parts(layer, 0), direct_io)[1] for layer in self.moe_layers), default=0)
 
     @property
     def total_bytes(self) -> int:
@@ -147,9 +203,10 @@ class ExpertIndex:
         return {
             "n_layer": self.n_layer,
             "n_expert": self.n_expert,
+            "moe_layers": len(self.moe_layers),
             "max_blob_bytes": self.max_blob_bytes,
             "total_bytes": self.total_bytes,
-            "parts": [name for name, _ in self.tensors[0]] if self.tensors else [],
+            "parts": [name for name, _ in self.tensors[self.moe_layers[0]]] if self.moe_layers else [],
         }
 
 
@@ -196,9 +253,10 @@ class ModelLayout:
         vocab = self.tensors.get("token_embd.weight")
         if vocab is None:
             raise ModelFormatError(f"{self.path.name}: missing tensor 'token_embd.weight'")
+        hybrid = self._hybrid_hparams() if spec.linear_attn != "none" else {}
         return HParams(
             arch=self.arch_name,
-            n_layer=int(self._akv("block_count")),
+            n_layer=hybrid.pop("n_layer", int(self._akv("block_count"))),
             n_embd=n_embd,
             n_head=n_head,
             n_head_kv=int(self._akv("attention.head_count_kv", n_head)),
@@ -206,13 +264,54 @@ class ModelLayout:
             n_expert=int(self._akv("expert_count", 0)),
             n_expert_used=int(self._akv("expert_used_count", 0)),
             n_ff_exp=int(self._akv(ff_key)),
-            n_ff_shexp=int(self._akv("expert_shared_feed_forward_length", 0)),
+            n_ff_shexp=self._shared_ff(ff_key),
             n_vocab=int(vocab.shape[1]),
             rope_base=float(self._akv("rope.freq_base", 10000.0)),
             rms_eps=float(self._akv("attention.layer_norm_rms_epsilon", 1e-6)),
             context_length=int(self._akv("context_length", 4096)),
             norm_topk_prob=bool(self._akv("expert_weights_norm", spec.norm_topk_prob)),
+            rope_dim=int(self._akv("rope.dimension_count", 0)) if spec.linear_attn != "none" else 0,
+            n_dense_lead=int(self._akv("leading_dense_block_count", 0)),
+            n_ff=int(self._akv("feed_forward_length", 0)),
+            extra=self._extra(),
+            **hybrid,
         )
+
+    def _shared_ff(self, ff_key: str) -> int:
+        """Shared-expert width: its own key, or (DeepSeek) expert width x expert_shared_count."""
+        if self.spec.shared_ff_key:
+            return int(self._akv(self.spec.shared_ff_key, 0))
+        return int(self._akv(ff_key)) * int(self._akv("expert_shared_count", 0))
+
+    def _extra(self) -> dict[str, Any]:
+        """The family's `ArchSpec.extra_keys`, typed; a required one missing is a format error."""
+        out: dict[str, Any] = {}
+        for key, typ, default in self.spec.extra_keys:
+            value = self._akv(key, default)
+            try:
+                out[key] = typ(value) if typ is not str else str(value)
+            except (TypeError, ValueError):
+                raise ModelFormatError(f"{self.path.name}: metadata {arch_key(self.arch_name, key)!r} = {value!r} "
+                                       f"is not a {typ.__name__}") from None
+        return out
+
+    def _hybrid_hparams(self) -> dict[str, Any]:
+        """Gated-DeltaNet sizes, and which layers are recurrent: every `full_attention_interval`-th
+        is full attention (llama.cpp's rule, default 4). MTP (`nextn_predict_layers`) blocks at the
+        end of the stack are not part of the forward pass: n_layer excludes them."""
+        keys = ("conv_kernel", "state_size", "group_count", "time_step_rank", "inner_size")
+        out: dict[str, Any] = {f"ssm_{k}": int(self._akv(f"ssm.{k}")) for k in keys}
+        if out["ssm_group_count"] <= 0 or out["ssm_time_step_rank"] % out["ssm_group_count"]:
+            raise ModelFormatError(f"{self.path.name}: ssm.time_step_rank={out['ssm_time_step_rank']} is not a "
+                                   f"multiple of ssm.group_count={out['ssm_group_count']}")
+        if out["ssm_inner_size"] != out["ssm_time_step_rank"] * out["ssm_state_size"]:
+            raise ModelFormatError(f"{self.path.name}: ssm.inner_size={out['ssm_inner_size']} != time_step_rank x "
+                                   f"state_size (value head dim must equal key head dim, as llama.cpp assumes)")
+        n_layer = int(self._akv("block_count")) - int(self._akv("nextn_predict_layers", 0))
+        interval = int(self._akv("full_attention_interval", 4))
+        out["n_layer"] = n_layer
+        out["recurrent"] = tuple((i + 1) % interval != 0 for i in range(n_layer))
+        return out
 
     # -- tensors --------------------------------------------------------------------------
     def _tensor_table(self) -> dict[str, TensorInfo]:
@@ -239,12 +338,23 @@ class ModelLayout:
             if not m:
                 continue
             layer, part, kind = int(m.group(1)), m.group(2), m.group(3)
+            if hp.n_layer <= layer < int(self._akv("block_count")):
+                continue  # an MTP (nextn) block after the stack: not run, its experts never served
             if layer >= hp.n_layer:
                 raise ModelFormatError(f"{self.path.name}: tensor {name!r} names layer {layer} but block_count={hp.n_layer}")
             by_layer[layer][part if kind == "weight" else f"{part}.{kind}"] = t
+        if not 0 <= hp.n_dense_lead < hp.n_layer:
+            raise ModelFormatError(f"{self.path.name}: leading_dense_block_count={hp.n_dense_lead} leaves no MoE layer "
+                                   f"of block_count={hp.n_layer}")
         index = ExpertIndex(hp.n_layer, hp.n_expert)
         for layer, parts in enumerate(by_layer):
-            index.tensors.append(self._layer_parts(layer, parts))
+            if hp.is_moe_layer(layer):
+                index.tensors.append(self._layer_parts(layer, parts))
+            elif parts:
+                raise ModelFormatError(f"{self.path.name}: layer {layer} is one of the leading_dense_block_count="
+                                       f"{hp.n_dense_lead} dense layers but has expert tensors ({', '.join(parts)})")
+            else:
+                index.tensors.append([])  # a dense FFN: no experts
         return index
 
     def _layer_parts(self, layer: int, parts: dict[str, TensorInfo]) -> list[tuple[str, TensorInfo]]:
@@ -255,7 +365,8 @@ class ModelLayout:
             if part not in parts:
                 raise ModelFormatError(f"{name}: missing expert tensor 'blk.{layer}.ffn_{part}_exps.weight'")
         n_ff = hp.n_ff_exp * (2 if fused else 1)
-        want = {"gate": (hp.n_embd, n_ff), "up": (hp.n_embd, n_ff), "gate_up": (hp.n_embd, n_ff), "down": (hp.n_ff_exp, hp.n_embd)}
+        want = {"gate": (hp.n_embd, n_ff), "up": (hp.n_embd, n_ff), "gate_up": (hp.n_embd, n_ff), "down": (hp.n_ff_exp, hp.n_embd),
+                "gate.bias": (n_ff,), "up.bias": (n_ff,), "gate_up.bias": (n_ff,), "down.bias": (hp.n_embd,)}  # gpt-oss
         for part, t in parts.items():
             if t.shape[-1] != hp.n_expert:
                 raise ModelFormatError(f"{name}: inconsistent expert count: tensor {t.name!r} has {t.shape[-1]} experts "
@@ -274,13 +385,21 @@ class ModelLayout:
         hp, spec, name = self.hparams, self.spec, self.path.name
         if "output_norm.weight" not in self.dense:  # (token_embd.weight: checked by _hparams)
             raise ModelFormatError(f"{name}: missing tensor 'output_norm.weight'")
+        if spec.attention == "mla":
+            try:
+                mla_dims(hp)
+            except ValueError as e:
+                raise ModelFormatError(f"{name}: {e}") from None
         for layer in range(hp.n_layer):
-            for t in spec.layer_tensors:
-                self._require(f"blk.{layer}.{t}.weight")
-            for t in spec.layer_biases:
-                self._require(f"blk.{layer}.{t}.bias")
-            if spec.shared_expert:
-                for t in SHARED_EXPERT_TENSORS:
+            for t in layer_tensors(spec, hp, layer, self.dense.__contains__):
+                self._require(t)
+            if spec.linear_attn != "none" and hp.recurrent[layer]:
+                legacy = f"blk.{layer}.ssm_in.weight" in self.dense  # older Qwen3-Next files: fused q,k,v,z
+                for t in spec.recurrent_tensors:
+                    if not (legacy and t in ("attn_qkv.weight", "attn_gate.weight")):
+                        self._require(f"blk.{layer}.{t}")
+            else:
+                for t in spec.attn_layer_tensors:
                     self._require(f"blk.{layer}.{t}.weight")
         self._check_dense_shapes()
 
@@ -310,9 +429,14 @@ class ModelLayout:
 
     @cached_property
     def fingerprint(self) -> Fingerprint:
-        header = self.reader.data[: self.reader.data_offset]  # metadata + tensor table, from the memory map
+        data = self.reader.data  # the file's memory map: only the hashed pages are read
+        header = data[: self.reader.data_offset]  # metadata + tensor table
+        sample = hashlib.sha256()
+        ranges = sample_ranges(self.reader.data_offset, len(data))
+        for lo, hi in ranges:
+            sample.update(data[lo:hi])
         return Fingerprint(str(self.path), self._stat.st_size, self._stat.st_mtime_ns,
-                           hashlib.sha256(header).hexdigest())
+                           hashlib.sha256(header).hexdigest(), sample.hexdigest(), sum(hi - lo for lo, hi in ranges))
 
     def quant_types(self) -> dict[str, int]:
         """Quant type name -> number of tensors of that type."""

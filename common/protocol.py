@@ -40,6 +40,7 @@ class ErrorCode(str, enum.Enum):
     NO_HELLO = "no_hello"  # request before hello (or the daemon restarted and forgot us)
     DUPLICATE_ID = "duplicate_id"  # fetch id already in use by this client
     BUSY = "busy"  # queue full: retry later
+    DEADLINE = "deadline"  # waited queue_deadline_s for arena room (this client's lease quota, or a full arena)
     DROPPED = "dropped"  # stale `ahead` work dropped
     NOT_CACHED = "not_cached"  # a `cached` fetch of an expert the arena does not hold (nothing is read)
     IO_ERROR = "io_error"  # the read failed
@@ -234,7 +235,7 @@ class Cancel(Message):
 @dataclass
 class Ping(Message):
     op: ClassVar[str] = "ping"
-    t: float = 0.0
+    t: float = 0.0  # echoed in the pong; our client sends an integer ping id (0: its keepalive)
 
     @classmethod
     def from_map(cls, m: dict[str, Any]) -> Ping:

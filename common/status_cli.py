@@ -64,6 +64,15 @@ def _mib(n: float | None) -> str:
     return f"{n:,.0f} B"
 
 
+def _fairness(f: dict[str, Any] | None) -> str:
+    if not f:
+        return "-"  # an older daemon
+    quota = f"{f['client_lease_quota']} slots" if f["client_lease_quota"] is not None else "off"
+    return (f"lease quota per client {quota} (share {f['client_lease_share']:g}), queue deadline "
+            f"{f['queue_deadline_s']:g} s; parked now {f['parked']}, over quota {f['over_quota_total']:,}, "
+            f"deadline errors {f['deadline_total']:,}")
+
+
 def format_status(s: dict[str, Any]) -> str:
     a, q, lat = s["arena"], s["queues"], s["latency"]
     b = s["backend"]
@@ -80,6 +89,7 @@ def format_status(s: dict[str, Any]) -> str:
                   f"disk {_mib(s['disk_read_bytes'])}; {s['read_mb_s']:.1f} MB/s (last 10 s)"),
         ("queues", f"now {q['queued_now']}, ahead {q['queued_ahead']}, reading {q['reading']}/{q['max_inflight']}; "
                    f"dropped {q['dropped']}, busy {q['refused_busy']}"),
+        ("fairness", _fairness(s.get("fairness"))),
         ("in flight", f"expert loads peak {q['in_flight']['peak']}, mean {q['in_flight']['mean']:.1f} (prefetch <= "
                       f"{q['ahead_max_inflight']}); device reads peak {s['reader']['in_flight']['peak']}, "
                       f"mean {s['reader']['in_flight']['mean']:.1f}"),

@@ -18,6 +18,11 @@ A decoder on CPU keeps no expert memory of its own. For each layer, `ArenaExpert
 5. sums the outputs in ascending expert order (`experts.combine`): bit-identical to
    `QuantResidentExperts` on the same file.
 
+A daemon restart voids every lease of the lost connection (the client reconnects and sends
+the requests still outstanding again): a void lease, landed before the loss or voided while
+its expert was being computed, is fetched again `now` and its output computed anew from the
+new daemon's arena, so the result stays bit-identical.
+
 Nothing aborts for lack of room: the daemon queues what the arena cannot hold yet and each
 lease goes back as soon as its expert is computed, so a prompt whose layer routes to more
 experts than the arena holds is processed in pieces; a prefetch this layer joined that
@@ -39,7 +44,8 @@ import numpy as np
 import torch
 
 from ..common import protocol as P
-from ..common.client import IodClient, IodRequestError, IodUnavailable, Lease
+from ..common.arena import ArenaView
+from ..common.client import IodClient, IodRequestError, IodUnavailable, Lease, LeaseVoided
 from ..common.layout import ModelLayout
 from .experts import ExpertSource, Predictions, combine, group_by_expert
 from .quant_experts import Mats, expert_mats, run_experts
@@ -127,10 +133,11 @@ class ArenaExperts(ExpertSource):
         n_slots = client.arena.n_slots if client.arena is not None else 0
         limit = prefetch_limit if prefetch_limit is not None else n_slots // 2 - layout.hparams.n_expert_used
         self.prefetches = Prefetches(client, limit)
-        self._base = np.frombuffer(client.arena.whole(), dtype=np.uint8) if client.arena is not None else None
+        self._base: np.ndarray | None = None  # the arena as one array (`_base_for`), re-made after a reconnect
+        self._base_arena: ArenaView | None = None
         self._deferred: list[tuple[Predictions, Predictions]] = []  # sent after the next layer's demand
         self._closed = False
-        self.c: dict[str, Any] = dict.fromkeys(("acquired", "demand", "refetched", "bytes_fetched"), 0)
+        self.c: dict[str, Any] = dict.fromkeys(("acquired", "demand", "refetched", "voided", "bytes_fetched"), 0)
         self.c.update(stall_s=0.0, compute_s=0.0)
 
     # -- ExpertSource ----------------------------------------------------------------------
@@ -156,15 +163,18 @@ class ArenaExperts(ExpertSource):
         groups = group_by_expert(ids)
         pending = self._request(layer, sorted(groups))
         outputs = {}
+        retries: dict[int, int] = {}
         try:
-            for leases in self._arrivals(layer, pending):
+            for leases in self._arrivals(layer, pending, retries):
                 t0 = time.perf_counter()
                 try:
-                    mats = {e: self._mats(layer, lease) for e, lease in leases.items()}
-                    outputs.update(run_experts(x, groups, weights, self._base, mats))
+                    outputs.update(self._compute(layer, x, groups, weights, leases))
                 finally:
                     self.client.release_many(list(leases.values()))
                 self.c["compute_s"] += time.perf_counter() - t0
+                for e in [e for e, lease in leases.items() if self.client.voided(lease)]:
+                    outputs.pop(e, None)  # computed from a lost daemon's slot: not to be trusted
+                    self._refetch(layer, e, "voided", pending, retries)
         except BaseException:
             self.prefetches.give_up(list(pending))  # `_arrivals` keeps `pending` to what is still owed
             raise
@@ -181,7 +191,7 @@ class ArenaExperts(ExpertSource):
         if self._closed:
             return
         self._closed = True
-        self._base = None  # the arena mapping can go with the client
+        self._base = self._base_arena = None  # the arena mapping can go with the client
         try:
             self.prefetches.clear()
         except IodUnavailable:
@@ -204,10 +214,10 @@ class ArenaExperts(ExpertSource):
             self._send(predictions, if_cached)
         return pending
 
-    def _arrivals(self, layer: int, pending: dict[cf.Future, int]) -> Iterator[dict[int, Lease]]:
+    def _arrivals(self, layer: int, pending: dict[cf.Future, int],
+                  retries: dict[int, int]) -> Iterator[dict[int, Lease]]:
         """Yield {expert: lease} for the leases that arrived together, refetching `now` what was
-        dropped or refused. Removes each future from `pending` once it is handled."""
-        retries: dict[int, int] = {}
+        dropped, refused or voided. Removes each future from `pending` once it is handled."""
         while pending:
             t0 = time.perf_counter()
             done, _ = cf.wait(list(pending), timeout=self.fetch_timeout_s, return_when=cf.FIRST_COMPLETED)
@@ -228,31 +238,62 @@ class ArenaExperts(ExpertSource):
     def _lease_or_retry(self, layer: int, e: int, f: cf.Future, pending: dict[cf.Future, int],
                         retries: dict[int, int]) -> Lease | None:
         try:
-            return f.result()
+            lease = f.result()
         except (cf.CancelledError, IodRequestError) as exc:
             code = getattr(exc, "code", "cancelled")
             if code != "cancelled" and code not in RETRYABLE:
                 raise
-            retries[e] = retries.get(e, 0) + 1
-            if retries[e] > MAX_RETRIES:
-                raise IodUnavailable(f"expert ({layer}, {e}) refused {MAX_RETRIES} times in a row: {exc}") from None
-            if code == P.ErrorCode.BUSY.value:
-                time.sleep(min(0.001 * 2 ** retries[e], 0.1))  # the daemon's queue is full: back off
-            pending[self.client.fetch([(layer, e)], "now")[0]] = e
-            self.c["refetched"] += 1
+            self._refetch(layer, e, code, pending, retries, exc)
             return None
+        if self.client.voided(lease):  # landed before the daemon was lost (a prefetch): ask the new one
+            self._refetch(layer, e, "voided", pending, retries)
+            return None
+        return lease
 
-    def _mats(self, layer: int, lease: Lease) -> Mats:
-        """The leased expert's matrices: views into the arena array (`_base`), no copy."""
-        start = lease.slot * self.client.arena.slot_bytes
-        views = {name: self._base[start + off:start + off + n] for name, (off, n) in lease.parts.items()}
+    def _refetch(self, layer: int, e: int, why: str, pending: dict[cf.Future, int], retries: dict[int, int],
+                 exc: BaseException | None = None) -> None:
+        """Fetch `e` again `now` (dropped, refused as busy, cancelled, or its lease voided)."""
+        retries[e] = retries.get(e, 0) + 1
+        if retries[e] > MAX_RETRIES:
+            raise IodUnavailable(f"expert ({layer}, {e}) refused {MAX_RETRIES} times in a row: {exc or why}")
+        if why == P.ErrorCode.BUSY.value:
+            time.sleep(min(0.001 * 2 ** retries[e], 0.1))  # the daemon's queue is full: back off
+        pending[self.client.fetch([(layer, e)], "now")[0]] = e
+        self.c["voided" if why == "voided" else "refetched"] += 1
+
+    def _compute(self, layer: int, x: torch.Tensor, groups: Any, weights: torch.Tensor,
+                 leases: dict[int, Lease]) -> dict[int, torch.Tensor]:
+        """The outputs of the leased experts, computed where they lie in the arena; none when the
+        leases were voided meanwhile (the caller fetches them again)."""
+        epoch = self.client.epoch  # leases of an older one are void: left out, fetched again by the caller
+        current = {e: lease for e, lease in leases.items() if lease.epoch == epoch}
+        try:
+            base = self._base_for(next(iter(current.values()))) if current else None
+        except LeaseVoided:  # lost since: all of them are void now
+            return {}
+        mats = {e: self._mats(layer, lease, base) for e, lease in current.items()}
+        return run_experts(x, groups, weights, base, mats, self.layout.spec.expert_act) if mats else {}
+
+    def _base_for(self, lease: Lease) -> np.ndarray:
+        """The arena `lease` lives in, as one uint8 array (re-made when a reconnect brought a new arena)."""
+        arena = self.client.arena_of(lease)
+        if arena is not self._base_arena:
+            self._base, self._base_arena = np.frombuffer(arena.whole(), dtype=np.uint8), arena
+        return self._base
+
+    def _mats(self, layer: int, lease: Lease, base: np.ndarray) -> Mats:
+        """The leased expert's matrices: views into the arena array `base`, no copy."""
+        start = lease.slot * self._base_arena.slot_bytes
+        views = {name: base[start + off:start + off + n] for name, (off, n) in lease.parts.items()}
         return expert_mats(self.layout.experts.parts(layer, lease.expert), views)
 
 
 def open_arena(layout: ModelLayout, endpoint: str, *, timeout_s: float = 5.0, fetch_timeout_s: float = 60.0,
-               name: str | None = None, prefetch_limit: int | None = None) -> ArenaExperts:
-    """Connect to the daemon at `endpoint` (checking it serves this file)."""
-    client = IodClient(endpoint, expect_fingerprint=layout.fingerprint.as_dict(), timeout_s=timeout_s, name=name)
+               name: str | None = None, prefetch_limit: int | None = None, reconnect_s: float = 30.0) -> ArenaExperts:
+    """Connect to the daemon at `endpoint` (checking it serves this file; reconnecting for up to
+    `reconnect_s` when it restarts)."""
+    client = IodClient(endpoint, expect_fingerprint=layout.fingerprint.as_dict(), timeout_s=timeout_s, name=name,
+                       reconnect_s=reconnect_s)
     try:
         return ArenaExperts(client, layout, fetch_timeout_s=fetch_timeout_s, owns_client=True,
                             prefetch_limit=prefetch_limit)

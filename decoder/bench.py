@@ -8,6 +8,9 @@ Phases, all on the same prompt, sampling seed and number of tokens:
                the same run: tok/s beside the bound min(compute, bandwidth / missed bytes per token);
   bandwidth    every expert fetched once more (and copied into a device slot where the format has
                one): expert bytes/s delivered from the daemon to this process, for the bound.
+On CUDA two peers are measured in the same run: a device-to-device copy (HBM traffic rate; the
+resident bound is that rate / bytes touched per token) and a pinned host -> device copy of the
+delivery phase's size (what delivery could reach).
 The cache is the daemon's arena with the CPU's 'quant' format (experts computed where they lie:
 each streamed phase gets its own daemon with an arena of that many slots), else the decoder's
 device slot cache (one daemon for every phase).
@@ -78,7 +81,7 @@ class Run:
         self.model = load_model(self.layout, self.cfg.torch_device, self.cfg.torch_dtype,
                                 keep_quantized=self.cfg.resolved_slot_format == "quant")
         hp = self.layout.hparams
-        self.n_experts = hp.n_layer * hp.n_expert
+        self.n_experts = self.layout.experts.n_blobs
         g = torch.Generator().manual_seed(args.seed)
         self.prompt = torch.randint(0, hp.n_vocab, (args.prompt_tokens,), generator=g).tolist()
 
@@ -206,8 +209,9 @@ def phase_bandwidth(run: Run, slot_format: str, endpoint: str) -> dict[str, Any]
                             dtype=run.cfg.torch_dtype) if slot_format != "quant" else None
     nbytes = 0
     with IodClient(endpoint, expect_fingerprint=run.layout.fingerprint.as_dict(), name="bench-bw") as client:
+        registered = cache is not None and client.arena is not None and cache.register_host(client.arena.whole())
         t0 = time.perf_counter()
-        for layer in range(hp.n_layer):
+        for layer in run.layout.experts.moe_layers:  # (a dense layer has no experts to fetch)
             for e in range(hp.n_expert if cache is not None else 0):
                 cache.claim((layer, e))  # evicts the previous layer's copies (unpinned once written)
             for fut in client.fetch([(layer, e) for e in range(hp.n_expert)], "now"):
@@ -222,7 +226,57 @@ def phase_bandwidth(run: Run, slot_format: str, endpoint: str) -> dict[str, Any]
         if run.cfg.torch_device.type == "cuda":
             torch.cuda.synchronize(run.cfg.torch_device)
         seconds = time.perf_counter() - t0
-    return {"bytes": nbytes, "seconds": seconds, "bytes_per_s": nbytes / seconds}
+        if cache is not None:
+            cache.unregister_host()
+    return {"bytes": nbytes, "seconds": seconds, "bytes_per_s": nbytes / seconds, "host_registered": registered}
+
+
+def bytes_per_token(run: Run) -> int:
+    """Bytes a decode step reads at least: dense weights in the model dtype (one embedding row),
+    plus top-k experts per layer in the slot format (KV cache reads left out: short contexts)."""
+    from .slot_format import bytes_per_slot
+
+    lay, hp = run.layout, run.layout.hparams
+    tied = "output.weight" not in lay.dense
+    dense = sum(math.prod(t.shape) for name, t in lay.dense.items() if tied or not name.startswith("token_embd"))
+    fmt = run.cfg.resolved_slot_format
+    layers = lay.experts.n_layer
+    per_expert = (sum(lay.experts.blob_bytes(i) for i in range(layers)) / layers if fmt == "raw"
+                  else bytes_per_slot(lay.experts, fmt, run.cfg.torch_dtype))
+    return int(dense * run.cfg.torch_dtype.itemsize + layers * hp.n_expert_used * per_expert)
+
+
+def _cuda_seconds(device: torch.device, fn: Any, repeat: int) -> float:
+    """Seconds per call of `fn` on the device (CUDA events, after one untimed call)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 1e3 / repeat
+
+
+def _d2d_traffic(dev: torch.device, n: int = 1 << 30) -> float:
+    """HBM bytes per second (read + written) of a device-to-device copy of n bytes."""
+    src, dst = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
+    return 2 * n / _cuda_seconds(dev, lambda: dst.copy_(src), 5)
+
+
+def cuda_peers(run: Run, delivered_bytes: int) -> dict[str, Any]:
+    """The same run's hardware peers: device-to-device copy traffic (bytes read + written per
+    second) and a pinned host -> device copy of `delivered_bytes` (in chunks of <= 1 GiB)."""
+    dev = run.cfg.torch_device
+    d2d = _d2d_traffic(dev)
+    chunk = max(1, min(int(delivered_bytes), 1 << 30))
+    host = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(chunk, dtype=torch.uint8, device=dev)
+    repeat = max(1, math.ceil(delivered_bytes / chunk))
+    h2d = chunk / _cuda_seconds(dev, lambda: dst.copy_(host, non_blocking=True), repeat)
+    touched = bytes_per_token(run)
+    return {"d2d_bytes_per_s": d2d, "pinned_h2d_bytes_per_s": h2d, "bytes_per_token": touched,
+            "hbm_bound_tok_s": d2d / touched}
 
 
 def measure(run: Run) -> dict[str, Any]:
@@ -244,6 +298,10 @@ def measure(run: Run) -> dict[str, Any]:
     for name in ("tight", "tight_no_prefetch"):
         if name in out:
             add_bound(out[name], compute, out["bandwidth"]["bytes_per_s"])
+    if run.cfg.torch_device.type == "cuda":
+        peers = out["cuda"] = cuda_peers(run, out["delivery"]["bytes"])
+        out["resident"]["ratio_to_hbm_bound"] = compute / peers["hbm_bound_tok_s"]
+        out["delivery"]["ratio_to_pinned_h2d"] = out["delivery"]["bytes_per_s"] / peers["pinned_h2d_bytes_per_s"]
     return out
 
 
@@ -275,6 +333,14 @@ def report(r: dict[str, Any]) -> str:
                 f"{t['missed_bytes_per_token'] / 1e6:.3f} MB missed per token)   tok/s / bound {t['ratio_to_bound']:.3f}"
                 f", hit rate {t['hit_rate']:.1%}, misses hidden by prefetch {t['hidden_share']:.1%}"
                 f" (prediction precision {t['prefetch_precision']:.1%})")
+    if "cuda" in r:
+        c = r["cuda"]
+        lines.append(f"resident / HBM bound           {res['ratio_to_hbm_bound']:8.3f}   bound {c['hbm_bound_tok_s']:.0f} tok/s "
+                     f"= {c['d2d_bytes_per_s'] / 1e9:.0f} GB/s device copy traffic (read + write, this run) / "
+                     f"{c['bytes_per_token'] / 1e6:.2f} MB touched per token")
+        lines.append(f"delivery / pinned copy         {dl['ratio_to_pinned_h2d']:8.3f}   delivery {dl['bytes_per_s'] / 1e9:.2f} "
+                     f"GB/s, pinned host -> device {c['pinned_h2d_bytes_per_s'] / 1e9:.2f} GB/s (same bytes, this run); "
+                     f"arena registered with CUDA: {'yes' if dl.get('host_registered') else 'no (pinned staging)'}")
     if "tight_no_prefetch" in r:
         t, n = r["tight"], r["tight_no_prefetch"]
         lines.append(f"prefetch on / off          {t['tok_s'] / n['tok_s']:8.3f}x (depth {t['prefetch']}, predicted after "

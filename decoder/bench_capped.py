@@ -258,7 +258,7 @@ def measure(args: argparse.Namespace, layout: Any, caps: list[tuple[str, int]], 
     ex = layout.experts
     min_slots = max(MIN_ARENA_SLOTS, layout.hparams.n_expert_used)
     splits = {text: split_budget(cap, warm["decoder_bytes"], warm["daemon_bytes"], headroom,
-                                 ex.slot_bytes(plan.direct), min_slots, ex.n_layer * ex.n_expert, text)
+                                 ex.slot_bytes(plan.direct), min_slots, ex.n_blobs, text)
               for text, cap in caps}
     cold()
     out["bandwidth"] = disk_bandwidth(layout, args.seed)

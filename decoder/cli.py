@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefetch each token's N most likely experts per predicted layer (default: 1 with the "
                          "quant format, where a wrong guess costs a disk read and an eviction in the shared arena; "
                          "else the model's top-k)")
+    ap.add_argument("--reconnect-wait", type=float, dest="reconnect_s", metavar="SECONDS",
+                    help="when the daemon restarts, wait this long for it to come back (default 30; 0 = give up "
+                         "at once); the decoder then re-requests what was in flight and finishes with the same tokens")
     ap.add_argument("--stats", action="store_true", default=None,
                     help="print tok/s and the expert source's counters (on stderr)")
     ap.add_argument("--json", action="store_true", default=None,
@@ -121,13 +124,14 @@ def open_resident(cfg: DecoderConfig, layout: Any, model: Any) -> tuple[Any, Cal
 
 def default_slots(hp: Any) -> int:
     """Without --slots/--cache-bytes: room for 4 steps' worth of routed experts, at most all of them."""
-    return min(hp.n_layer * hp.n_expert, 4 * hp.n_layer * hp.n_expert_used)
+    moe_layers = hp.n_layer - hp.n_dense_lead
+    return min(moe_layers * hp.n_expert, 4 * moe_layers * hp.n_expert_used)
 
 
 def checked_slots(slots: int, hp: Any) -> int:
     """--slots as given, capped at the model's expert count (with a notice); a warning when it is
     below the top-k, where every token of every layer misses."""
-    total = hp.n_layer * hp.n_expert
+    total = (hp.n_layer - hp.n_dense_lead) * hp.n_expert
     if slots > total:
         print(f"moestream generate: --slots {slots} is more than the model's {total} experts; using {total}",
               file=sys.stderr)
@@ -146,13 +150,14 @@ def open_streamed(cfg: DecoderConfig, layout: Any, model: Any) -> tuple[Any, Cal
     except ImportError as e:
         raise ConfigError(f"streamed mode not available ({e}); use --resident") from None
     if cfg.resolved_slot_format == "quant":
-        source = open_arena(layout, cfg.iod, fetch_timeout_s=cfg.fetch_timeout_s, name="moestream-generate")
+        source = open_arena(layout, cfg.iod, fetch_timeout_s=cfg.fetch_timeout_s, name="moestream-generate",
+                            reconnect_s=cfg.reconnect_s)
     else:
         sized = {"cache_bytes": cfg.cache_bytes} if cfg.cache_bytes else \
             {"slots": checked_slots(cfg.slots, layout.hparams) if cfg.slots else default_slots(layout.hparams)}
         source = connect(layout, cfg.iod, device=cfg.torch_device, dtype=cfg.torch_dtype,
                          slot_format=cfg.resolved_slot_format, fetch_timeout_s=cfg.fetch_timeout_s,
-                         name="moestream-generate", **sized)
+                         name="moestream-generate", reconnect_s=cfg.reconnect_s, **sized)
     top = cfg.resolved_prefetch_top
     at = cfg.resolved_prefetch_at
     hook = Prefetcher(model, source, cfg.prefetch, top_k=top, at=at) if cfg.prefetch > 0 else None

@@ -50,6 +50,7 @@ class DecoderConfig:
     trace_out: str | None = None  # write the routing trace here (JSON, `moestream simulate` reads it)
     progress: bool = field(default_factory=lambda: sys.stderr.isatty())  # bars only for a person watching
     fetch_timeout_s: float = 60.0
+    reconnect_s: float = 30.0  # how long to wait for a restarted daemon before giving up (0: at once)
 
     def __post_init__(self) -> None:
         self._check_source()
@@ -89,6 +90,8 @@ class DecoderConfig:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
         if self.fetch_timeout_s <= 0:
             raise ConfigError(f"fetch_timeout_s must be > 0, got {self.fetch_timeout_s}")
+        if isinstance(self.reconnect_s, bool) or not isinstance(self.reconnect_s, (int, float)) or self.reconnect_s < 0:
+            raise ConfigError(f"reconnect_s (--reconnect-wait) must be a number of seconds >= 0, got {self.reconnect_s!r}")
 
     def _check_slot_format(self) -> None:
         fmt = self.resolved_slot_format

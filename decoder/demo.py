@@ -146,7 +146,7 @@ def cache_slots(args: argparse.Namespace, model_path: Path) -> int:
     from ..common.layout import ModelLayout
 
     hp = ModelLayout(model_path).hparams
-    return args.slots or max(2 * hp.n_expert_used, hp.n_layer * hp.n_expert // 4)
+    return args.slots or max(2 * hp.n_expert_used, (hp.n_layer - hp.n_dense_lead) * hp.n_expert // 4)
 
 
 def device_slots(args: argparse.Namespace) -> bool:
@@ -172,7 +172,7 @@ def print_header(cfg: Any, layout: Any) -> None:
     hp = layout.hparams
     cache = f"device slot cache {cfg.slots}" if cfg.slots else "the daemon's arena as the expert cache"
     print(f"model: {Path(cfg.model).name}: {hp.arch}, {hp.n_layer} layers x {hp.n_expert} experts "
-          f"(top {hp.n_expert_used}); {cache} of {hp.n_layer * hp.n_expert} experts "
+          f"(top {hp.n_expert_used}); {cache} of {(hp.n_layer - hp.n_dense_lead) * hp.n_expert} experts "
           f"({cfg.resolved_slot_format}, {cfg.torch_device}), prefetch {cfg.prefetch}", flush=True)
 
 

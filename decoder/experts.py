@@ -8,7 +8,10 @@ to `mix(layer, x, weights, ids)` (every routed expert's SwiGLU output, weighted 
   shared-memory arena (`arena_experts.ArenaExperts`); no dequantized copy is kept.
 - `AcquireSource` family: float weights per expert, `acquire`d for a layer and `release`d
   after it: `ResidentExperts` below (dequantized at start, or raw and dequantized on use)
-  and the device slot cache of `streamed.StreamedExperts` (the GPU path).
+  and the device slot cache of `streamed.StreamedExperts` (the GPU path). With raw slots on
+  CUDA both override `mix` to run the fused Triton kernels (`triton_experts`) on the slot
+  memory instead: nothing is dequantized into a copy, and the (layer, expert) -> slot map is a
+  device tensor.
 
 Every source sums its experts' outputs in ascending expert order (`combine`), whatever order
 they were computed or arrived in, so streamed and resident decoding are bit-identical.
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..common.arch import EXPERT_ACTS, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from ..common.layout import ExpertPart, ModelLayout
 from .dequant import dequantize
 
@@ -99,10 +103,15 @@ class ExpertWeights:
     gate: torch.Tensor  # [ff, d]
     up: torch.Tensor  # [ff, d]
     down: torch.Tensor  # [d, ff]
+    # biases (gpt-oss), added to gate x and up x before the activation and to the output
+    gate_b: torch.Tensor | None = None  # [ff]
+    up_b: torch.Tensor | None = None  # [ff]
+    down_b: torch.Tensor | None = None  # [d]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down))
+        ts = (self.gate, self.up, self.down, self.gate_b, self.up_b, self.down_b)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
 def blob_to_weights(
@@ -114,7 +123,8 @@ def blob_to_weights(
     """Dequantize one expert blob (uint8 bytes on the compute device) into `ExpertWeights`.
 
     `ranges[part.name] = (offset inside blob, nbytes)`. A fused `gate_up` part holds the gate
-    rows first, then the up rows. Any other part is an error (no architecture has one).
+    rows first, then the up rows; `<part>.bias` parts are the biases (gpt-oss). Any other part
+    is an error (no architecture has one).
     """
     mats: dict[str, torch.Tensor] = {}
     for part in parts:
@@ -128,19 +138,22 @@ def blob_to_weights(
                              f"inside a {blob.numel()}-byte blob")
         w = dequantize(blob[off:off + n], part.qtype, part.shape, name=part.name)  # [n_out, n_in]
         mats[part.name] = w.to(dtype)
-    if "gate_up" in mats:
-        gate, up = mats.pop("gate_up").chunk(2, dim=0)  # [2ff, d] -> 2 x [ff, d]
-    else:
-        gate, up = mats.pop("gate"), mats.pop("up")
-    return ExpertWeights(gate=gate, up=up, down=mats.pop("down"))
+    for fused in ("gate_up", "gate_up.bias"):
+        if fused in mats:
+            suffix = fused.removeprefix("gate_up")
+            mats["gate" + suffix], mats["up" + suffix] = mats.pop(fused).chunk(2, dim=0)  # [2ff, ...] -> 2 x [ff, ...]
+    return ExpertWeights(gate=mats["gate"], up=mats["up"], down=mats["down"], gate_b=mats.get("gate.bias"),
+                         up_b=mats.get("up.bias"), down_b=mats.get("down.bias"))
 
 
-_PART_NAMES = ("gate", "up", "down", "gate_up")
+_PART_NAMES = ("gate", "up", "down", "gate_up", "gate.bias", "up.bias", "down.bias", "gate_up.bias")
 
 
 class AcquireSource(ExpertSource):
     """A source of float weights per expert: `acquire` pins a layer's experts, `mix` computes
-    them with torch, `release` unpins."""
+    them with torch, `release` unpins. `expert_act`: the family's activation (`common.arch`)."""
+
+    expert_act: str = "swiglu"
 
     @abstractmethod
     def acquire(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
@@ -157,7 +170,7 @@ class AcquireSource(ExpertSource):
             outputs = {}
             for e, (rows, slot) in groups.items():
                 w = got[e]
-                y = swiglu(x[rows], w.gate, w.up, w.down)  # [n_e, d]
+                y = expert_ffn(x[rows], w, self.expert_act)  # [n_e, d]
                 outputs[e] = (rows, y * weights[rows, slot, None])
         finally:
             self.release(layer, wanted)
@@ -167,6 +180,26 @@ class AcquireSource(ExpertSource):
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """down(silu(gate x) * up x): x [n, d], gate/up [ff, d], down [d, ff] -> [n, d]."""
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def activate(g: torch.Tensor, u: torch.Tensor, act: str = "swiglu") -> torch.Tensor:
+    """An expert's activation of gate g and up u [n, ff] (`common.arch.EXPERT_ACTS`): the float
+    path's, and the CPU kernels' dense path's."""
+    if act == "swiglu":
+        return torch.nn.functional.silu(g) * u
+    if act == "swiglu_oai_clamped":
+        g = g.clamp(max=SWIGLU_OAI_LIMIT)
+        return g * torch.sigmoid(g * SWIGLU_OAI_ALPHA) * (u.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT) + 1)
+    raise ValueError(f"unknown expert activation {act!r} (have: {', '.join(EXPERT_ACTS)})")
+
+
+def expert_ffn(x: torch.Tensor, w: ExpertWeights, act: str = "swiglu") -> torch.Tensor:
+    """One expert on rows x [n, d] -> [n, d] with the activation `act` (`common.arch.EXPERT_ACTS`)
+    and the expert's biases when it has them."""
+    if act == "swiglu" and w.gate_b is None and w.down_b is None:
+        return swiglu(x, w.gate, w.up, w.down)
+    h = activate(F.linear(x, w.gate, w.gate_b), F.linear(x, w.up, w.up_b), act)  # [n, ff]
+    return F.linear(h, w.down, w.down_b)  # [n, d]
 
 
 def read_blob(layout: ModelLayout, layer: int,
@@ -187,57 +220,99 @@ class ResidentExperts(AcquireSource):
     """Every expert in process, no daemon: the reference streamed decoding must match.
 
     `slot_format="dequant"` dequantizes every expert once at start (fast compute, float
-    memory); `"raw"` keeps the quantized bytes on the device and dequantizes on each acquire
-    (as a raw-slot streamed cache does; cheap on a GPU, slow on a CPU).
+    memory); `"raw"` keeps the quantized bytes on the device in the device slot cache's layout
+    (one slot per expert, `blobs [n_layer * n_expert, slot_bytes]`, slot = layer * n_expert +
+    expert) and computes on them as a raw-slot streamed cache does: with the fused Triton kernels
+    (`kernels`, see `slot_format.slot_kernels`; on CUDA by default), else dequantizing on each
+    acquire. The (layer, expert) -> slot map is a device tensor: a fused layer makes no host sync.
     """
 
     def __init__(self, layout: ModelLayout, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, slot_format: str = "dequant", progress: bool = False):
+                 dtype: torch.dtype = torch.float32, slot_format: str = "dequant", progress: bool = False,
+                 kernels: bool | None = None):
         if slot_format not in ("raw", "dequant"):
             raise ValueError(f"slot_format must be 'raw' or 'dequant', got {slot_format!r}")
         self.layout, self.device, self.dtype = layout, torch.device(device), dtype
+        self.expert_act = layout.spec.expert_act
         self.slot_format = slot_format
-        self._raw: dict[tuple[int, int], tuple[list[ExpertPart], torch.Tensor, dict[str, tuple[int, int]]]] = {}
         self._weights: dict[tuple[int, int], ExpertWeights] = {}
         self._acquired = 0
-        self._load(progress)
+        self.kernels = None
+        if slot_format == "raw":
+            self._load_raw(progress, kernels)
+        else:
+            self._load(progress)
 
-    def _load(self, progress: bool) -> None:
+    def _keys(self, progress: bool):
         hp = self.layout.hparams
-        keys = [(layer, e) for layer in range(hp.n_layer) for e in range(hp.n_expert)]
+        keys = [(layer, e) for layer in self.layout.experts.moe_layers for e in range(hp.n_expert)]
         if progress:
             from tqdm import tqdm
 
             keys = tqdm(keys, desc="experts", unit="expert", leave=False)
-        for key in keys:
+        return keys
+
+    def _load(self, progress: bool) -> None:
+        for key in self._keys(progress):
             parts, raw, ranges = read_blob(self.layout, *key)
             blob = torch.from_numpy(raw).to(self.device)  # [blob bytes]; on the CPU no copy
-            if self.slot_format == "raw":
-                self._raw[key] = (parts, blob, ranges)
-            else:
-                self._weights[key] = blob_to_weights(parts, blob, ranges, self.dtype)
+            self._weights[key] = blob_to_weights(parts, blob, ranges, self.dtype)
+
+    def _load_raw(self, progress: bool, kernels: bool | None) -> None:
+        from .slot_format import pack_parts, slot_kernels, slot_layouts
+
+        hp = self.layout.experts  # n_layer, n_expert as the expert index counts them
+        self.layouts = slot_layouts(self.layout.experts)
+        slot_bytes = max(lay.nbytes for lay in self.layouts)
+        self.blobs = torch.zeros(hp.n_layer * hp.n_expert, slot_bytes, dtype=torch.uint8,
+                                 device=self.device)  # [n_layer * n_expert, slot_bytes]
+        row = torch.zeros(slot_bytes, dtype=torch.uint8)  # [slot_bytes] host staging
+        data = self.layout.reader.data
+        for layer, e in self._keys(progress):
+            parts = {p.name: data[p.offset:p.offset + p.nbytes] for p in self.layout.experts.parts(layer, e)}
+            pack_parts(row.numpy(), self.layouts[layer], parts)
+            self.blobs[layer * hp.n_expert + e].copy_(row)
+        self.slot_map = torch.arange(hp.n_layer * hp.n_expert, dtype=torch.int32,
+                                     device=self.device).view(hp.n_layer, hp.n_expert)  # [L, E]
+        self._spare = torch.zeros(1, slot_bytes, dtype=torch.uint8, device=self.device)  # never indexed here
+        if self.expert_act != "swiglu":  # the kernels compute plain SwiGLU without biases
+            if kernels:
+                raise ValueError(f"the fused Triton expert kernels do not support {self.layout.arch_name}'s experts "
+                                 f"({self.expert_act}, with biases) yet; use kernels=False or the CPU quant path")
+            kernels = False  # auto: today's path (dequantize, then the family's activation)
+        self.kernels = slot_kernels(self.layouts, self.device, kernels)
+
+    def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and self.kernels.supports(layer):
+            self._acquired += ids.numel()  # routed (token, expert) pairs: counting distinct ones would sync
+            return self.kernels.mix(layer, self.blobs, self._spare, self.slot_map[layer], x, weights, ids)
+        return super().mix(layer, x, weights, ids)
 
     def acquire(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
         out = {}
+        n_expert = self.layout.hparams.n_expert
         for e in experts:
             key = (layer, int(e))
+            if not (0 <= layer < self.layout.hparams.n_layer and 0 <= key[1] < n_expert):
+                raise KeyError(f"no expert {key} in this model")
             if self.slot_format == "raw":
-                if key not in self._raw:
-                    raise KeyError(f"no expert {key} in this model")
-                out[int(e)] = blob_to_weights(*self._raw[key], self.dtype)
+                lay = self.layouts[layer]
+                out[key[1]] = blob_to_weights(list(lay.parts), self.blobs[layer * n_expert + key[1]], lay.ranges,
+                                              self.dtype)
             else:
-                if key not in self._weights:
-                    raise KeyError(f"no expert {key} in this model")
-                out[int(e)] = self._weights[key]
+                out[key[1]] = self._weights[key]
         self._acquired += len(out)
         return out
 
     def stats(self) -> dict:
-        held = self._raw.values() if self.slot_format == "raw" else self._weights.values()
-        nbytes = sum(v[1].numel() for v in held) if self.slot_format == "raw" else sum(w.nbytes for w in held)
-        return {"source": "resident", "slot_format": self.slot_format, "experts": len(held),
-                "bytes": nbytes, "acquired": self._acquired}
+        if self.slot_format == "raw":
+            held, nbytes = self.blobs.shape[0], self.blobs.numel()
+        else:
+            held, nbytes = len(self._weights), sum(w.nbytes for w in self._weights.values())
+        return {"source": "resident", "slot_format": self.slot_format, "experts": held, "bytes": nbytes,
+                "acquired": self._acquired, "kernels": "triton" if self.kernels is not None else "torch"}
 
     def close(self) -> None:
-        self._raw.clear()
         self._weights.clear()
+        if self.slot_format == "raw":
+            self.blobs = self._spare = torch.empty(0, dtype=torch.uint8)

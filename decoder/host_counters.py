@@ -217,7 +217,7 @@ def disk_bandwidth(layout: Any, seed: int, max_bytes: int = 256 << 20, depth: in
 
 def _random_expert_ranges(ex: Any, seed: int, max_bytes: int) -> list[tuple[int, int]]:
     """(offset, nbytes) of the parts of random experts, until at least `max_bytes` (or all)."""
-    keys = [(layer, e) for layer in range(ex.n_layer) for e in range(ex.n_expert)]
+    keys = [(layer, e) for layer in ex.moe_layers for e in range(ex.n_expert)]
     random.Random(seed).shuffle(keys)
     ranges: list[tuple[int, int]] = []
     total = 0

@@ -161,7 +161,7 @@ def _daemon_figures(status: dict, steps: list, layout: Any) -> dict[str, Any]:
     """The daemon's arena and counters, and the ideal LRU of as many slots as its arena has."""
     arena = status["arena"]
     ex = layout.experts
-    lru = ideal_lru(steps, arena["n_slots"], ex.total_bytes / (ex.n_layer * ex.n_expert))
+    lru = ideal_lru(steps, arena["n_slots"], ex.total_bytes / ex.n_blobs)
     return {"arena_slots": arena["n_slots"], "arena_bytes": arena["arena_bytes"], "daemon_hit_rate": status["hit_rate"],
             "daemon_read_bytes": status["bytes_read"], "daemon_reads": _reads(status), "lru": lru,
             "lru_missed_per_token": lru.get("missed_bytes_per_token")}

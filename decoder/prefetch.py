@@ -177,7 +177,9 @@ class Prefetcher(LayerObserver):
 
     @torch.inference_mode()
     def _hint(self, layer: int, h: torch.Tensor, defer: bool) -> None:
-        layers = range(layer + 1, min(layer + 1 + self.depth, self.n_layer))
+        hp = self.model.hparams
+        # a dense layer (DeepSeek's leading ones) has no router and no experts to fetch
+        layers = [nxt for nxt in range(layer + 1, min(layer + 1 + self.depth, self.n_layer)) if hp.is_moe_layer(nxt)]
         if h.shape[0] == 0 or not layers:
             return
         t0 = time.perf_counter()

@@ -5,6 +5,8 @@ its token rows x_t (t in rows[e]), `y = down @ (silu(gate @ x_t) * (up @ x_t))`,
 blocks where they lie (a read-only arena or a memory map of the file, given as one base array
 plus byte offsets): nothing is copied and no dequantized copy of an expert is kept.
 `swiglu_expert(x, gate, up, down)` is the same for one expert given as three `QMatrix`.
+Both take the family's activation (`act`: "swiglu", or gpt-oss's "swiglu_oai_clamped") and
+experts given with biases, (gate, up, down, `Bias`), add them in the same kernels.
 
 The jitted code (row decoders, the block layouts they read, the parallel kernels) is in
 `qkernels_rows`; any other type falls back to the torch dequantizer (`dequant.dequantize`) and
@@ -43,7 +45,9 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
-from .qkernels_rows import NATIVE, dequant_kernel, down_kernel, gate_up_kernel
+from ..common.arch import EXPERT_ACTS
+from .experts import activate
+from .qkernels_rows import ACT_SWIGLU, ACT_SWIGLU_OAI, NATIVE, dequant_kernel, down_kernel, gate_up_kernel
 
 # numba's 'omp' threading layer first, also when TBB is installed: its threads spin briefly
 # between regions, so the launches start in microseconds; 'workqueue' threads sleep on a
@@ -140,6 +144,32 @@ def dequantize(m: QMatrix, out: np.ndarray | None = None) -> np.ndarray:
 
 
 Mats = tuple[QMatrix, QMatrix, QMatrix]  # gate, up, down
+# An expert's biases (gpt-oss): gate [ff], up [ff], down [d] float32, added before the activation
+# (gate, up) and to the output (down). An expert given as a 4-tuple (gate, up, down, Bias) has them.
+Bias = tuple[np.ndarray, np.ndarray, np.ndarray]
+ACTS: dict[str, int] = {"swiglu": ACT_SWIGLU, "swiglu_oai_clamped": ACT_SWIGLU_OAI}
+assert set(ACTS) == set(EXPERT_ACTS), "every expert activation needs a kernel code"
+
+
+def act_code(act: str) -> int:
+    """The kernels' code of an expert activation name (`common.arch.EXPERT_ACTS`)."""
+    if act not in ACTS:
+        raise ValueError(f"unknown expert activation {act!r} (have: {', '.join(ACTS)})")
+    return ACTS[act]
+
+
+def bias_of(mats: Sequence) -> Bias | None:
+    """The expert's biases when it was given as (gate, up, down, bias), else None."""
+    return mats[3] if len(mats) > 3 else None
+
+
+def _check_bias(bias: Bias | None, d: int, ff: int) -> Bias | None:
+    if bias is None:
+        return None
+    shapes = tuple(np.shape(b) for b in bias)
+    if len(bias) != 3 or shapes != ((ff,), (ff,), (d,)):
+        raise ValueError(f"expert biases must be gate [{ff}], up [{ff}], down [{d}], got {list(shapes)}")
+    return bias
 
 
 @dataclass(frozen=True)
@@ -154,6 +184,9 @@ class ExpertTable:
     native: np.ndarray  # [E] bool: all three parts have a native kernel
     d: int
     ff: int
+    bias_gu: np.ndarray = field(default=None)  # [E, 2, ff] float32 gate/up biases (zeros when none)
+    bias_d: np.ndarray = field(default=None)  # [E, d] float32 down biases
+    has_bias: bool = False
 
 
 def view_offset(base: np.ndarray, view: np.ndarray | QMatrix) -> int:
@@ -180,7 +213,11 @@ def expert_table(base: np.ndarray, experts: Sequence[Mats]) -> ExpertTable:
     start, size = base.__array_interface__["data"][0], base.nbytes
     d, ff = experts[0][0].n_in, experts[0][0].n_out
     offsets, qtypes, native = [], [], []
+    biases = [_check_bias(bias_of(m), d, ff) for m in experts]
+    if any(b is not None for b in biases) and any(b is None for b in biases):
+        raise ValueError("experts of one table must all have biases or all have none")
     for e, mats in enumerate(experts):
+        mats = mats[:3]
         _check_chain(*mats)
         if mats[0].n_in != d or mats[0].n_out != ff:
             raise ValueError(f"experts of one table must share d and ff: expert 0 has d={d}, ff={ff}, "
@@ -191,13 +228,27 @@ def expert_table(base: np.ndarray, experts: Sequence[Mats]) -> ExpertTable:
         offsets.append(offs)
         qtypes.append([m.qtype for m in mats])
         native.append(all(m.qtype in _NATIVE_INTS for m in mats))
+    has_bias = biases[0] is not None
+    if has_bias:
+        bias_gu = np.stack([np.stack(b[:2]) for b in biases]).astype(np.float32)  # [E, 2, ff]
+        bias_d = np.stack([b[2] for b in biases]).astype(np.float32)  # [E, d]
+    else:
+        bias_gu, bias_d = _NO_BIAS_GU, _NO_BIAS_D
     return ExpertTable(_readonly(base), np.array(offsets, np.int64), np.array(qtypes, np.int64),
-                       tuple(tuple(m) for m in experts), np.array(native), int(d), int(ff))
+                       tuple(tuple(m) for m in experts), np.array(native), int(d), int(ff),
+                       _readonly(np.ascontiguousarray(bias_gu)), _readonly(np.ascontiguousarray(bias_d)), has_bias)
 
 
-def swiglu_experts(x: np.ndarray, table: ExpertTable, rows: Sequence[np.ndarray]) -> list[np.ndarray]:
+# stand-ins for experts without biases: one numba signature either way, never read
+_NO_BIAS_GU = _readonly(np.zeros((1, 2, 1), np.float32))
+_NO_BIAS_D = _readonly(np.zeros((1, 1), np.float32))
+
+
+def swiglu_experts(x: np.ndarray, table: ExpertTable, rows: Sequence[np.ndarray],
+                   act: str = "swiglu") -> list[np.ndarray]:
     """For each expert e of `table`: y_e = down_e @ (silu(gate_e @ x_t) * (up_e @ x_t)) for the
     rows t in rows[e] (int indices into x [N, d] float32). Returns [y_e [len(rows[e]), d]].
+    `act` names the activation (`ACTS`); experts with biases add them (see `Bias`).
 
     The fused experts (native types, fewer than DENSE_MIN_ROWS rows) share two parallel regions;
     each y_e is bit-identical to `swiglu_expert(x[rows[e]], *table.mats[e])`, whatever the
@@ -213,51 +264,63 @@ def swiglu_experts(x: np.ndarray, table: ExpertTable, rows: Sequence[np.ndarray]
     row_idx = np.concatenate([r for r, f in zip(idx, fused) if f] or [_NO_ROWS])  # [R]
     if row_idx.size and (row_idx.min() < 0 or row_idx.max() >= x.shape[0]):
         raise ValueError(f"row indices must lie in [0, {x.shape[0]})")
-    ys = _run_fused(x, table, row_ptr, row_idx)  # [R, d]
-    return [ys[end - r.size:end] if f else swiglu_expert(x[r], *mats)
+    code = act_code(act)
+    ys = _run_fused(x, table, row_ptr, row_idx, code)  # [R, d]
+    return [ys[end - r.size:end] if f else swiglu_expert(x[r], *mats[:3], bias=bias_of(mats), act=act)
             for r, f, end, mats in zip(idx, fused, ends, table.mats)]
 
 
 _NO_ROWS = np.zeros(0, np.int64)
 
 
-def _run_fused(x: np.ndarray, table: ExpertTable, row_ptr: np.ndarray, row_idx: np.ndarray) -> np.ndarray:
+def _run_fused(x: np.ndarray, table: ExpertTable, row_ptr: np.ndarray, row_idx: np.ndarray, act: int) -> np.ndarray:
     """The two parallel regions over every expert with rows in row_ptr: y [R, d]."""
     n_rows = int(row_ptr[-1])
     y = np.empty((n_rows, table.d), np.float32)  # [R, d]
     if n_rows:
         base, offs, qts, threads = table.base, table.offsets, table.qtypes, numba.get_num_threads()
         h = np.empty((n_rows, table.ff), np.float32)  # [R, ff]
-        gate_up_kernel(base, base, offs, qts, _readonly(x), row_ptr, row_idx, table.ff, table.d, h, threads)
-        down_kernel(base, offs, qts, _readonly(h), row_ptr, table.d, table.ff, y, threads)
+        gate_up_kernel(base, base, offs, qts, _readonly(x), row_ptr, row_idx, table.ff, table.d, h, threads,
+                       table.bias_gu, table.has_bias, act)
+        down_kernel(base, offs, qts, _readonly(h), row_ptr, table.d, table.ff, y, threads, table.bias_d,
+                    table.has_bias)
     return y
 
 
 def swiglu_expert(x: np.ndarray, gate: QMatrix, up: QMatrix, down: QMatrix,
-                  out: np.ndarray | None = None, scale: np.ndarray | None = None) -> np.ndarray:
-    """y = down @ (silu(gate @ x_t) * (up @ x_t)) for each row x_t of x [n, d] float32.
+                  out: np.ndarray | None = None, scale: np.ndarray | None = None,
+                  bias: Bias | None = None, act: str = "swiglu") -> np.ndarray:
+    """y = down @ (silu(gate @ x_t) * (up @ x_t)) for each row x_t of x [n, d] float32 (another
+    activation with `act`; with `bias`, gate/up/down biases added as `Bias` says).
 
     Returns y [n, d] float32; when `out` [n, d] float32 is given, does `out += scale[:, None] * y`
     instead (scale [n] float32; ones when None) and returns `out`.
     """
     _check_chain(gate, up, down)
     d, ff = int(gate.n_in), int(gate.n_out)
+    code, bias = act_code(act), _check_bias(bias, d, ff)
     x = _check_x(x, d)  # [n, d]
     n = x.shape[0]
     sc = _check_out(out, scale, n, d)  # [n]
     if n == 0:
         return out if out is not None else np.zeros((0, d), np.float32)
     if n >= DENSE_MIN_ROWS or not all(has_kernel(m.qtype) for m in (gate, up, down)):
-        return _dense(x, gate, up, down, out, sc)
+        return _dense(x, gate, up, down, out, sc, bias, act)
+    if bias is not None:
+        bias_gu = _readonly(np.ascontiguousarray(np.stack(bias[:2])[None], dtype=np.float32))  # [1, 2, ff]
+        bias_d = _readonly(np.ascontiguousarray(bias[2][None], dtype=np.float32))  # [1, d]
+    else:
+        bias_gu, bias_d = _NO_BIAS_GU, _NO_BIAS_D
     # the multi-expert kernels with one expert, each part its own base at offset 0; plain ints
     # and read-only inputs throughout, so each kernel has exactly one numba signature
     qts = np.array([[int(gate.qtype), int(up.qtype), int(down.qtype)]], np.int64)  # [1, 3]
     row_ptr = np.array([0, n], np.int64)
     h = np.empty((n, ff), np.float32)  # [n, ff]
     threads = numba.get_num_threads()
-    gate_up_kernel(gate.readonly(), up.readonly(), _ZERO_OFFS, qts, _readonly(x), row_ptr, _arange(n), ff, d, h, threads)
+    gate_up_kernel(gate.readonly(), up.readonly(), _ZERO_OFFS, qts, _readonly(x), row_ptr, _arange(n), ff, d, h,
+                   threads, bias_gu, bias is not None, code)
     y = np.empty((n, d), np.float32)  # [n, d]
-    down_kernel(down.readonly(), _ZERO_OFFS, qts, _readonly(h), row_ptr, d, ff, y, threads)
+    down_kernel(down.readonly(), _ZERO_OFFS, qts, _readonly(h), row_ptr, d, ff, y, threads, bias_d, bias is not None)
     if out is None:
         return y
     out += sc[:, None] * y
@@ -277,7 +340,7 @@ def linear(x: np.ndarray, m: QMatrix) -> np.ndarray:
     y = np.empty((n, int(m.n_out)), np.float32)  # [n, n_out]
     qts = np.full((1, 3), int(m.qtype), np.int64)
     down_kernel(m.readonly(), _ZERO_OFFS, qts, _readonly(x), np.array([0, n], np.int64), int(m.n_out), int(m.n_in), y,
-                numba.get_num_threads())
+                numba.get_num_threads(), _NO_BIAS_D, False)
     return y
 
 
@@ -345,16 +408,17 @@ def _dense_weight(m: QMatrix) -> torch.Tensor:
     return torch_dequantize(data, Q(m.qtype), (m.n_in, m.n_out))  # [n_out, n_in]
 
 
-def _dense(x: np.ndarray, gate: QMatrix, up: QMatrix, down: QMatrix,
-           out: np.ndarray | None, scale: np.ndarray) -> np.ndarray:
+def _dense(x: np.ndarray, gate: QMatrix, up: QMatrix, down: QMatrix, out: np.ndarray | None, scale: np.ndarray,
+           bias: Bias | None = None, act: str = "swiglu") -> np.ndarray:
     """Each matrix decoded in turn into one buffer, then BLAS: one matrix of scratch at a time."""
     linear = torch.nn.functional.linear
     with _quiet_readonly():
         xt = torch.from_numpy(x)  # [n, d]
-    g = linear(xt, _dense_weight(gate))  # [n, ff]
-    u = linear(xt, _dense_weight(up))  # [n, ff]
-    h = torch.nn.functional.silu(g).mul_(u)  # [n, ff]
-    y = linear(h, _dense_weight(down))  # [n, d]
+        bg, bu, bd = (None, None, None) if bias is None else (torch.from_numpy(np.asarray(b, np.float32)) for b in bias)
+    g = linear(xt, _dense_weight(gate), bg)  # [n, ff]
+    u = linear(xt, _dense_weight(up), bu)  # [n, ff]
+    h = activate(g, u, act)  # [n, ff]
+    y = linear(h, _dense_weight(down), bd)  # [n, d]
     if out is None:
         return y.numpy()
     torch.from_numpy(out).add_(y.mul_(torch.from_numpy(scale)[:, None]))

@@ -14,7 +14,13 @@ integer bit manipulation, subnormals included):
   Q5_K  176 B / 256: as Q4_K plus 32 B of high bits (bit j of byte l -> sub-block j, element l)
   Q6_K  210 B / 256: 128 B low nibbles, 64 B high 2-bit pairs, int8 scales[16], f16 d
                      w = d * sc * (q - 32)
+  MXFP4 17 B / 32:   u8 e (E8M0 exponent), 16 B nibbles (as Q4_0: low nibbles = 0..15)
+                     w = 2^(e-128) * E2M1x2[q]   (E2M1 values doubled, so the scale is halved)
   F32, F16, BF16:    plain row-major values.
+
+Expert activations (`ACTS`): 0 = SwiGLU silu(g) * u; 1 = gpt-oss's clamped SwiGLU
+(g = min(g, limit), u = clamp(u, -limit, limit), g * sigmoid(alpha * g) * (u + 1)). Experts
+with biases add them to g, u (before the activation) and to the down output.
 """
 
 from __future__ import annotations
@@ -26,14 +32,20 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..common.arch import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+
 # Reassociation lets LLVM vectorize the 32-wide block loops and the dot reductions; no
 # nnan/ninf so the f16 decoder's inf/NaN handling stays as written, no afn for exp.
 _FM = {"reassoc", "contract", "nsz", "arcp"}
 _JIT = {"cache": True, "fastmath": _FM, "nogil": True}
 
-NATIVE = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F32, Q.F16, Q.BF16)
+NATIVE = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4, Q.F32, Q.F16, Q.BF16)
 # plain ints, so numba folds them as constants inside the kernels
 _Q8_0, _Q4_0, _Q4_K, _Q5_K, _Q6_K = int(Q.Q8_0), int(Q.Q4_0), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
+_MXFP4 = int(Q.MXFP4)
+# expert activation codes (the kernels' `act` argument); qkernels.ACTS maps the names
+ACT_SWIGLU, ACT_SWIGLU_OAI = 0, 1
+_OAI_ALPHA, _OAI_LIMIT = np.float32(SWIGLU_OAI_ALPHA), np.float32(SWIGLU_OAI_LIMIT)
 _F32, _F16, _BF16 = int(Q.F32), int(Q.F16), int(Q.BF16)
 
 
@@ -264,6 +276,40 @@ def _row_q6_k(data, off, n_in, w):
 
 
 @njit(**_JIT)
+def _e8m0_half(e):
+    """2^(e - 128) as float32 for an E8M0 exponent byte (ggml's ggml_e8m0_to_fp32_half: e < 2
+    gives the subnormals 2^-128 and 2^-127)."""
+    if e < 2:
+        return _as_f32(np.int32(0x00200000) << e)
+    return _as_f32((e - 1) << 23)
+
+
+@njit(**_JIT)
+def _e2m1x2(n):
+    """An E2M1 code n (sign, 2 exponent bits, 1 mantissa bit) doubled, as float32, from its bits
+    (no table: integer selects keep the block loop vectorized; a table lookup made it ~15x slower):
+    exponent 0 -> m (0 or 1), else (2 + m) * 2^(e - 1) = the float32 with exponent e + 127."""
+    e, m = (n >> 1) & 3, n & 1
+    bits = (((e + 127) << 23) | (m << 22)) if e else m * 0x3F800000
+    return _as_f32(bits | ((n & 8) << 28))
+
+
+@njit(**_JIT)
+def _row_mxfp4(data, off, n_in, w):
+    lanes = _opaque(_U(16))
+    o, e = _U(off), _U(0)
+    for _ in range(n_in // 32):
+        d = _e8m0_half(np.int32(data[o]))
+        q = o + _U(1)  # 16 bytes: elements 0-15 in the low nibbles, 16-31 in the high ones
+        for k in range(lanes):
+            c = np.int32(data[q + k])
+            w[e + k] = d * _e2m1x2(c & 0xF)
+            w[e + _U(16) + k] = d * _e2m1x2(c >> 4)
+        o += _U(17)
+        e += _U(32)
+
+
+@njit(**_JIT)
 def _row_float(data, off, n_in, w, qtype):
     """F32, F16 or BF16 values, assembled from their little-endian bytes."""
     o = _U(off)
@@ -295,6 +341,8 @@ def row_bytes(qtype, n_in):
         return n_in // 256 * 176
     if qtype == _Q6_K:
         return n_in // 256 * 210
+    if qtype == _MXFP4:
+        return n_in // 32 * 17
     if qtype == _F32:
         return n_in * 4
     return n_in * 2  # F16, BF16
@@ -313,6 +361,8 @@ def decode_row(qtype, data, off, n_in, w):
         _row_q5_k(data, off, n_in, w)
     elif qtype == _Q6_K:
         _row_q6_k(data, off, n_in, w)
+    elif qtype == _MXFP4:
+        _row_mxfp4(data, off, n_in, w)
     else:
         _row_float(data, off, n_in, w, qtype)
 
@@ -358,35 +408,41 @@ _PREFETCH_BYTES = 4096
 
 
 @njit(**_JIT)
-def _silu_mul(g, u):
+def _act(g, u, act):
+    """The expert activation of gate g and up u (ACT_* codes)."""
+    if act == ACT_SWIGLU_OAI:
+        g = min(g, _OAI_LIMIT)
+        u = min(max(u, -_OAI_LIMIT), _OAI_LIMIT)
+        return g / (np.float32(1.0) + np.exp(-_OAI_ALPHA * g)) * (u + np.float32(1.0))
     return g / (np.float32(1.0) + np.exp(-g)) * u
 
 
 @njit(**_JIT)
-def _gate_up_rows(wg, wu, x, row_idx, r0, r1, n_in, h, j):
-    """h[r, j] = silu(wg . x[row_idx[r]]) * (wu . x[row_idx[r]]) for r in r0 .. r1 - 1."""
+def _gate_up_rows(wg, wu, x, row_idx, r0, r1, n_in, h, j, bg, bu, act):
+    """h[r, j] = act(wg . x[row_idx[r]] + bg, wu . x[row_idx[r]] + bu) for r in r0 .. r1 - 1."""
     r = r0
     while r + 4 <= r1:
         x0, x1, x2, x3 = x[row_idx[r]], x[row_idx[r + 1]], x[row_idx[r + 2]], x[row_idx[r + 3]]
         g0, g1, g2, g3 = dot4(wg, x0, x1, x2, x3, n_in)
         u0, u1, u2, u3 = dot4(wu, x0, x1, x2, x3, n_in)
-        h[r, j], h[r + 1, j] = _silu_mul(g0, u0), _silu_mul(g1, u1)
-        h[r + 2, j], h[r + 3, j] = _silu_mul(g2, u2), _silu_mul(g3, u3)
+        h[r, j], h[r + 1, j] = _act(g0 + bg, u0 + bu, act), _act(g1 + bg, u1 + bu, act)
+        h[r + 2, j], h[r + 3, j] = _act(g2 + bg, u2 + bu, act), _act(g3 + bg, u3 + bu, act)
         r += 4
     for k in range(r, r1):
         xk = x[row_idx[k]]
-        h[k, j] = _silu_mul(dot(wg, xk, n_in), dot(wu, xk, n_in))
+        h[k, j] = _act(dot(wg, xk, n_in) + bg, dot(wu, xk, n_in) + bu, act)
 
 
 @njit(**_JIT)
-def _down_rows(w, h, r0, r1, n_in, y, j):
-    """y[r, j] = w . h[r] for r in r0 .. r1 - 1."""
+def _down_rows(w, h, r0, r1, n_in, y, j, b):
+    """y[r, j] = w . h[r] + b for r in r0 .. r1 - 1."""
     r = r0
     while r + 4 <= r1:
-        y[r, j], y[r + 1, j], y[r + 2, j], y[r + 3, j] = dot4(w, h[r], h[r + 1], h[r + 2], h[r + 3], n_in)
+        y0, y1, y2, y3 = dot4(w, h[r], h[r + 1], h[r + 2], h[r + 3], n_in)
+        y[r, j], y[r + 1, j], y[r + 2, j], y[r + 3, j] = y0 + b, y1 + b, y2 + b, y3 + b
         r += 4
     for k in range(r, r1):
-        y[k, j] = dot(w, h[k], n_in)
+        y[k, j] = dot(w, h[k], n_in) + b
 
 
 @njit(**_JIT)
@@ -412,10 +468,11 @@ def _span(row_ptr, e, n_out, start, lo, hi):
 
 
 @njit(parallel=True, **_JIT)
-def gate_up_kernel(gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, n_workers):
-    """h[r] = silu(gate_e @ x[row_idx[r]]) * (up_e @ x[row_idx[r]]) for r in row_ptr[e] ..
-    row_ptr[e + 1] - 1: expert e's gate and up at byte offsets offs[e, 0], offs[e, 1] of
-    gdata, udata, types qts[e, 0], qts[e, 1]. x [N, d], h [R, ff]; n_workers: numba's threads."""
+def gate_up_kernel(gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, n_workers, bias, has_bias, act):
+    """h[r] = act(gate_e @ x[row_idx[r]] + bias[e, 0], up_e @ x[row_idx[r]] + bias[e, 1]) for r in
+    row_ptr[e] .. row_ptr[e + 1] - 1: expert e's gate and up at byte offsets offs[e, 0], offs[e, 1]
+    of gdata, udata, types qts[e, 0], qts[e, 1]. x [N, d], h [R, ff], bias [E, 2, ff] (read only
+    with has_bias; zero otherwise), act an ACT_* code; n_workers: numba's threads."""
     total = _total_cost(row_ptr, ff)
     for w in prange(n_workers):
         lo, hi = total * np.int64(w) // n_workers, total * (np.int64(w) + 1) // n_workers
@@ -436,14 +493,17 @@ def gate_up_kernel(gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, n_wor
                     prefetch_row(udata, uo + (j + ahead) * ub, ub)
                 decode_row(gq, gdata, go + j * gb, d, wg)
                 decode_row(uq, udata, uo + j * ub, d, wu)
-                _gate_up_rows(wg, wu, x, row_idx, row_ptr[e], row_ptr[e + 1], d, h, j)
+                bg = bias[e, 0, j] if has_bias else np.float32(0.0)
+                bu = bias[e, 1, j] if has_bias else np.float32(0.0)
+                _gate_up_rows(wg, wu, x, row_idx, row_ptr[e], row_ptr[e + 1], d, h, j, bg, bu, act)
             start = start_next
 
 
 @njit(parallel=True, **_JIT)
-def down_kernel(ddata, offs, qts, h, row_ptr, n_out, n_in, y, n_workers):
-    """y[r] = down_e @ h[r] for r in row_ptr[e] .. row_ptr[e + 1] - 1: expert e's down at byte
-    offset offs[e, 2] of ddata, type qts[e, 2]. h [R, n_in], y [R, n_out]."""
+def down_kernel(ddata, offs, qts, h, row_ptr, n_out, n_in, y, n_workers, bias, has_bias):
+    """y[r] = down_e @ h[r] + bias[e] for r in row_ptr[e] .. row_ptr[e + 1] - 1: expert e's down at
+    byte offset offs[e, 2] of ddata, type qts[e, 2]. h [R, n_in], y [R, n_out], bias [E, n_out]
+    (read only with has_bias)."""
     total = _total_cost(row_ptr, n_out)
     for w in prange(n_workers):
         lo, hi = total * np.int64(w) // n_workers, total * (np.int64(w) + 1) // n_workers
@@ -460,7 +520,8 @@ def down_kernel(ddata, offs, qts, h, row_ptr, n_out, n_in, y, n_workers):
                 if j + ahead < j1:
                     prefetch_row(ddata, o + (j + ahead) * b, b)
                 decode_row(q, ddata, o + j * b, n_in, wd)
-                _down_rows(wd, h, row_ptr[e], row_ptr[e + 1], n_in, y, j)
+                _down_rows(wd, h, row_ptr[e], row_ptr[e + 1], n_in, y, j,
+                           bias[e, j] if has_bias else np.float32(0.0))
             start = start_next
 
 

@@ -44,10 +44,11 @@ class SlotLayout:
 
 
 def slot_layouts(index: ExpertIndex) -> list[SlotLayout]:
-    """One compact layout per layer: parts back to back, each aligned to 64 bytes."""
+    """One compact layout per layer: parts back to back, each aligned to 64 bytes (an empty one
+    for a dense layer, which has no experts)."""
     out = []
     for layer in range(index.n_layer):
-        parts = tuple(index.parts(layer, 0))
+        parts = tuple(index.parts(layer, 0)) if index.is_moe_layer(layer) else ()
         ranges, off = {}, 0
         for p in parts:
             ranges[p.name] = (off, p.nbytes)
@@ -60,6 +61,8 @@ def dequant_shapes(layouts: list[SlotLayout]) -> dict[str, tuple[int, int]]:
     """Torch shapes of gate/up/down for the dequant format; every layer must agree."""
     shapes = None
     for layer, lay in enumerate(layouts):
+        if not lay.parts:
+            continue  # a dense layer: no experts
         mats = {p.name: tuple(reversed(p.shape)) for p in lay.parts}  # [n_out, n_in]
         if "gate_up" in mats:
             two_ff, d = mats.pop("gate_up")
@@ -108,3 +111,46 @@ def pack_parts(dst: np.ndarray, lay: SlotLayout, parts: Mapping[str, Any]) -> No
     """Copy each part's bytes to its range in `dst` (a uint8 numpy view)."""
     for name, (off, n) in lay.ranges.items():
         dst[off:off + n] = np.frombuffer(parts[name], dtype=np.uint8, count=n)
+
+
+def slot_kernels(layouts: list[SlotLayout], device: torch.device | str, want: bool | None = None) -> Any:
+    """The fused Triton kernels (`triton_experts.SlotKernels`) for raw slots with these layouts,
+    or None for today's path (dequantize each expert with torch, then matmuls).
+
+    `want`: None picks them on CUDA when Triton is installed; True insists (on a CPU only under
+    TRITON_INTERPRET=1, as the tests run them); False never. Layers whose quant types have no
+    kernel keep today's path, said once per process."""
+    dev = torch.device(device)
+    if want is False or (want is None and dev.type != "cuda"):
+        return None
+    try:
+        from . import triton_experts
+    except ImportError as e:
+        if want:
+            raise ValueError(f"the fused expert kernels need Triton ({e}); pip install triton") from None
+        _notice("Triton is not installed: experts are dequantized with torch, then multiplied")
+        return None
+    if not triton_experts.available(dev):
+        raise ValueError(f"the fused expert kernels run on CUDA (or on a CPU under TRITON_INTERPRET=1), not {dev}")
+    from .triton_quant import has_kernel
+
+    kernels = triton_experts.SlotKernels(layouts, dev)
+    slow = [i for i in range(len(layouts)) if not kernels.supports(i)]
+    if slow:
+        why = sorted({f"{p.name} {p.qtype.name}" if has_kernel(p.qtype) else p.qtype.name
+                      for i in slow for p in layouts[i].parts if not has_kernel(p.qtype) or "." in p.name})
+        _notice(f"no fused kernel for {len(slow)} of {len(layouts)} expert layers ({', '.join(why)}): those "
+                "layers are dequantized with torch, then multiplied")
+    return kernels
+
+
+_NOTICED: set[str] = set()
+
+
+def _notice(msg: str) -> None:
+    """A one-time notice per message and process, on stderr (a fallback is slower, not wrong)."""
+    if msg not in _NOTICED:
+        _NOTICED.add(msg)
+        import sys
+
+        print(f"moestream: {msg}", file=sys.stderr)

@@ -20,6 +20,13 @@ no copy). `open_streamed` picks eager on CUDA and lazy elsewhere (`default_landi
 
 The prefetch bookkeeping is a composed object, `self.ahead` (`ahead.AheadPrefetches`), with
 its own state and counters, merged into `stats()`.
+
+Fused layers (raw slots with the Triton kernels, `cache.fused(layer)`): `mix` learns the
+layer's distinct experts with one host sync (the one the host cannot skip: it decides what to
+fetch and keeps the policy's counts), `acquire`s them as slot references (nothing
+dequantized), sends the layer's expert -> slot map to the device and runs the kernels on the
+slots themselves. On CUDA the daemon's arena is registered with CUDA (`register_host`), so a
+miss is one async copy arena -> device slot.
 """
 
 from __future__ import annotations
@@ -29,12 +36,19 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..common.client import IodClient, IodUnavailable, Lease
+import torch
+
+from ..common import protocol as P
+from ..common.client import IodClient, IodRequestError, IodUnavailable, Lease, LeaseVoided
 from ..common.layout import ModelLayout
 from .ahead import AheadPrefetches
 from .experts import AcquireSource, ExpertWeights
 from .prefetch import Receiver
 from .slot_cache import DeviceSlotCache, FetchFailed, Key, SlotEntry
+
+
+# Errors a prefetch the demand path joined may end with that only mean "fetch it now yourself".
+GIVEN_UP_PREFETCH = frozenset({P.ErrorCode.DROPPED.value, P.ErrorCode.NOT_CACHED.value})
 
 
 class StreamedExperts(AcquireSource):
@@ -54,6 +68,8 @@ class StreamedExperts(AcquireSource):
         self.c = dict.fromkeys(("acquired", "hits", "misses", "bypassed", "refetched", "demand_bytes",
                                 "ahead_bytes"), 0)
         self.stall_s = 0.0
+        self._arena: Any = None  # the client's arena mapping as registered with CUDA
+        self._register_arena()
 
     # -- ExpertSource ----------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -70,6 +86,29 @@ class StreamedExperts(AcquireSource):
         `acquire`) it goes out right after that layer's own demand fetch. `if_cached` is not used:
         a slot cache copies what it is given, so only real predictions are worth a slot."""
         (self.ahead.defer if defer else self.ahead.send)(predictions)
+
+    def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if not self.cache.fused(layer):
+            return super().mix(layer, x, weights, ids)
+        self._register_arena()
+        wanted = sorted(set(ids.flatten().tolist()))  # the layer's one host sync: what to pin or fetch
+        self.cache.begin_layer()
+        refs = self.acquire(layer, wanted)  # expert -> SlotRef (a slot, or a spare row)
+        try:
+            slot_row = self.cache.slot_row(layer, refs)  # [n_expert] on the device
+            return self.cache.kernels.mix(layer, self.cache.blobs, self.cache.spare, slot_row, x, weights, ids)
+        finally:
+            self.release(layer, wanted)  # on CUDA: an event after the kernels guards the slots' reuse
+
+    def _register_arena(self) -> None:
+        """Register the client's arena mapping with CUDA once (again after a reconnect maps a
+        new one); without CUDA, raw slots or on failure, copies go through pinned staging."""
+        arena = getattr(self.client, "arena", None)
+        if arena is None or arena is self._arena or self.cache.device.type != "cuda":
+            return
+        self._arena = arena
+        self.cache.unregister_host()
+        self.cache.register_host(arena.whole())
 
     def acquire(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
         wanted = sorted({int(e) for e in experts})
@@ -130,6 +169,7 @@ class StreamedExperts(AcquireSource):
         except Exception:
             pass  # the client may already be gone; the receiver still drains what is left
         self.receiver.close(timeout=5.0)
+        self.cache.unregister_host()  # before the client unmaps the arena
         if self._owns_client:
             self.client.close()
 
@@ -191,9 +231,8 @@ class StreamedExperts(AcquireSource):
         _release_unused(self.client, futures, len(out))
 
     def _land_now(self, layer: int, e: int, fut: cf.Future, slotted: bool, counter: str) -> ExpertWeights:
-        lease = self._result(fut, (layer, e))
+        lease, parts = self._leased_parts(layer, e, fut)
         try:
-            parts = {name: self.client.part_view(lease, name) for name in lease.parts}
             self.c[counter] += sum(n for _, n in lease.parts.values())
             if not slotted:
                 return self.cache.bypass_weights(layer, parts)
@@ -202,6 +241,22 @@ class StreamedExperts(AcquireSource):
             self.client.release(lease)
         self.cache.wait((layer, e))
         return self.cache.weights((layer, e))
+
+    def _leased_parts(self, layer: int, e: int, fut: cf.Future) -> tuple[Lease, dict[str, memoryview]]:
+        """`fut`'s lease and views of its parts; fetched again `now` while a daemon restart voided it
+        (the client reconnected: the lease's slot belongs to the lost daemon) or the daemon gave up
+        the prefetch it joined (`dropped`/`not_cached`: stale or over this client's quota)."""
+        while True:
+            try:
+                lease = self._result(fut, (layer, e))
+                return lease, {name: self.client.part_view(lease, name) for name in lease.parts}
+            except IodRequestError as exc:
+                if exc.code not in GIVEN_UP_PREFETCH:
+                    raise
+            except LeaseVoided:
+                pass
+            self.c["refetched"] += 1
+            fut = self.client.fetch([(layer, e)], "now")[0]
 
     def _result(self, fut: cf.Future, key: Key) -> Lease:
         try:
@@ -263,10 +318,12 @@ def _release_unused(client: IodClient, futures: list[cf.Future], used: int) -> N
 def open_streamed(layout: ModelLayout, endpoint: str, *, device: Any = "cpu", dtype: Any = None,
                   slots: int | None = None, cache_bytes: int | None = None, slot_format: str | None = None,
                   decay: float = 0.9, timeout_s: float = 5.0, fetch_timeout_s: float = 60.0,
-                  name: str | None = None, landing: str | None = None) -> StreamedExperts:
+                  name: str | None = None, landing: str | None = None, reconnect_s: float = 30.0,
+                  kernels: bool | None = None) -> StreamedExperts:
     """Connect to the daemon at `endpoint` (checking it serves this file) and build the slot cache.
 
     Capacity: `slots`, or as many slots as `cache_bytes` of device memory holds (one is required).
+    `kernels`: the fused Triton kernels on raw slots (None: on CUDA; see `slot_format.slot_kernels`).
     """
     import torch
 
@@ -274,11 +331,15 @@ def open_streamed(layout: ModelLayout, endpoint: str, *, device: Any = "cpu", dt
 
     dtype = dtype or torch.float32
     fmt = slot_format or default_slot_format(device)
+    if layout.spec.expert_act != "swiglu":  # the slot stores and the Triton kernels hold gate/up/down only
+        raise ValueError(f"{layout.arch_name}'s experts ({layout.spec.expert_act}, with biases) are not supported on "
+                         "the device slot-cache path yet; use the CPU quant path (--slot-format quant)")
     if (slots is None) == (cache_bytes is None):
         raise ValueError("give exactly one of slots (--slots) or cache_bytes (--cache-bytes)")
     n = slots if slots is not None else slots_for_bytes(layout.experts, cache_bytes, fmt, dtype)
-    cache = DeviceSlotCache(layout.experts, n, device, slot_format=fmt, dtype=dtype, decay=decay)
-    client = IodClient(endpoint, expect_fingerprint=layout.fingerprint.as_dict(), timeout_s=timeout_s, name=name)
+    cache = DeviceSlotCache(layout.experts, n, device, slot_format=fmt, dtype=dtype, decay=decay, kernels=kernels)
+    client = IodClient(endpoint, expect_fingerprint=layout.fingerprint.as_dict(), timeout_s=timeout_s, name=name,
+                       reconnect_s=reconnect_s)
     try:
         return StreamedExperts(client, layout, cache, fetch_timeout_s=fetch_timeout_s, owns_client=True,
                                landing=landing or default_landing(cache))

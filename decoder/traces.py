@@ -52,6 +52,9 @@ class Recorder(LayerObserver):
     """Collects real and predicted routing of every real token a forward pass processes."""
 
     def __init__(self, model: MoEModel):
+        if model.hparams.n_dense_lead:
+            raise ValueError(f"routing traces need experts in every layer; this {model.hparams.arch} model's first "
+                             f"{model.hparams.n_dense_lead} layers are dense")
         self.model = model
         self.real: list[list[torch.Tensor]] = []  # per forward: per layer [n, k]
         self.pred: list[list[list[torch.Tensor | None]]] = []  # per forward: [depth][layer]

@@ -266,7 +266,9 @@ def daemon(args: argparse.Namespace) -> Iterator[tuple[str, str | None, int | No
         return
     from moestream.common.spawn import spawn_daemon
 
-    extra = ["--backend", args.backend, "--queue-depth", str(args.depth)] + (["--direct"] if args.direct else [])
+    # one client measuring delivery: no per-client lease quota (it would cap the loads in flight)
+    extra = ["--backend", args.backend, "--queue-depth", str(args.depth), "--client-lease-share", "1"] + \
+        (["--direct"] if args.direct else [])
     with spawn_daemon(args.model, arena_bytes=args.arena_bytes, extra_args=extra) as d:
         yield d.endpoint, d.status_endpoint, d.pid
 

@@ -73,6 +73,23 @@ class IodConfig:
     max_replies_queued: int = 65536  # replies waiting for one client to read them; past this they are dropped
     ahead_max_age_s: float = 5.0  # queued `ahead` work older than this is dropped as stale
     now_reserve: float = 0.25  # share of read places and of arena slots prefetches may not take
+    # Fairness between clients (see `lease_quota`): one client's leases plus its requests in
+    # progress never pass this share of the arena's slots, so a client that leases all it can and
+    # never lets go still leaves the rest to the others; a request waits at most queue_deadline_s
+    # for arena room (its client's quota, or a slot while the arena is full of leases) before
+    # it is answered `deadline`.
+    client_lease_share: float = 0.5
+    queue_deadline_s: float = 5.0
+
+    def lease_quota(self, n_slots: int, top_k: int) -> int | None:
+        """Leases plus requests in progress one client may have: `client_lease_share` of the
+        slots, but never fewer than one token's top-k (a layer's demand must fit) and never more
+        than the arena; None (no quota) for a share of 1. Half by default: two clients fit side
+        by side, and the decoder's own prefetch limit (half the arena less a top-k) leaves each
+        decoder a top-k of its quota for demand."""
+        if self.client_lease_share >= 1:
+            return None
+        return max(1, min(n_slots, max(top_k, int(n_slots * self.client_lease_share))))
 
     def reserved(self, capacity: int) -> int:
         """How many of `capacity` read places or arena slots are kept for `now` work."""
@@ -97,9 +114,11 @@ class IodConfig:
         if len(given) > 1:
             raise ConfigError(f"give one of memory, arena_bytes, arena_slots, not {' and '.join(given)}")
         _positive(self, "arena_bytes", "arena_slots", "memory", "queue_depth", "lease_timeout_s", "max_queued",
-                  "max_queued_per_client", "max_replies_queued", "ahead_max_age_s")
+                  "max_queued_per_client", "max_replies_queued", "ahead_max_age_s", "queue_deadline_s")
         if isinstance(self.now_reserve, bool) or not 0 <= self.now_reserve < 1:
             raise ConfigError(f"now_reserve must be a share in [0, 1), got {self.now_reserve!r}")
+        if isinstance(self.client_lease_share, bool) or not 0 < self.client_lease_share <= 1:
+            raise ConfigError(f"client_lease_share must be a share in (0, 1], got {self.client_lease_share!r}")
         if self.queue_depth > MAX_DEPTH:
             raise ConfigError(f"queue_depth {self.queue_depth} is above the maximum of {MAX_DEPTH}")
         if self.backend not in BACKENDS:
@@ -155,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--queue-depth", type=int, metavar="N", help="reads in flight at the device (default 32)")
     a("--direct", action=argparse.BooleanOptionalAction, default=None, help="O_DIRECT reads (bypass the page cache)")
     a("--lease-timeout", type=float, dest="lease_timeout_s", metavar="SECONDS", help="seconds without a message before a client's leases are freed (default 30)")
+    a("--client-lease-share", type=float, metavar="SHARE",
+      help="share of the arena's slots one client may hold leases on (with its requests in progress), e.g. 0.5; "
+      "never less than the model's top-k experts. Requests past it wait for the client's own releases. Default "
+      "0.5: two clients fit side by side, and a decoder's prefetch limit (half the arena less a top-k) leaves it room "
+      "for demand; 1 turns the quota off (one client may lease the whole arena and queue more)")
+    a("--queue-deadline", type=float, dest="queue_deadline_s", metavar="SECONDS",
+      help="longest a request waits for arena room (its client over quota, or every slot leased) before it is "
+      "answered with the error `deadline` (default 5)")
     a("--socket-group", metavar="GROUP", help="group owning the ipc sockets and the arena (default: the daemon's group)")
     a("--socket-mode", metavar="MODE", help="octal mode of the ipc sockets and the arena (default 0660; never world-accessible)")
     a("--log-level", choices=LOG_LEVELS, help="default info")
@@ -230,8 +257,9 @@ def _read_toml(path: Path | None) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config {path}: {e}") from None
     out = {k.replace("-", "_"): v for k, v in data.items()}
-    if "lease_timeout" in out:  # the CLI spelling
-        out["lease_timeout_s"] = out.pop("lease_timeout")
+    for key in ("lease_timeout", "queue_deadline"):  # the CLI spellings
+        if key in out:
+            out[f"{key}_s"] = out.pop(key)
     return out
 
 

@@ -2,8 +2,9 @@
 
 Exit codes: 0 after a clean SIGTERM/SIGINT drain; 1 fatal runtime error (bad model file,
 arena or socket trouble), one clear line on stderr; 2 bad configuration (including an ipc
-endpoint path that exists and is not a socket: it is never removed). Nothing is left in
-/dev/shm or on disk either way. SIGHUP is logged and ignored (no config reload: restart).
+endpoint path that exists and is not a socket: it is never removed, and a socket_group that
+does not exist). Nothing is left in /dev/shm or on disk either way. SIGHUP is logged and
+ignored (no config reload: restart). Under systemd, log lines carry journald priorities (logs.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from moestream.common.arena import Arena, ArenaError
 from moestream.common.layout import ModelFormatError, ModelLayout
 from moestream.common.units import format_size
 
+from . import logs
 from .config import ConfigError, IodConfig, load_config, resolve_slots
+from .logs import error_line
 from .notify import notify
 from .readers import ReadError, open_reader
 from .server import Server
@@ -58,10 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
     except ConfigError as e:
-        print(f"moestream-iod: error: {e}", file=sys.stderr)
+        print(error_line(str(e)), file=sys.stderr)
         return 2
-    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
-                        format="moestream-iod: %(levelname)s %(message)s")
+    logs.setup(cfg.log_level)
     _exit_on_signals()
     try:
         return run(cfg)
@@ -69,20 +71,21 @@ def main(argv: list[str] | None = None) -> int:
         log.info("terminated before serving; cleaned up")
         return 0
     except ConfigError as e:  # found once the model is known, e.g. an arena too small for one slot
-        print(f"moestream-iod: error: {e}", file=sys.stderr)
+        print(error_line(str(e)), file=sys.stderr)
         return 2
     except (ModelFormatError, ArenaError, ReadError, FatalError, OSError, zmq.ZMQError) as e:
-        print(f"moestream-iod: error: {e}", file=sys.stderr)
+        print(error_line(str(e)), file=sys.stderr)
         notify(f"STATUS=failed: {e}")
         return 1
 
 
 def run(cfg: IodConfig) -> int:
     _check_endpoint_paths(cfg)  # before anything is created: a wrong path is a configuration error
+    _check_group(cfg)
     layout = ModelLayout(cfg.model)
     slot_bytes = layout.experts.slot_bytes(cfg.direct)
     overhead = own_memory() + OVERHEAD_MARGIN
-    n_slots = resolve_slots(cfg, slot_bytes, layout.experts.n_layer * layout.experts.n_expert, overhead_bytes=overhead,
+    n_slots = resolve_slots(cfg, slot_bytes, layout.experts.n_blobs, overhead_bytes=overhead,
                             min_slots=max(MIN_BUDGET_SLOTS, layout.hparams.n_expert_used))
     if cfg.memory is not None:
         log.info("memory budget %s: daemon %s (measured at start + margin), arena %d slots = %s",
@@ -191,6 +194,18 @@ def _check_endpoint_paths(cfg: IodConfig) -> None:
                 else "a regular file" if stat.S_ISREG(st.st_mode) else "not a socket"
             raise ConfigError(f"ipc endpoint path {path} exists and is {kind}, not a socket: "
                               "refusing to replace it (choose another endpoint path or remove it yourself)")
+
+
+def _check_group(cfg: IodConfig) -> None:
+    """An unknown socket_group is a configuration error (exit 2: systemd must not restart-loop it)."""
+    if cfg.socket_group is None:
+        return
+    try:
+        grp.getgrnam(cfg.socket_group)
+    except KeyError:
+        raise ConfigError(f"socket_group {cfg.socket_group!r} does not exist: create it (e.g. useradd --system "
+                          f"--user-group {cfg.socket_group}), or leave socket_group out to give the sockets "
+                          "and the arena the daemon's own group") from None
 
 
 def _is_socket(path: Path) -> bool:

@@ -17,7 +17,9 @@ Rules for starting a read (each `pump` starts as many as they allow, at once):
   loading; cached experts count as free), so prefetches, and the leases they turn into,
   never take the last `reserve_slots` slots from demand loads.
 Queues are bounded: a full queue drops its oldest `ahead` load, or refuses a new `now` one
-(`busy`); `ahead` loads queued longer than `ahead_max_age_s` are dropped as stale.
+(`busy`); `ahead` loads queued longer than `ahead_max_age_s` are dropped as stale, and `now`
+loads that could get no arena slot for a whole deadline are handed back (`expire_starved`):
+waiting for reads always ends, waiting for other clients to release leases might not.
 
 Runs on the daemon's event loop only.
 """
@@ -39,6 +41,8 @@ class Waiter:
     rid: int
     key: Key
     t0: float  # when the request arrived (for latency)
+    priority: str = "now"  # as asked (kept while parked over its client's quota)
+    since: float = 0.0  # when it was parked
 
 
 @dataclass(eq=False)
@@ -72,7 +76,8 @@ class Scheduler:
         self.gauge = DepthGauge()  # expert loads reading
         self.peak_ahead = 0  # most `ahead` loads reading at once
         self.now_waited = {"place": 0, "slot": 0}  # `now` loads that had to wait for capacity, by what
-        self.dropped = self.refused = 0
+        self.dropped = self.refused = self.expired = 0
+        self.starved_since: float | None = None  # since when no load could get an arena slot
 
     def find(self, key: Key) -> Load | None:
         return self.reading.get(key) or self.queues["now"].get(key) or self.queues["ahead"].get(key)
@@ -111,8 +116,13 @@ class Scheduler:
             slot = self.cache.begin_load(load.key)
             if slot is None:  # arena full of leases: wait for a release
                 self._note_wait(load, "slot")
+                if self.starved_since is None:
+                    self.starved_since = now
                 return
+            self.starved_since = None
             self._start(load, slot, now)
+        if not self.queued():  # nothing waits for a slot any more
+            self.starved_since = None
 
     def _next(self, now: float) -> Load | None:
         """The load to start next, or None if no place is free for it."""
@@ -155,6 +165,21 @@ class Scheduler:
                 return
             ahead.popitem(last=False)
             self._drop(load, f"stale prefetch (queued {now - load.t_queued:.1f}s)")
+
+    def expire_starved(self, deadline_s: float, now: float | None = None) -> list[tuple[Load, float]]:
+        """Take the queued `now` loads that have waited `deadline_s` while no arena slot could be
+        had (every slot leased or loading the whole time), with how long each waited."""
+        now = time.monotonic() if now is None else now
+        if self.starved_since is None:
+            return []
+        out = []
+        for load in list(self.queues["now"].values()):
+            waited = now - max(load.t_queued, self.starved_since)
+            if waited >= deadline_s:
+                del self.queues["now"][load.key]
+                out.append((load, waited))
+        self.expired += len(out)
+        return out
 
     def finished(self, load: Load) -> None:
         """The read of `load` completed (or failed): it no longer counts against capacity."""
@@ -204,6 +229,8 @@ class Scheduler:
             "now_waited_slot": self.now_waited["slot"],  # every arena slot leased or loading
             "dropped": self.dropped,
             "refused_busy": self.refused,
+            "expired_deadline": self.expired,  # `now` loads that got no slot within the deadline
+            "starved_s": round(time.monotonic() - self.starved_since, 3) if self.starved_since is not None else 0.0,
         }
 
 

@@ -5,12 +5,21 @@ drains `recv_multipart(NOBLOCK)` (zmq.asyncio costs ~3x the round trip here). Re
 fill arena slots and hand completions back with `loop.call_soon_threadsafe`; each expert's
 `ready` goes out as soon as its bytes are in the arena. Every bad message gets an `error`
 reply; nothing a client sends can stop the loop.
+
+Fairness between clients: each client's leases plus requests in progress stay within its
+quota (`IodConfig.lease_quota`); requests past it are parked with the client and admitted as
+its own leases go back (`_pump`). No request waits for arena room longer than
+`queue_deadline_s`: a parked `now` request, or a `now` load that found every slot leased for
+that long, is answered `deadline` saying who holds what (parked `ahead` ones go stale as
+queued prefetches do). Prefetch leases never take the arena's last reserved slots: an `ahead`
+or `cached` hit on an unleased slot is refused when only the reserve is free.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 
@@ -55,6 +64,9 @@ class Server:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._drain_scheduled = self._draining = False
         self.heartbeat_s = min(5.0, cfg.lease_timeout_s / 4)
+        quota = cfg.lease_quota(arena.n_slots, layout.hparams.n_expert_used)
+        self.quota: float = math.inf if quota is None else quota  # claims per client (see ClientState)
+        self._parked: set[bytes] = set()  # clients with parked requests
 
     # -- lifecycle ----------------------------------------------------------------------------
     def bind(self) -> None:
@@ -80,6 +92,10 @@ class Server:
         self.closing = True
         for load in self.sched.take_queued():
             self._fail_load(load, P.ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
+        for c in list(self.clients.values()):
+            for w in c.expire_parked("now", float("inf")) + c.expire_parked("ahead", float("inf")):
+                self._answer_error(w, P.ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
+        self._parked.clear()
         deadline = time.monotonic() + grace_s
         while self.sched.reading and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -87,14 +103,15 @@ class Server:
             self._send(ident, P.Error(P.ErrorCode.SHUTTING_DOWN.value, "daemon is shutting down").encode())
 
     async def _ticker(self) -> None:
-        period = min(1.0, self.cfg.lease_timeout_s / 4)
+        period = min(1.0, self.cfg.lease_timeout_s / 4, self.cfg.queue_deadline_s / 4)
         while True:
             await asyncio.sleep(period)
             try:
                 self._expire_clients()
                 self.sched.drop_stale()
+                self._expire_waits()
                 self.cache.step()  # hotness decays with time: the daemon does not see tokens
-                self.sched.pump()
+                self._pump()
             except Exception:  # noqa: BLE001 — one bad tick must not end lease expiry for good
                 log.exception("periodic work failed")
 
@@ -108,12 +125,81 @@ class Server:
 
     def _drop_client(self, c: ClientState) -> None:
         self.clients.pop(c.ident, None)
+        self._parked.discard(c.ident)
         self.sched.remove_waiters(lambda w: w.client == c.ident)
         for (slot, gen), n in c.leases.items():
             for _ in range(n):
                 self.cache.release(slot, gen)
         c.leases.clear()
+        c.held = 0
+        self._pump()
+
+    # -- fairness -----------------------------------------------------------------------------
+    def _pump(self) -> None:
+        """Admit parked requests of clients that have room again, then start what reads can start."""
+        for ident in [] if self.closing else list(self._parked):
+            c = self.clients.get(ident)
+            while c is not None and (w := c.unpark(self._quota_for(c))) is not None:
+                self._admit(c, w, w.priority)
+            if c is None or not c.n_parked():
+                self._parked.discard(ident)
         self.sched.pump()
+
+    def _expire_waits(self) -> None:
+        """Answer what waited too long for arena room: parked `now` requests and slot-starved
+        `now` loads after `queue_deadline_s` (`deadline`), parked prefetches when stale."""
+        now = time.monotonic()
+        for ident in list(self._parked):
+            c = self.clients.get(ident)
+            if c is None:
+                continue
+            quota = self._quota_text(c)  # before the expired ones leave the parked count
+            for w in c.expire_parked("now", now - self.cfg.queue_deadline_s):
+                self._answer_deadline(w, f"waited {now - w.since:.1f}s over this client's lease quota: "
+                                      f"{quota}; release leases to go on")
+            for w in c.expire_parked("ahead", now - self.cfg.ahead_max_age_s):
+                self._answer_error(w, P.ErrorCode.DROPPED, f"stale prefetch (parked {now - w.since:.1f}s over "
+                                   f"this client's lease quota: {quota})")
+        for load, waited in self.sched.expire_starved(self.cfg.queue_deadline_s, now):
+            why = f"no arena slot free for {waited:.1f}s: {self._holders_text()}"
+            for w in load.waiters:
+                self._answer_deadline(w, why)
+            load.waiters = []
+
+    def _answer_deadline(self, w: Waiter, message: str) -> None:
+        c = self.clients.get(w.client)
+        if c is not None:
+            c.n.deadline += 1
+            self.stats.totals.deadline += 1
+        self._answer_error(w, P.ErrorCode.DEADLINE, message)
+
+    def _quota_text(self, c: ClientState) -> str:
+        return (f"it holds {c.held} leases and has {c.claims() - c.held} requests in progress, its quota is "
+                f"{self.quota} of the arena's {self.arena.n_slots} slots (client_lease_share "
+                f"{self.cfg.client_lease_share:g})")
+
+    def _quota_for(self, c: ClientState) -> float:
+        """A client alone on the daemon may use the whole arena: there is nobody to be fair to, and a
+        decoder holding prefetched leases must not wait for its own demand behind them. With others
+        connected each gets its share (a client over it then waits for its own leases to go back)."""
+        return self.quota if len(self.clients) > 1 or c.ident not in self.clients else math.inf
+
+    def _quota(self) -> int | None:
+        return None if math.isinf(self.quota) else int(self.quota)
+
+    def _holders_text(self) -> str:
+        """Who pins the arena: leases by client (the biggest first), and reads in progress."""
+        held = sorted(((c.held, P.escape(c.name)) for c in self.clients.values() if c.held), reverse=True)
+        shown = ", ".join(f"{name!r} {n}" for n, name in held[:4]) + (", ..." if len(held) > 4 else "")
+        return (f"all {self.arena.n_slots} slots are leased or loading ({len(self.sched.reading)} reading; "
+                f"leases: {shown or 'none'}; each client may hold {self._quota() or 'all of them'})")
+
+    def fairness(self) -> dict:
+        """The `fairness` part of `status`."""
+        return {"client_lease_share": self.cfg.client_lease_share, "client_lease_quota": self._quota(),
+                "queue_deadline_s": self.cfg.queue_deadline_s,
+                "parked": sum(c.n_parked() for c in self.clients.values()),
+                "over_quota_total": self.stats.totals.over_quota, "deadline_total": self.stats.totals.deadline}
 
     # -- socket plumbing ----------------------------------------------------------------------
     def _drain(self) -> None:
@@ -216,23 +302,53 @@ class Server:
             self.stats.totals.busy += 1
             raise P.ProtocolError(P.ErrorCode.BUSY, f"{c.outstanding} experts requested and not yet answered; "
                                   f"{len(msg.keys)} more would pass this client's limit of {cap}", msg.rid)
-        n_layer, n_expert = self.layout.experts.n_layer, self.layout.experts.n_expert
+        index = self.layout.experts
+        n_layer, n_expert = index.n_layer, index.n_expert
         for layer, expert in msg.keys:
             if layer >= n_layer or expert >= n_expert:
                 raise P.ProtocolError(P.ErrorCode.OUT_OF_RANGE, f"expert ({layer}, {expert}) not in "
                                       f"[0,{n_layer}) x [0,{n_expert})", msg.rid)
+            if not index.is_moe_layer(layer):  # a leading dense layer (DeepSeek): nothing to serve
+                raise P.ProtocolError(P.ErrorCode.OUT_OF_RANGE, f"expert ({layer}, {expert}): layer {layer} "
+                                      f"has a dense FFN, no experts", msg.rid)
         c.add_pending(msg.rid, len(msg.keys))
         t0 = time.monotonic()
-        for key in msg.keys:
-            self._fetch_one(c, Waiter(c.ident, msg.rid, key, t0), msg.priority)
-        self.sched.pump()
+        c.unsorted = len(msg.keys)
+        try:
+            for key in msg.keys:
+                c.unsorted -= 1
+                self._fetch_one(c, Waiter(c.ident, msg.rid, key, t0, msg.priority), msg.priority)
+        finally:
+            c.unsorted = 0
+        self._pump()
 
     def _fetch_one(self, c: ClientState, w: Waiter, priority: str) -> None:
         c.n.requests += 1
         self.stats.totals.requests += 1
         self.stats.hot[w.key] += 1
+        if c.must_park(priority, self._quota_for(c)):
+            if priority == "cached":  # a guess: worth a lease now or never
+                self._answer_error(w, P.ErrorCode.NOT_CACHED, f"not leased: {self._quota_text(c)}")
+                return
+            w.since = time.monotonic()
+            c.parked[priority].append(w)
+            c.n.over_quota += 1
+            self.stats.totals.over_quota += 1
+            self._parked.add(c.ident)
+            return
+        self._admit(c, w, priority)
+
+    def _admit(self, c: ClientState, w: Waiter, priority: str) -> None:
+        """Serve a request within its client's quota: a hit, a join, or a new load."""
         slot = self.cache.lookup_ready(w.key)
         if slot is not None:
+            if priority != "now" and not self.cache.slots[slot].leases and \
+                    self.cache.free_slots() <= self.sched.reserve_slots:
+                # leasing it would pin one of the slots kept free for demand
+                code = P.ErrorCode.NOT_CACHED if priority == "cached" else P.ErrorCode.DROPPED
+                self._answer_error(w, code, f"prefetch not leased: the last {self.sched.reserve_slots} free arena "
+                                   "slots are kept for demand (`now`) requests")
+                return
             c.n.hits += 1
             self.stats.totals.hits += 1
             self._serve(c, w, slot)
@@ -254,7 +370,9 @@ class Server:
     def _cancel(self, c: ClientState, msg: P.Cancel) -> None:
         keys = None if msg.keys is None else {tuple(k) for k in msg.keys}
         n = self.sched.remove_waiters(lambda w: w.client == c.ident and w.rid == msg.rid, keys)
+        n += c.remove_parked(lambda w: w.rid == msg.rid and (keys is None or w.key in keys))
         c.answered(msg.rid, n)
+        self._pump()
 
     def _release(self, c: ClientState, msg: P.Release) -> None:
         bad = []
@@ -265,7 +383,7 @@ class Server:
             c.n.releases += 1
             self.stats.totals.releases += 1
             self.cache.release(slot, generation)
-        self.sched.pump()
+        self._pump()
         if bad:  # the others were released: one bad pair does not cost the client its good ones
             raise P.ProtocolError(P.ErrorCode.NOT_LEASED, f"{', '.join(bad[:4])} not leased to you")
 
@@ -280,8 +398,7 @@ class Server:
             c.n.replies_dropped += 1
             self.stats.totals.replies_dropped += 1
             return
-        gen = self.cache.lease(slot)
-        c.leases[(slot, gen)] += 1
+        c.add_lease(slot, self.cache.lease(slot))
         c.n.readies += 1
         c.n.bytes_served += info.nbytes
         self.stats.totals.readies += 1
@@ -335,7 +452,7 @@ class Server:
                     self.stats.latency_miss.append(now - w.t0)
                     self._serve(c, w, load.slot)
             self.cache.unpin_load(load.slot)
-        self.sched.pump()
+        self._pump()
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:  # noqa: ANN001

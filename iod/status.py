@@ -47,6 +47,8 @@ class ClientCounters:
     releases: int = 0
     busy: int = 0  # fetches refused: the client's own limit of outstanding experts (max_queued_per_client)
     replies_dropped: int = 0  # `ready`s that could not be queued (client not reading): no lease kept
+    over_quota: int = 0  # requests that had to wait (parked) for room within the client's lease quota
+    deadline: int = 0  # requests answered `deadline` (no arena room within queue_deadline_s)
 
 
 @dataclass
@@ -118,6 +120,7 @@ def build_status(server: Server) -> dict[str, Any]:
         "read_mb_s": round(st.read_mb_s(), 3),
         "reader": reader,
         "queues": server.sched.stats(),
+        "fairness": server.fairness(),
         "latency": {"all": percentiles(st.latency_all), "miss": percentiles(st.latency_miss)},
         "clients": [c.describe() for c in server.clients.values()],
         "clients_seen": st.clients_seen, "clients_expired": st.clients_expired,

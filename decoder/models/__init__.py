@@ -22,6 +22,10 @@ _REGISTRY: dict[str, str] = {
     "qwen2moe": "qwen2moe",
     "llama": "mixtral",  # Mixtral: llama.cpp stores it as "llama" with experts
     "olmoe": "olmoe",
+    "gpt-oss": "gpt_oss",
+    "deepseek2": "deepseek2",
+    "qwen3next": "qwen3next",
+    "qwen35moe": "qwen35moe",
 }
 
 

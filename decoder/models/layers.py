@@ -222,9 +222,16 @@ def route_softmax(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tup
     return weights.to(logits.dtype), ids
 
 
+def route_topk_softmax(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of the logits, then a softmax over those k (gpt-oss; `norm_topk_prob` is moot: the
+    weights always sum to 1): weights [N, k] (in logits' dtype) and expert ids [N, k]."""
+    top, ids = torch.topk(logits, top_k, dim=-1)  # [N, k], [N, k]
+    return torch.softmax(top, dim=-1, dtype=torch.float32).to(logits.dtype), ids
+
+
 Router = Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
 # `ArchSpec.routing` -> the routing function of that family
-ROUTING: dict[str, Router] = {"softmax": route_softmax}
+ROUTING: dict[str, Router] = {"softmax": route_softmax, "topk_softmax": route_topk_softmax}
 
 
 def shared_expert(x: torch.Tensor, w: Weights) -> torch.Tensor:
@@ -232,8 +239,12 @@ def shared_expert(x: torch.Tensor, w: Weights) -> torch.Tensor:
 
     llama.cpp's converter writes the shared gate as [d, 1] (HF's Linear(d, 1)); older writers
     squeezed it to a [d] vector. Both are accepted at load (`common.arch.dense_shapes`).
+    Without that gate (DeepSeek) the expert's output is added as it is.
     """
-    g = w["ffn_gate_inp_shexp"]
-    logit = linear(x, g) if len(g.shape) == 2 else (x @ g)[:, None]  # [N, 1]
     h = F.silu(linear(x, w["ffn_gate_shexp"])) * linear(x, w["ffn_up_shexp"])  # [N, ff]
-    return torch.sigmoid(logit) * linear(h, w["ffn_down_shexp"])  # [N, d]
+    out = linear(h, w["ffn_down_shexp"])  # [N, d]
+    g = w.get("ffn_gate_inp_shexp")
+    if g is None:
+        return out
+    logit = linear(x, g) if len(g.shape) == 2 else (x @ g)[:, None]  # [N, 1]
+    return torch.sigmoid(logit) * out  # [N, d]

@@ -166,3 +166,31 @@ class MoETransformer:
         return linear(rms_norm(h, self.norm, self.hparams.rms_eps), self.lm_head)  # [B, (T,) V]
 
     __call__ = forward
+
+    def forward_many(self, steps: list[tuple[torch.Tensor, KVCache]], experts: ExpertSource,
+                     observer: LayerObserver | None = None) -> torch.Tensor:
+        """Last-token logits [S, V] of S sequences, each with its own cache: steps[i] = (tokens
+        [1, T_i], cache_i), every token real (a prefill chunk or one decode token).
+
+        Continuous batching's pass (decoder/serve): attention runs per sequence on its own cache
+        (lengths differ, nothing is padded), the FFN once on all sequences' rows, so a layer
+        fetches the union of their experts once. A family's `prepare`/`attend`/`ffn` are used
+        as they are; per row the arithmetic is `forward`'s up to float rounding (a many-row matmul
+        sums in another order than a one-row one).
+        """
+        obs, eps = observer or _NO_OBSERVER, self.hparams.rms_eps
+        sts = [self.prepare(cache, torch.ones_like(tok, dtype=torch.bool)) for tok, cache in steps]
+        sizes = [tok.shape[1] for tok, _ in steps]
+        experts.begin_step()
+        hs = [embed(tok.reshape(-1), self.embed, self.dtype) for tok, _ in steps]  # S x [T_i, d]
+        for i in range(self.hparams.n_layer):
+            w = self.layers[i]
+            hs = [h + self.attend(i, rms_norm(h, w["attn_norm"], eps), cache, st)  # [T_i, d]
+                  for h, (_, cache), st in zip(hs, steps, sts)]
+            h = torch.cat(hs)  # [N, d] every sequence's rows
+            obs.after_attention(i, h)
+            h = h + self.ffn(i, rms_norm(h, w["ffn_norm"], eps), experts, obs)  # [N, d]
+            obs.after_layer(i, h)
+            hs = list(h.split(sizes))
+        last = torch.stack([h[-1] for h in hs])  # [S, d]
+        return linear(rms_norm(last, self.norm, eps), self.lm_head)  # [S, V]

@@ -82,3 +82,58 @@ def test_generate_cli_float32_on_cuda(models, capsys):
         rc = cli.main(["--model", str(models[arch]), "--resident", "--device", "cuda", "--dtype", "float32",
                        "--prompt-ids", "5,17,99", "-n", "4", "--no-progress"])
         assert rc == 0, capsys.readouterr().err
+
+
+# -- the fused Triton path (the kernels themselves are checked on the device by test_triton.py) --
+@torch.inference_mode()
+def test_resident_raw_uses_the_kernels_and_a_decode_mix_captures_in_a_cuda_graph(models):
+    """A fused decode layer makes no host sync, so it can be captured in a CUDA graph; replays
+    with new inputs give what eager calls give."""
+    layout = ModelLayout(models["qwen3moe"])
+    res = ResidentExperts(layout, "cuda", torch.float32, "raw")
+    assert res.stats()["kernels"] == "triton"
+    hp = layout.hparams
+    x = torch.randn(1, hp.n_embd, device="cuda")
+    w = torch.rand(1, hp.n_expert_used, device="cuda")
+    ids = torch.randperm(hp.n_expert, device="cuda")[:hp.n_expert_used].view(1, -1)
+    res.mix(0, x, w, ids)  # compile before capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        res.mix(0, x, w, ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = res.mix(0, x, w, ids)
+    for seed in range(3):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        x.copy_(torch.randn(x.shape, device="cuda", generator=g))
+        ids.copy_(torch.randperm(hp.n_expert, device="cuda", generator=g)[:hp.n_expert_used].view(1, -1))
+        graph.replay()
+        assert torch.equal(out, res.mix(0, x, w, ids))
+
+
+@torch.inference_mode()
+def test_streamed_copies_straight_from_the_registered_arena(models, start_daemon):
+    """Raw slots on CUDA: the daemon's arena is registered with CUDA and every miss is copied
+    arena -> slot directly (no staging); streamed == resident bit for bit, prompt and decode."""
+    layout = ModelLayout(models["qwen3moe"])
+    model, res = resident(layout, "cuda", torch.bfloat16, "raw")
+    want = forward(layout, model, res, False)
+    daemon = start_daemon(models["qwen3moe"], arena_slots=8)
+    with open_streamed(layout, daemon.endpoint, device="cuda", dtype=torch.bfloat16, slots=4,
+                       slot_format="raw") as src:
+        assert torch.equal(forward(layout, model, src, False), want)
+        cache = src.stats()["cache"]
+        assert cache["host_registered"] and cache["kernels"] == "triton"
+        assert cache["direct_copies"] == cache["writes"] > 0
+
+
+def test_bench_decode_on_cuda_prints_the_peers(models, capsys):
+    from moestream.decoder import bench
+
+    rc = bench.main(["--model", str(models["qwen3moe"]), "--device", "cuda", "-n", "4", "--repeat", "1",
+                     "--prompt-tokens", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "resident / HBM bound" in out and "delivery / pinned copy" in out

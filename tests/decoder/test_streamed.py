@@ -170,13 +170,13 @@ def test_daemon_gone_is_a_clear_error_not_a_hang(make_tiny_model):
     layout = ModelLayout(path)
     daemon = spawn_daemon(path)
     try:
-        src = open_streamed(layout, daemon.endpoint, slots=4, timeout_s=2.0)
+        src = open_streamed(layout, daemon.endpoint, slots=4, timeout_s=2.0, reconnect_s=1.0)
         src.fetch_timeout_s = 10.0
         assert set(src.acquire(0, [1, 2])) == {1, 2}
         src.release(0, [1, 2])
     finally:
         daemon.stop()
-    with pytest.raises(IodUnavailable):
+    with pytest.raises(IodUnavailable, match="did not come back within 1s"):  # not the 10 s fetch timeout
         src.acquire(1, [3])
     assert src.cache.pinned() == 0  # nothing left pinned by the failed acquire
     src.close()

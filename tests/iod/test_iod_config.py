@@ -45,6 +45,9 @@ def test_toml_then_cli_overrides(tmp_path):
     (["--model", "m", "--queue-depth", "0"], "positive"),
     (["--model", "m", "--queue-depth", "5000"], "above the maximum of 4096"),
     (["--model", "m", "--endpoint", "ipc:///a", "--status-endpoint", "ipc:///a"], "differ"),
+    (["--model", "m", "--client-lease-share", "0"], r"client_lease_share must be a share in \(0, 1\]"),
+    (["--model", "m", "--client-lease-share", "1.5"], "client_lease_share"),
+    (["--model", "m", "--queue-deadline", "0"], "queue_deadline_s must be a positive number"),
 ])
 def test_bad_configs(args, match):
     with pytest.raises(ConfigError, match=match):
@@ -117,3 +120,25 @@ def test_tcp_binds_to_loopback_unless_allowed(tmp_path, ep, ok):
         with pytest.raises(ConfigError, match="not a loopback address"):
             load_config(argv)
         assert load_config([*argv, "--allow-remote"]).allow_remote
+
+
+@pytest.mark.parametrize("share,n_slots,top_k,quota", [(0.5, 8, 2, 4), (0.5, 3, 2, 2), (0.1, 100, 8, 10),
+                                                     (0.01, 100, 8, 8), (0.5, 1, 2, 1), (1.0, 8, 2, None)])
+def test_lease_quota(share, n_slots, top_k, quota):
+    """A share of the slots, never below a top-k, never above the arena; a share of 1 is no quota."""
+    cfg = load_config(["--model", "m", "--client-lease-share", str(share), "--queue-deadline", "2.5"])
+    assert cfg.lease_quota(n_slots, top_k) == quota and cfg.queue_deadline_s == 2.5
+
+
+def test_unknown_socket_group_is_a_configuration_error(tiny_model, tmp_path):
+    """Exit 2 (the unit's RestartPreventExitStatus), one line, before anything is created."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "moestream.iod.main", "--model", str(tiny_model), "--arena-slots", "2",
+                          "--endpoint", f"ipc://{tmp_path}/iod.sock", "--status-endpoint", f"ipc://{tmp_path}/st.sock",
+                          "--socket-group", "no-such-group-moestream"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert "socket_group 'no-such-group-moestream' does not exist" in line
+    assert not (tmp_path / "iod.sock").exists()

@@ -20,7 +20,7 @@ def spread_keys(n: int) -> list[tuple[int, int]]:
 
 def test_now_never_waits_behind_ahead(model40, start_daemon):
     """40 prefetches take at most 24 of the 32 read places, so a demand read starts at once."""
-    d = start_daemon(model40, arena_slots=80)
+    d = start_daemon(model40, arena_slots=80, extra_args=["--client-lease-share", "1"])  # one client, 41 requests
     with IodClient(d.endpoint) as c:
         ahead = c.fetch(spread_keys(40), priority="ahead")
         now = c.fetch([(0, 1)])
@@ -36,7 +36,8 @@ def test_now_never_waits_behind_ahead(model40, start_daemon):
 
 def test_prefetch_leases_leave_slots_for_demand(model40, start_daemon):
     """A client holding prefetched leases cannot take the reserved quarter of the arena."""
-    d = start_daemon(model40, arena_slots=8)  # reserve: 2 slots
+    # reserve: 2 slots; no per-client quota, so only the reserve holds the prefetcher back
+    d = start_daemon(model40, arena_slots=8, extra_args=["--client-lease-share", "1"])
     with IodClient(d.endpoint, name="prefetcher") as a, IodClient(d.endpoint, name="demand") as b:
         ahead = a.fetch([(0, e) for e in range(8)], priority="ahead")
         held = [f.result(10) for f in ahead[:6]]
@@ -56,7 +57,7 @@ def test_prefetch_leases_leave_slots_for_demand(model40, start_daemon):
 
 def test_now_joined_prefetch_is_not_dropped_as_stale(tiny_model, start_daemon, tmp_path):
     cfg = tmp_path / "iod.toml"
-    cfg.write_text("ahead_max_age_s = 0.2\nlease_timeout = 1.0\n")  # the ticker runs every 0.25 s
+    cfg.write_text("ahead_max_age_s = 0.2\nlease_timeout = 1.0\nclient_lease_share = 1.0\n")  # the ticker runs every 0.25 s
     d = start_daemon(tiny_model, arena_slots=1, extra_args=["--config", str(cfg)])
     with IodClient(d.endpoint, name="a") as a, IodClient(d.endpoint, name="b") as b:
         held = a.fetch([(0, 0)])[0].result(10)  # the only slot: the prefetch below queues
@@ -74,7 +75,7 @@ def test_now_joined_prefetch_is_not_dropped_as_stale(tiny_model, start_daemon, t
 def test_one_release_message_hands_back_many_leases(tiny_model, start_daemon):
     """`release_many`: a layer's leases go back in one message; a bad pair among them is refused
     (not_leased) while the good ones are still released."""
-    d = start_daemon(tiny_model, arena_slots=4)
+    d = start_daemon(tiny_model, arena_slots=4, extra_args=["--client-lease-share", "1"])  # one client, whole arena
     with IodClient(d.endpoint) as c:
         leases = [f.result(10) for f in c.fetch([(0, e) for e in range(4)])]
         assert get_status(d.status_endpoint)["arena"]["leased_slots"] == 4

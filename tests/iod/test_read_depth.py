@@ -117,7 +117,8 @@ def test_forty_key_fetch_reads_at_full_depth(model40, start_daemon, backend, slo
     """A 40-expert `now` batch starts min(32, free slots) reads at once; with fewer slots the rest
     follow as leases come back. (The reader's own peak is reported too, but a tiny file in the page
     cache is read faster than the loop submits, so only the expert loads are held to the number.)"""
-    d = start_daemon(model40, arena_slots=slots, extra_args=["--backend", backend])
+    # one client: no per-client quota, so the depth is the reader's and the arena's, not the quota's
+    d = start_daemon(model40, arena_slots=slots, extra_args=["--backend", backend, "--client-lease-share", "1"])
     with IodClient(d.endpoint) as c:
         futures = c.fetch(spread_keys(40))
         for f in futures:

@@ -152,3 +152,23 @@ def test_ahead_never_jumps_queued_now_while_slots_are_short():
     rig.cache.release(rig.started[0].slot, rig.cache.slots[rig.started[0].slot].generation)
     rig.sched.pump()
     assert rig.started[-1].key == (1, 1)
+
+
+def test_starved_now_loads_expire_after_the_deadline_counted_from_the_starvation():
+    """`now` loads that found every slot leased expire once they waited the deadline with no slot
+    free; the clock starts when the starvation starts (not when the load was queued), and a slot
+    that frees up resets it."""
+    rig = Rig(1)
+    rig.fetch([(0, 0)])
+    rig.finish(rig.started[0], lease=True)  # the only slot is leased
+    rig.fetch([(0, 1), (0, 2)])
+    t0 = rig.sched.starved_since
+    assert t0 is not None and rig.sched.expire_starved(1.0, t0 + 0.5) == []
+    expired = rig.sched.expire_starved(1.0, t0 + 1.0)
+    assert [(ld.key, round(w, 3)) for ld, w in expired] == [((0, 1), 1.0), ((0, 2), 1.0)]
+    assert rig.sched.queued() == 0 and rig.sched.stats()["expired_deadline"] == 2
+    rig.fetch([(0, 3)])  # queued after: its own wait counts from its queueing
+    assert rig.sched.expire_starved(1.0, time.monotonic() + 0.5) == []
+    rig.cache.release(rig.started[0].slot, rig.cache.slots[rig.started[0].slot].generation)
+    rig.sched.pump()  # the slot is free again: (0, 3) starts and the starvation is over
+    assert rig.started[-1].key == (0, 3) and rig.sched.starved_since is None

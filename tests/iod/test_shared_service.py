@@ -140,7 +140,9 @@ def test_huge_multipart_message_is_dropped_without_buffering(tiny_model, start_d
 
 
 def test_outstanding_requests_per_client_are_capped(tiny_model, start_daemon, tmp_path, wait_status):
-    d = start_daemon(tiny_model, arena_slots=4, extra_args=_config(tmp_path, "max_queued_per_client = 8\n"))
+    # no lease quota (share 1): the point here is the cap on requests, which a quota would pre-empt
+    d = start_daemon(tiny_model, arena_slots=4, extra_args=_config(tmp_path, "max_queued_per_client = 8\n"
+                                                                   "client_lease_share = 1.0\n"))
     with IodClient(d.endpoint, name="greedy") as c, IodClient(d.endpoint, name="other") as other:
         held = [f.result(10) for f in c.fetch([(0, e) for e in range(4)])]  # the arena is now all leased
         waiting = c.fetch([(1, e) for e in range(6)])  # queued: no slot can be freed
@@ -164,9 +166,80 @@ def test_outstanding_requests_per_client_are_capped(tiny_model, start_daemon, tm
         assert [x["outstanding"] for x in s["clients"]] == [0, 0]
 
 
+# -- item 2: fairness between clients -------------------------------------------------------
+def test_greedy_client_cannot_starve_another(tiny_model, start_daemon, tmp_path, wait_status):
+    """A client that asks for the whole arena and keeps pinging gets its quota (half the slots)
+    and a `deadline` error for the rest; another client's fetch still completes."""
+    d = start_daemon(tiny_model, arena_slots=4, extra_args=["--queue-deadline", "1"])
+    with IodClient(d.endpoint, name="greedy") as greedy, IodClient(d.endpoint, name="other") as other:
+        asked = greedy.fetch([(0, e) for e in range(4)])
+        held = [f.result(10) for f in asked[:2]]  # quota: max(top-k 2, half of 4 slots) = 2
+        s = wait_status(d.status_endpoint, lambda s: s["fairness"]["parked"] == 2)
+        assert s["fairness"]["client_lease_quota"] == 2 and s["fairness"]["queue_deadline_s"] == 1.0
+        got = [f.result(5) for f in other.fetch([(1, 0), (1, 1)])]  # never behind the greedy one
+        for f in asked[2:]:  # the greedy one's extra requests end within the deadline, saying why
+            with pytest.raises(IodRequestError) as e:
+                f.result(5)
+            assert e.value.code == P.ErrorCode.DEADLINE.value
+            assert "quota is 2 of the arena's 4 slots" in e.value.message and "holds 2 leases" in e.value.message
+        greedy.ping()  # still a live client with live leases
+        for lease in held:
+            greedy.release(lease)
+        other.release_many(got)
+        again = greedy.fetch([(0, 2)])[0].result(5)  # room again once its own leases went back
+        greedy.release(again)
+        s = wait_status(d.status_endpoint, lambda s: s["arena"]["leases"] == 0)
+    assert s["errors_by_code"] == {"deadline": 2} and s["fairness"]["deadline_total"] == 2
+    assert [(x["name"], x["parked"], x["outstanding"]) for x in s["clients"]] == [("greedy", 0, 0), ("other", 0, 0)]
+
+
+def test_full_arena_answers_deadline_naming_the_holders(tiny_model, start_daemon):
+    """Two clients each hold their quota of a 4-slot arena: a third one's fetch gets `deadline`
+    within the deadline (not an endless wait), and the message says who holds the slots."""
+    d = start_daemon(tiny_model, arena_slots=4, extra_args=["--queue-deadline", "1"])
+    with IodClient(d.endpoint, name="a") as a, IodClient(d.endpoint, name="b") as b, \
+            IodClient(d.endpoint, name="c") as c:
+        held_a = [f.result(10) for f in a.fetch([(0, 0), (0, 1)])]
+        held_b = [f.result(10) for f in b.fetch([(0, 2), (0, 3)])]
+        t0 = time.monotonic()
+        with pytest.raises(IodRequestError) as e:
+            c.fetch([(1, 0)])[0].result(10)
+        waited = time.monotonic() - t0
+        assert e.value.code == "deadline" and 1.0 <= waited < 6.0, (e.value, waited)  # not for ever
+        assert "no arena slot free for" in e.value.message and "'a' 2" in e.value.message and "'b' 2" in e.value.message
+        a.release_many(held_a)
+        c.release(c.fetch([(1, 0)])[0].result(5))  # served once a slot is free
+        b.release_many(held_b)
+    s = get_status(d.status_endpoint)
+    assert s["queues"]["expired_deadline"] == 1 and s["errors_by_code"] == {"deadline": 1}
+
+
+def test_now_never_waits_behind_another_clients_ahead_leases(tiny_model, start_daemon):
+    """A prefetcher leasing every cached expert `ahead` is stopped at the demand reserve (2 of 8
+    slots), so another client's `now` reads find a slot at once. The quota is off here (share 1):
+    this is the reserve's doing alone."""
+    d = start_daemon(tiny_model, arena_slots=8, extra_args=["--client-lease-share", "1"])
+    with IodClient(d.endpoint, name="warm") as warm:  # layer 0 fills the arena, unleased
+        warm.release_many([f.result(10) for f in warm.fetch([(0, e) for e in range(8)])])
+    with IodClient(d.endpoint, name="prefetcher") as a, IodClient(d.endpoint, name="demand") as b:
+        ahead = a.fetch([(0, e) for e in range(8)], priority="ahead")  # all hits
+        leased = [f.result(10) for f in ahead[:6]]
+        for f in ahead[6:]:
+            with pytest.raises(IodRequestError) as e:
+                f.result(10)
+            assert e.value.code == "dropped" and "kept for demand" in e.value.message
+        assert get_status(d.status_endpoint)["arena"]["leased_slots"] == 6
+        got = [f.result(5) for f in b.fetch([(1, 0), (1, 1)])]  # two reads into the reserve
+        b.release_many(got)
+        a.release_many(leased)
+    s = get_status(d.status_endpoint)
+    assert s["queues"]["now_waited_slot"] == 0 and s["misses"] == 8 + 2
+
+
 # -- item 4: replies dropped at the high-water mark -----------------------------------------
 def test_client_that_never_reads_holds_no_lease_for_dropped_replies(tiny_model, start_daemon, tmp_path):
-    d = start_daemon(tiny_model, arena_slots=16, extra_args=_config(tmp_path, "max_replies_queued = 1000\n"))
+    d = start_daemon(tiny_model, arena_slots=16, extra_args=_config(tmp_path, "max_replies_queued = 1000\n"
+                                                                    "client_lease_share = 1.0\n"))
     keys = [[layer, e] for layer in range(2) for e in range(8)]
     with IodClient(d.endpoint) as warm:  # every expert cached: each fetch is 16 immediate `ready`s
         for f in warm.fetch([tuple(k) for k in keys]):
@@ -269,3 +342,18 @@ def test_a_group_member_can_read_the_arena_but_never_write_it(tiny_model, start_
             "fd = os.open(sys.argv[1], os.O_RDONLY)\nprint('read', len(os.read(fd, 16)))\n")
     out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=30)
     assert out.stdout.split() == ["no", "write", "read", "16"], out
+
+
+def test_a_client_alone_may_use_the_whole_arena(tiny_model, start_daemon, wait_status):
+    """The quota is for sharing: a decoder alone on the daemon (its prefetched leases held while
+    its demand comes) gets every slot; a second client brings the share back."""
+    d = start_daemon(tiny_model, arena_slots=4)
+    with IodClient(d.endpoint, name="alone") as alone:
+        held = [f.result(5) for f in alone.fetch([(0, e) for e in range(4)])]  # quota would be 2
+        with IodClient(d.endpoint, name="second") as second:
+            alone.release_many(held[:2])
+            more = alone.fetch([(1, 0)])  # 2 held + 1 > quota 2 while someone else is connected
+            wait_status(d.status_endpoint, lambda s: s["fairness"]["parked"] == 1)
+            second.ping()
+        held = held[2:] + [more[0].result(5)]  # the second one left: room again
+        alone.release_many(held)

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from moestream.common.client import IodClient
+from moestream.common.spawn import spawn_daemon
+from moestream.common.status_cli import get_status
 from moestream.iod.config import IodConfig, load_config
 
 SYSTEMD = Path(__file__).resolve().parents[2] / "systemd"
@@ -85,3 +91,72 @@ def test_example_config_loads_and_covers_every_key(tmp_path: Path) -> None:
     assert not missing, f"iod.toml does not show these config keys: {sorted(missing)}"
     # The endpoints must sit in the unit's RuntimeDirectory.
     assert all(ep.startswith("ipc:///run/moestream/") for ep in (cfg.endpoint, cfg.status_endpoint))
+
+
+def test_shipped_example_config_starts_the_daemon(tiny_model, tmp_path: Path) -> None:
+    """systemd/iod.toml as shipped, only `model` pointed at a test model, through the daemon's own
+    loader and into a running daemon that serves an expert. The sockets go to tmp_path (options on
+    the command line win over the file): the file's /run/moestream is the unit's RuntimeDirectory."""
+    copy = tmp_path / "iod.toml"
+    copy.write_text(re.sub(r'^model = ".*"$', f'model = "{tiny_model}"', (SYSTEMD / "iod.toml").read_text(), flags=re.M))
+    cfg = load_config(["--config", str(copy)])
+    assert cfg.model == tiny_model
+    with spawn_daemon(tiny_model, run_dir=tmp_path / "run", extra_args=["--config", str(copy)]) as d:
+        with IodClient(d.endpoint, name="example") as c:
+            c.release(c.fetch([(0, 0)])[0].result(10))
+        s = get_status(d.status_endpoint)
+        assert s["memory"]["budget"] == cfg.memory and s["fairness"]["client_lease_share"] == cfg.client_lease_share
+    assert d.proc.returncode == 0, d.log_text()
+
+
+def _iod_logged(tmp_path: Path, args: list[str], journal: str) -> tuple[subprocess.Popen, Path]:
+    """The daemon with stderr in a file; JOURNAL_STREAM names that file ("same"), another file
+    ("other": as a child of a journal-logged process whose stderr was redirected), or is unset."""
+    log = tmp_path / f"{journal}.log"
+    other = tmp_path / "elsewhere.log"
+    other.touch()
+    env = {k: v for k, v in os.environ.items() if k != "JOURNAL_STREAM"}
+    with open(log, "wb") as f:
+        if journal != "unset":
+            st = os.fstat(f.fileno()) if journal == "same" else os.stat(other)
+            env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
+        proc = subprocess.Popen([sys.executable, "-m", "moestream.iod.main", *args], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=f, env=env)
+    return proc, log
+
+
+def _wait_for(log: Path, text: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 30
+    while text not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert text in log.read_text(), log.read_text()
+
+
+@pytest.mark.parametrize("journal", ["same", "other", "unset"])
+def test_log_lines_carry_journal_priorities_only_when_stderr_is_the_journal(tiny_model, tmp_path, journal):
+    run = tmp_path / "run"
+    args = ["--model", str(tiny_model), "--arena-slots", "2", "--endpoint", f"ipc://{run}/iod.sock",
+            "--status-endpoint", f"ipc://{run}/status.sock"]
+    proc, log = _iod_logged(tmp_path, args, journal)
+    try:
+        _wait_for(log, "serving", proc)
+        get_status(f"ipc://{run}/status.sock")  # answered once the loop (and its SIGHUP handler) runs
+        os.kill(proc.pid, signal.SIGHUP)
+        _wait_for(log, "SIGHUP ignored", proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    (tmp_path / "bad").mkdir()
+    bad, bad_log = _iod_logged(tmp_path / "bad", [*args, "--queue-depth", "0"], journal)  # a configuration error
+    assert bad.wait(30) == 2
+    lines = log.read_text().splitlines() + bad_log.read_text().splitlines()
+    want = {"serving": "<6>moestream-iod: INFO serving", "SIGHUP": "<4>moestream-iod: WARNING SIGHUP ignored",
+            "stopped": "<6>moestream-iod: INFO stopped", "queue_depth": "<3>moestream-iod: error: queue_depth"}
+    for word, line in want.items():
+        (got,) = [x for x in lines if word in x]
+        expected = line if journal == "same" else line[3:]
+        assert got.startswith(expected), (got, expected)
+    assert all(x.startswith("<") == (journal == "same") for x in lines), lines
