@@ -49,7 +49,7 @@ from .arena import ArenaError, ArenaView
 
 log = logging.getLogger("moestream.client")
 # What identifies the model (path, mtime may differ: copies, symlinks, `touch`); see layout.Fingerprint.
-FINGERPRINT_FIELDS = ("size", "header_sha256", "sample_sha256")
+FINGERPRINT_FIELDS = P.MODEL_IDENTITY
 _WHAT = {"size": "file size", "header_sha256": "header/tensor table", "sample_sha256": "tensor data sample"}
 RETRY_PAUSE_S = 0.2  # between handshake attempts while reconnecting
 KEEPALIVE = 0  # ping id of the I/O thread's own pings (callers' ids start at 1)

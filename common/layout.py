@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from .arch import EXPERT_PARTS, ArchSpec, arch_key, dense_shapes, get_arch, layer_tensors, mla_dims
+from .protocol import MODEL_IDENTITY
 
 PAGE = 4096
 
@@ -133,9 +134,15 @@ class Fingerprint:
     sample_sha256: str
     sample_bytes: int
 
+    IDENTITY: ClassVar[tuple[str, ...]] = MODEL_IDENTITY  # the compared fields
+
     def as_dict(self) -> dict[str, Any]:
         return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns, "header_sha256": self.header_sha256,
                 "sample_sha256": self.sample_sha256, "sample_bytes": self.sample_bytes}
+
+    def identity(self) -> dict[str, Any]:
+        """What says "the same model": the fields two files must share (see the class docstring)."""
+        return {k: getattr(self, k) for k in self.IDENTITY}
 
 
 def sample_ranges(start: int, end: int, chunks: int = SAMPLE_CHUNKS,

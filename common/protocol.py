@@ -26,7 +26,10 @@ MAX_FRAME_BYTES = 256 << 10  # requests are small; anything bigger is refused un
 MAX_REPLY_BYTES = 16 << 20  # status replies and welcomes can carry tables
 MAX_KEYS = 4096  # experts per fetch
 MAX_NAME = 256  # client names, error messages are cut here
+MAX_HOTTEST = 1 << 16  # experts one status reply may list as hottest (keeps it under MAX_REPLY_BYTES)
 PRIORITIES = ("now", "ahead", "cached")  # cached: serve only from the arena, never read
+# The welcome's `fingerprint` fields that say "the same model" (layout.Fingerprint computes them)
+MODEL_IDENTITY = ("size", "header_sha256", "sample_sha256")
 
 
 class ErrorCode(str, enum.Enum):
@@ -269,10 +272,11 @@ class Error(Message):
 @dataclass
 class Status(Message):
     op: ClassVar[str] = "status"
+    hottest: int = 10  # how many of the most requested experts the reply lists (`moestream warm --top N`)
 
     @classmethod
     def from_map(cls, m: dict[str, Any]) -> Status:
-        return cls()
+        return cls(_int(m.get("hottest", 10), "hottest", 0, MAX_HOTTEST))
 
 
 @dataclass

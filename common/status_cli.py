@@ -18,8 +18,8 @@ from .client import IodError, IodRequestError, IodUnavailable, endpoint_problem,
 
 
 
-def get_status(endpoint: str, timeout_s: float = 3.0) -> dict:
-    """Ask a daemon's status endpoint for its status (a plain dict)."""
+def get_status(endpoint: str, timeout_s: float = 3.0, hottest: int = 10) -> dict:
+    """Ask a daemon's status endpoint for its status (a plain dict), listing its `hottest` experts."""
     problem = endpoint_problem(endpoint)
     if problem is not None:  # ZeroMQ would retry silently until the timeout
         raise IodUnavailable(problem)
@@ -27,7 +27,7 @@ def get_status(endpoint: str, timeout_s: float = 3.0) -> dict:
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(endpoint)
-        sock.send(P.Status().encode())
+        sock.send(P.Status(hottest).encode())
         if not sock.poll(int(timeout_s * 1000)):
             raise IodUnavailable(f"no status: {no_answer(endpoint, timeout_s)}")
         msg = P.decode_reply(sock.recv())

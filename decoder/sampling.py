@@ -1,4 +1,4 @@
-"""Next-token choice: greedy, or temperature / top-k / top-p sampling with a seeded generator.
+"""Next-token choice: greedy, or temperature / top-k / top-p / min-p sampling with a seeded generator.
 
 Sampling runs on the CPU in float32 whatever the model's device: the logits of one step are
 small, and a CPU generator gives the same tokens for the same seed on every machine.
@@ -17,6 +17,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int = 0
+    min_p: float = 0.0  # 0 = off; keep tokens at least this share of the most likely one's probability
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -25,6 +26,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -51,6 +54,14 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def filter_min_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep tokens whose probability is at least p x the row's largest (the best always stays)."""
+    if p <= 0.0:
+        return logits
+    probs = torch.softmax(logits, dim=-1)  # [B, V]
+    return logits.masked_fill(probs < p * probs.amax(-1, keepdim=True), float("-inf"))
+
+
 class Sampler:
     """Chooses one token per row of logits [B, V]."""
 
@@ -64,6 +75,6 @@ class Sampler:
         if p.greedy:  # argmax where the logits are: only [B] ids cross to the host
             return logits.detach().argmax(-1).cpu()
         logits = logits.detach().float().cpu()  # [B, V]
-        logits = filter_top_p(filter_top_k(logits / p.temperature, p.top_k), p.top_p)
+        logits = filter_min_p(filter_top_p(filter_top_k(logits / p.temperature, p.top_k), p.top_p), p.min_p)
         probs = torch.softmax(logits, dim=-1)  # [B, V]
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)  # [B]

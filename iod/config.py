@@ -80,6 +80,10 @@ class IodConfig:
     # it is answered `deadline`.
     client_lease_share: float = 0.5
     queue_deadline_s: float = 5.0
+    # Request counts per expert kept on disk (iod/history.py), for `moestream warm --top N` after a restart
+    history_file: Path | None = None
+    history_interval_s: float = 60.0
+    metrics_port: int | None = None  # Prometheus text at http://127.0.0.1:PORT/metrics (iod/metrics.py)
 
     def lease_quota(self, n_slots: int, top_k: int) -> int | None:
         """Leases plus requests in progress one client may have: `client_lease_share` of the
@@ -114,7 +118,10 @@ class IodConfig:
         if len(given) > 1:
             raise ConfigError(f"give one of memory, arena_bytes, arena_slots, not {' and '.join(given)}")
         _positive(self, "arena_bytes", "arena_slots", "memory", "queue_depth", "lease_timeout_s", "max_queued",
-                  "max_queued_per_client", "max_replies_queued", "ahead_max_age_s", "queue_deadline_s")
+                  "max_queued_per_client", "max_replies_queued", "ahead_max_age_s", "queue_deadline_s",
+                  "history_interval_s")
+        if self.metrics_port is not None and not (isinstance(self.metrics_port, int) and 0 < self.metrics_port < 65536):
+            raise ConfigError(f"metrics_port must be a TCP port in 1..65535, got {self.metrics_port!r}")
         if isinstance(self.now_reserve, bool) or not 0 <= self.now_reserve < 1:
             raise ConfigError(f"now_reserve must be a share in [0, 1), got {self.now_reserve!r}")
         if isinstance(self.client_lease_share, bool) or not 0 < self.client_lease_share <= 1:
@@ -157,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         "lease, default 65536), "
         "ahead_max_age_s (queued prefetches older than this are dropped, default 5). "
         "now_reserve (share of read places and of arena slots prefetches may not take, default 0.25). "
+        "history_interval_s (seconds between saves of the history file, default 60). "
         "SIGHUP is ignored (logged): restart the daemon to apply a changed config. "
         "Exit codes: 0 clean stop (SIGTERM/SIGINT), 1 fatal error, 2 bad configuration.")
     a = p.add_argument
@@ -182,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--queue-deadline", type=float, dest="queue_deadline_s", metavar="SECONDS",
       help="longest a request waits for arena room (its client over quota, or every slot leased) before it is "
       "answered with the error `deadline` (default 5)")
+    a("--history-file", type=Path, metavar="PATH",
+      help="keep per-expert request counts in this file (small JSON, atomic writes every history_interval_s, "
+      "default 60, and at stop), so `moestream warm --top N` can refill the arena after a restart "
+      "(default: no history; the systemd unit keeps it in /var/lib/moestream)")
+    a("--metrics-port", type=int, metavar="PORT",
+      help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics (loopback only; default off)")
     a("--socket-group", metavar="GROUP", help="group owning the ipc sockets and the arena (default: the daemon's group)")
     a("--socket-mode", metavar="MODE", help="octal mode of the ipc sockets and the arena (default 0660; never world-accessible)")
     a("--log-level", choices=LOG_LEVELS, help="default info")
@@ -221,6 +235,8 @@ def make_config(values: dict[str, Any]) -> IodConfig:
         raise ConfigError("no model: pass --model PATH or set model in the config file")
     v = dict(values)
     v["model"] = Path(v["model"])
+    if isinstance(v.get("history_file"), str):
+        v["history_file"] = Path(v["history_file"])
     for key, conv in (("arena_bytes", parse_size), ("memory", parse_memory), ("socket_mode", parse_mode)):
         if key in v and v[key] is not None:
             v[key] = conv(v[key])

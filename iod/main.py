@@ -137,6 +137,7 @@ async def _serve(server: Server) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, _on_hangup)
+    await server.start_metrics()
     notify(f"READY=1\nSTATUS=serving {server.layout.path.name}\nMAINPID={os.getpid()}")
     serving = loop.create_task(server.serve(stop))
     waiter = loop.create_task(stop.wait())

@@ -31,6 +31,7 @@ from moestream.common.layout import ModelLayout
 
 from .clients import ClientState
 from .config import IodConfig
+from .history import History
 from .host_cache import HostCache
 from .readers import Reader, plan_reads
 from .scheduler import Load, Scheduler, Waiter
@@ -67,11 +68,43 @@ class Server:
         quota = cfg.lease_quota(arena.n_slots, layout.hparams.n_expert_used)
         self.quota: float = math.inf if quota is None else quota  # claims per client (see ClientState)
         self._parked: set[bytes] = set()  # clients with parked requests
+        self.history = self._open_history()
+        self.metrics = None
+        self._metrics_http: asyncio.AbstractServer | None = None
+        if cfg.metrics_port is not None:
+            from .metrics import Metrics
+
+            self.metrics = Metrics(self)
+
+    def _open_history(self) -> History | None:
+        """The on-disk request counts (`history_file`), loaded into `stats.hot`; None without one."""
+        if self.cfg.history_file is None:
+            return None
+        ex = self.layout.experts
+        history = History(self.cfg.history_file, self.layout.fingerprint.identity(), ex.n_layer, ex.n_expert)
+        self.stats.hot.update(history.load())
+        return history
+
+    def save_history(self) -> None:
+        if self.history is not None:
+            self.history.save(self.stats.hot, self.stats.totals.requests)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def bind(self) -> None:
         self.sock.bind(self.cfg.endpoint)
         self.status.sock.bind(self.cfg.status_endpoint)
+
+    async def start_metrics(self) -> None:
+        """Listen for metrics scrapes (before the daemon says it is ready: a scraper may come at once)."""
+        if self.metrics is None:
+            return
+        from .metrics import serve_metrics
+
+        try:
+            self._metrics_http = await serve_metrics(self.metrics, self.cfg.metrics_port)
+        except OSError as e:
+            raise OSError(f"metrics port {self.cfg.metrics_port}: {e.strerror or e}") from None
+        log.info("metrics on http://127.0.0.1:%d/metrics", self.cfg.metrics_port)
 
     async def serve(self, stop: asyncio.Event) -> None:
         self.loop = asyncio.get_running_loop()
@@ -86,6 +119,9 @@ class Server:
             tick.cancel()
             self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
             self.status.stop()
+            if self._metrics_http is not None:
+                self._metrics_http.close()
+            self.save_history()
 
     async def _shutdown(self, grace_s: float = 5.0) -> None:
         """Refuse new work, let running reads land, tell clients, then return."""
@@ -104,9 +140,13 @@ class Server:
 
     async def _ticker(self) -> None:
         period = min(1.0, self.cfg.lease_timeout_s / 4, self.cfg.queue_deadline_s / 4)
+        next_save = time.monotonic() + self.cfg.history_interval_s
         while True:
             await asyncio.sleep(period)
             try:
+                if time.monotonic() >= next_save:
+                    next_save = time.monotonic() + self.cfg.history_interval_s
+                    self.save_history()
                 self._expire_clients()
                 self.sched.drop_stale()
                 self._expire_waits()
@@ -265,7 +305,7 @@ class Server:
         elif isinstance(msg, P.Hello):
             self._hello(ident, msg)
         elif isinstance(msg, P.Status):
-            self._send(ident, P.StatusReply(build_status(self)).encode())
+            self._send(ident, P.StatusReply(build_status(self, msg.hottest)).encode())
         elif c is None:
             rid = msg.rid if isinstance(msg, P.Fetch) else None
             raise P.ProtocolError(P.ErrorCode.NO_HELLO, f"send hello before {msg.op}", rid)
@@ -388,7 +428,7 @@ class Server:
             raise P.ProtocolError(P.ErrorCode.NOT_LEASED, f"{', '.join(bad[:4])} not leased to you")
 
     # -- answers ------------------------------------------------------------------------------
-    def _serve(self, c: ClientState, w: Waiter, slot: int) -> None:
+    def _serve(self, c: ClientState, w: Waiter, slot: int, miss: bool = False) -> None:
         """Send one `ready` and lease the slot to `c` only if the reply was queued: a reply dropped
         at the high-water mark (a client that does not read) leaves no lease and no count behind."""
         c.answered(w.rid)
@@ -403,7 +443,10 @@ class Server:
         c.n.bytes_served += info.nbytes
         self.stats.totals.readies += 1
         self.stats.totals.bytes_served += info.nbytes
-        self.stats.latency_all.append(time.monotonic() - w.t0)
+        waited = time.monotonic() - w.t0
+        self.stats.latency_all.append(waited)
+        if self.metrics is not None:
+            self.metrics.observe_fetch(waited, miss)
 
     def _answer_error(self, w: Waiter, code: P.ErrorCode, message: str) -> None:
         c = self.clients.get(w.client)
@@ -450,7 +493,7 @@ class Server:
                 c = self.clients.get(w.client)
                 if c is not None and w.rid in c.pending:
                     self.stats.latency_miss.append(now - w.t0)
-                    self._serve(c, w, load.slot)
+                    self._serve(c, w, load.slot, miss=True)
             self.cache.unpin_load(load.slot)
         self._pump()
 

@@ -90,8 +90,9 @@ def percentiles(samples: deque) -> dict[str, float | int]:
     return {"n": len(s), "p50_ms": round(pick(0.5), 4), "p99_ms": round(pick(0.99), 4)}
 
 
-def build_status(server: Server) -> dict[str, Any]:
-    """The `status` reply: plain msgpack-able types only."""
+def build_status(server: Server, hottest: int = 10) -> dict[str, Any]:
+    """The `status` reply: plain msgpack-able types only; the `hottest` most requested experts
+    (request counts since the history began: see `history.py`)."""
     st, cfg, layout = server.stats, server.cfg, server.layout
     t = st.totals
     reader = server.reader.stats()
@@ -124,7 +125,7 @@ def build_status(server: Server) -> dict[str, Any]:
         "latency": {"all": percentiles(st.latency_all), "miss": percentiles(st.latency_miss)},
         "clients": [c.describe() for c in server.clients.values()],
         "clients_seen": st.clients_seen, "clients_expired": st.clients_expired,
-        "hottest": [[k[0], k[1], n] for k, n in st.hot.most_common(10)],
+        "hottest": [[k[0], k[1], n] for k, n in st.hot.most_common(hottest)],
     }
 
 
@@ -160,8 +161,8 @@ class StatusEndpoint:
 
     def _answer(self, frame: bytes) -> bytes:
         try:
-            P.decode_request(frame)  # any valid request is answered with the status
-            return P.StatusReply(build_status(self.server)).encode()
+            msg = P.decode_request(frame)  # any valid request is answered with the status
+            return P.StatusReply(build_status(self.server, msg.hottest if isinstance(msg, P.Status) else 10)).encode()
         except P.ProtocolError as e:
             return P.error_reply(e)
         except Exception as e:  # noqa: BLE001

@@ -10,6 +10,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "io": ("moestream.iod.bench", "expert delivery from moestream-iod vs the raw read/memcpy limit"),
     "decode": ("moestream.decoder.bench", "tokens/s streamed vs resident"),
     "kernels": ("moestream.decoder.bench_kernels", "per-expert time: quantized kernels vs dequantize-then-matmul"),
+    "serve": ("moestream.decoder.bench_serve", "a real server at concurrency 1/2/4: tok/s, TTFT, expert bytes per token"),
     "capped": ("moestream.decoder.bench_capped", "daemon + decoder under one memory cap, optionally beside llama.cpp"),
 }
 

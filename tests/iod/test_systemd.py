@@ -101,7 +101,8 @@ def test_shipped_example_config_starts_the_daemon(tiny_model, tmp_path: Path) ->
     copy.write_text(re.sub(r'^model = ".*"$', f'model = "{tiny_model}"', (SYSTEMD / "iod.toml").read_text(), flags=re.M))
     cfg = load_config(["--config", str(copy)])
     assert cfg.model == tiny_model
-    with spawn_daemon(tiny_model, run_dir=tmp_path / "run", extra_args=["--config", str(copy)]) as d:
+    history = ["--history-file", str(tmp_path / "hotness.json")]  # the file's is the unit's StateDirectory
+    with spawn_daemon(tiny_model, run_dir=tmp_path / "run", extra_args=["--config", str(copy), *history]) as d:
         with IodClient(d.endpoint, name="example") as c:
             c.release(c.fetch([(0, 0)])[0].result(10))
         s = get_status(d.status_endpoint)

@@ -1,0 +1,127 @@
+"""`ServeConfig`: everything `moestream serve` (and `moestream chat`) is told, validated on construction."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import ConfigError, DecoderConfig
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+@dataclass
+class ServeConfig:
+    model: str = ""  # GGUF file
+    iod: str | None = None  # moestream-iod endpoint (streamed experts)
+    resident: bool = False  # every expert in process, no daemon
+    host: str = "127.0.0.1"  # loopback by default, like the daemon
+    port: int = 8000  # 0 = any free port (printed on start)
+    served_model_name: str | None = None  # the `model` id clients send; default: the file's stem
+    max_seqs: int = 8  # sequences decoded together; more wait in line
+    max_step_tokens: int = 256  # tokens per step: every decode token + prefill chunks of newcomers
+    max_model_len: int | None = None  # prompt + completion limit; default: the model's context length
+    device: str = "auto"
+    dtype: str = "auto"
+    prefetch: int = 1  # router look-ahead layers for streamed experts (0 = off)
+    fetch_timeout_s: float = 60.0
+    metrics_port: int | None = None  # also serve /metrics alone on this loopback port
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("no model given (--model PATH)")
+        if not Path(self.model).is_file():
+            raise ConfigError(f"--model {self.model}: no such file")
+        if bool(self.iod) == bool(self.resident):
+            raise ConfigError("choose exactly one expert source: --iod ENDPOINT (streamed) or --resident")
+        for name, low in (("port", 0), ("max_seqs", 1), ("max_step_tokens", 1), ("max_model_len", 2),
+                          ("metrics_port", 0), ("prefetch", 0)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.port > 65535 or (self.metrics_port or 0) > 65535:
+            raise ConfigError(f"ports must be <= 65535, got {self.port} / {self.metrics_port}")
+        if self.max_step_tokens < self.max_seqs:  # so a step always has room for a newcomer's prefill
+            raise ConfigError(f"max_step_tokens ({self.max_step_tokens}) must be >= max_seqs ({self.max_seqs})")
+        _ = self.decoder_config()  # device, dtype and source options are checked as `generate` checks them
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or Path(self.model).stem
+
+    def decoder_config(self) -> DecoderConfig:
+        """The expert-source options in `generate`'s terms, to open the source the same way
+        (its prompt fields are required there and unused here)."""
+        return DecoderConfig(model=self.model, prompt_ids=[[0]], iod=self.iod, resident=self.resident,
+                             device=self.device, dtype=self.dtype, prefetch=self.prefetch,
+                             fetch_timeout_s=self.fetch_timeout_s, progress=self.progress)
+
+
+def add_source_args(ap: argparse.ArgumentParser) -> None:
+    """Model and expert-source options shared by `serve` and `chat`."""
+    ap.add_argument("--model", required=True, help="GGUF MoE file")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--iod", metavar="ENDPOINT",
+                     help="stream experts from this moestream-iod (e.g. ipc:///run/moestream/iod.sock)")
+    src.add_argument("--resident", action="store_true", help="load every expert in process (no daemon)")
+    ap.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
+    ap.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    ap.add_argument("--prefetch", type=int, default=1, help="router look-ahead layers for streamed experts (0 = off)")
+    ap.add_argument("--max-model-len", type=int, dest="max_model_len",
+                    help="limit on prompt + completion tokens (default: the model's context length)")
+
+
+def add_batching_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--max-seqs", type=int, default=8, dest="max_seqs",
+                    help="sequences decoded together in one step (default 8); more requests wait in line")
+    ap.add_argument("--max-step-tokens", type=int, default=256, dest="max_step_tokens",
+                    help="tokens per step (default 256): each running sequence's next token plus chunks of "
+                         "newcomers' prompts, so a long prompt never stalls the others for long")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="moestream serve", description=DESCRIPTION,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_source_args(ap)
+    add_batching_args(ap)
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on (default 127.0.0.1: this machine only; the API has no authentication)")
+    ap.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port, printed)")
+    ap.add_argument("--served-model-name", dest="served_model_name",
+                    help="the model id clients send (default: the GGUF file name without .gguf)")
+    ap.add_argument("--metrics-port", type=int, dest="metrics_port",
+                    help="also serve the Prometheus metrics alone on this port (same host); /metrics is always on --port")
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    return ServeConfig(**{k: v for k, v in vars(args).items() if v is not None})
+
+
+DESCRIPTION = """\
+Serve a GGUF Mixture-of-Experts model over HTTP with OpenAI's API, experts resident in this
+process (--resident) or streamed from a moestream-iod daemon (--iod ENDPOINT).
+
+Endpoints:
+  GET  /v1/models                 the served model (id, context length)
+  POST /v1/completions            text completion (prompt: text or token ids)
+  POST /v1/chat/completions       chat, rendered with the GGUF's tokenizer.chat_template
+  GET  /health                    200 when the engine runs, 503 when it failed
+  GET  /metrics                   Prometheus text format (requests, tokens, TTFT, expert bytes)
+
+Request fields: max_tokens (max_completion_tokens), temperature, top_p, top_k, min_p, seed,
+stop (up to 4 strings), stream (+ stream_options.include_usage), logprobs (completions: 0-20
+alternatives; chat: logprobs + top_logprobs). Errors come in OpenAI's shape
+{"error": {"message", "type", "param", "code"}}; a prompt + max_tokens over the context length
+is a 400 with code context_length_exceeded. A client that disconnects cancels its request.
+
+Requests are batched continuously: they join and leave the running batch between steps, and
+all sequences of a step share one expert fetch per layer.
+
+Example:
+  moestream serve --model model.gguf --iod ipc:///run/moestream/iod.sock
+  curl -s localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{"model": "model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 32}'
+"""

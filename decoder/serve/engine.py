@@ -1,0 +1,332 @@
+"""The engine: one thread owns the model and the expert source; requests join and leave the batch
+between steps (continuous batching, after nano-vllm's `step()`: schedule -> run -> postprocess).
+
+A `Sequence` is one request: `waiting` (queued) -> `running` (prefill in chunks, then one token
+per step) -> finished (stop id, max_tokens, cancelled or error). Other threads only `submit` and
+`cancel`; everything else happens on the engine thread, because the model and the expert source
+(an IodClient, numba kernels over leased slots) are not thread-safe. Results go back through the
+`emit` callback each request gave (an asyncio queue for the server, a plain queue for `chat`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..models.moe_transformer import LayerObserver
+from ..sampling import Sampler, SamplingParams
+from .metrics import ServeMetrics
+
+log = logging.getLogger("moestream.serve")
+
+
+@dataclass
+class GenRequest:
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    logprobs: int | None = None  # None = off; n = the chosen token's logprob and the n most likely
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token: int
+    logprob: float | None = None  # of the chosen token, under the model's distribution (no temperature)
+    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens and their logprobs
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    finish: str  # "stop" (a stop id) | "length" | "cancelled"
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    message: str
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent
+Emit = Callable[[Event], None]
+
+
+def random_seed() -> int:
+    return secrets.randbits(63)
+
+
+class Sequence:
+    """One request's state, owned by the engine thread (`cancel` is the one call from outside)."""
+
+    def __init__(self, req: GenRequest, emit: Emit):
+        self.req, self.emit = req, emit
+        self.sampler = Sampler(req.sampling)
+        self.cache: Any = None  # KV cache, allocated on admission
+        self.fed = 0  # prompt tokens already in the cache
+        self.out: list[int] = []
+        self.cancelled = False  # set from any thread; a plain bool store is atomic
+        self.t_submit = time.perf_counter()
+        self.t_last = 0.0  # when the last token was sampled
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.req.prompt)
+
+    def next_tokens(self, budget: int) -> list[int]:
+        """This step's input: the next prompt chunk (at most `budget` tokens) or the last token."""
+        if self.prefilling:
+            return self.req.prompt[self.fed:self.fed + budget]
+        return [self.out[-1]]
+
+
+class StepExperts(LayerObserver):
+    """Counts the bytes of the distinct experts each layer's routing picked (the union over the
+    step's sequences), and passes every call on to an inner observer (the prefetcher)."""
+
+    def __init__(self, blob_bytes: list[int], inner: LayerObserver | None):
+        self.blob_bytes, self.inner = blob_bytes, inner or LayerObserver()
+        self.bytes = 0
+
+    def after_attention(self, layer: int, h: torch.Tensor) -> None:
+        self.inner.after_attention(layer, h)
+
+    def routed(self, layer: int, ids: torch.Tensor) -> None:
+        self.bytes += self.blob_bytes[layer] * int(ids.unique().numel())  # ids [n, k]
+        self.inner.routed(layer, ids)
+
+    def after_layer(self, layer: int, h: torch.Tensor) -> None:
+        self.inner.after_layer(layer, h)
+
+
+@dataclass
+class Parts:
+    """What the engine thread builds at start: model, expert source, observer, stop ids."""
+
+    model: Any
+    source: Any
+    observer: StepExperts
+    stop_ids: frozenset[int]
+
+
+class Engine:
+    def __init__(self, build: Callable[[], Parts], *, max_seqs: int, max_step_tokens: int,
+                 metrics: ServeMetrics | None = None):
+        self._build, self.max_seqs, self.max_step_tokens = build, max_seqs, max_step_tokens
+        self.metrics = metrics or ServeMetrics()
+        self.parts: Parts | None = None
+        self.inbox: queue.SimpleQueue[Sequence | None] = queue.SimpleQueue()
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.failure: str | None = None  # set when the engine can no longer run (the source is gone)
+        self._stop = False
+        self._start_error: BaseException | None = None  # what failed while building the parts
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="moestream-engine", daemon=True)
+
+    # -- other threads -----------------------------------------------------------------------
+    def start(self, timeout_s: float = 600.0) -> None:
+        """Start the thread and wait until model and source are loaded; re-raise what failed."""
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"engine did not start within {timeout_s:.0f} s")
+        if self._start_error is not None:
+            self._thread.join()
+            raise self._start_error
+
+    def submit(self, req: GenRequest, emit: Emit) -> Sequence:
+        seq = Sequence(req, emit)
+        self.inbox.put(seq)
+        return seq
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.failure is None
+
+    def stats(self) -> dict[str, Any]:
+        """The expert source's counters (read from another thread: a snapshot, good enough to print)."""
+        return dict(self.parts.source.stats()) if self.parts is not None else {}
+
+    def close(self) -> None:
+        self._stop = True
+        self.inbox.put(None)
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # -- the engine thread -------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.parts = self._build()
+        except BaseException as e:  # handed to start()
+            self._start_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            with torch.inference_mode():
+                self._loop()
+        finally:
+            self._finish_all(DoneEvent("cancelled"))
+            self.parts.source.close()
+
+    def _loop(self) -> None:
+        while not self._stop:
+            self._admit(block=not self.running)
+            if self.running:
+                self.step()
+
+    def _admit(self, block: bool) -> None:
+        """Take new requests from the inbox; move waiting ones into the batch while there is room."""
+        try:
+            item = self.inbox.get() if block else self.inbox.get_nowait()
+            while True:
+                if item is not None:
+                    self.waiting.append(item)
+                item = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+        for seq in [s for s in self.waiting if s.cancelled]:  # gone before they got a place
+            self.waiting.remove(seq)
+            self._finish(seq, DoneEvent("cancelled"), "cancelled")
+        while self.waiting and len(self.running) < self.max_seqs:
+            seq = self.waiting.popleft()
+            seq.cache = self.parts.model.new_cache(1, len(seq.req.prompt) + seq.req.max_tokens)
+            self.running.append(seq)
+        self.metrics.running.set(len(self.running))
+        self.metrics.waiting.set(len(self.waiting))
+
+    def step(self) -> None:
+        """Schedule -> run -> postprocess, for every running sequence at once."""
+        for seq in [s for s in self.running if s.cancelled]:
+            self._finish(seq, DoneEvent("cancelled"), "cancelled")
+        batch = self._schedule()
+        if not batch:
+            return
+        try:
+            logits = self._run(batch)  # [S, V]
+        except Exception as e:  # the step failed for all of its sequences (e.g. the daemon went away)
+            log.error("step failed: %s", e)
+            self._fail_step(batch, e)
+            return
+        self._postprocess(batch, logits)
+
+    def _schedule(self) -> list[tuple[Sequence, list[int]]]:
+        """Decoding sequences first (one token each), then prefill chunks within the token budget."""
+        decoding = [(s, s.next_tokens(1)) for s in self.running if not s.prefilling]
+        budget, batch = self.max_step_tokens - len(decoding), decoding
+        for s in (s for s in self.running if s.prefilling):
+            if budget <= 0:
+                break
+            chunk = s.next_tokens(budget)
+            batch.append((s, chunk))
+            budget -= len(chunk)
+        return batch
+
+    def _run(self, batch: list[tuple[Sequence, list[int]]]) -> torch.Tensor:
+        p = self.parts
+        dev = p.model.device
+        steps = [(torch.tensor([toks], dtype=torch.int64, device=dev), s.cache) for s, toks in batch]  # [1, T_i]
+        before_used, before_fetched = p.observer.bytes, p.source.stats().get("bytes_fetched", 0)
+        logits = p.model.forward_many(steps, p.source, p.observer)  # [S, V]
+        m = self.metrics
+        m.steps.inc()
+        m.step_sequences.observe(len(batch))
+        m.expert_used.inc(p.observer.bytes - before_used)
+        m.expert_fetched.inc(max(0, p.source.stats().get("bytes_fetched", 0) - before_fetched))
+        return logits
+
+    def _postprocess(self, batch: list[tuple[Sequence, list[int]]], logits: torch.Tensor) -> None:
+        for row, (seq, toks) in enumerate(batch):
+            if seq.prefilling:
+                seq.fed += len(toks)
+                self.metrics.prompt_tokens.inc(len(toks))
+                if seq.prefilling:
+                    continue  # more of the prompt to go: these logits are not the next token's
+            self._sample(seq, logits[row:row + 1])  # [1, V]
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+        tok = int(seq.sampler(logits)[0])
+        now = time.perf_counter()
+        m = self.metrics
+        if seq.t_last:
+            m.tpot.observe(now - seq.t_last)
+        else:
+            m.ttft.observe(now - seq.t_submit)
+        seq.t_last = now
+        if tok in self.parts.stop_ids:
+            self._finish(seq, DoneEvent("stop"), "stop")
+            return
+        seq.out.append(tok)
+        m.generation_tokens.inc()
+        self._emit(seq, token_event(tok, logits[0], seq.req.logprobs))
+        if len(seq.out) >= seq.req.max_tokens:
+            self._finish(seq, DoneEvent("length"), "length")
+
+    def _emit(self, seq: Sequence, ev: Event) -> None:
+        try:
+            seq.emit(ev)
+        except Exception:  # the receiver is gone (its event loop closed): nobody waits for more
+            seq.cancel()
+
+    def _finish(self, seq: Sequence, ev: Event, outcome: str) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.cache = None  # the KV cache goes with the request
+        self.metrics.requests.labels(outcome).inc()
+        self.metrics.running.set(len(self.running))
+        self._emit(seq, ev)
+
+    def _fail_step(self, batch: list[tuple[Sequence, list[int]]], e: Exception) -> None:
+        from ...common.client import IodUnavailable
+
+        if isinstance(e, IodUnavailable):
+            self.failure = f"expert source unavailable: {e}"
+            self._stop = True
+        for seq, _ in batch:
+            self._finish(seq, ErrorEvent(f"generation failed: {e}"), "error")
+
+    def _finish_all(self, ev: Event) -> None:
+        for seq in list(self.running) + list(self.waiting):
+            self._finish(seq, ErrorEvent(self.failure) if self.failure else ev,
+                         "error" if self.failure else "cancelled")
+        self.waiting.clear()
+        while True:
+            try:
+                seq = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if seq is not None:
+                self._finish(seq, ev, "cancelled")
+
+
+def open_parts(cfg: Any, layout: Any, stop_ids: frozenset[int]) -> Parts:
+    """Model, expert source and observer for a `ServeConfig`, opened as `moestream generate` opens
+    them (called on the engine thread, which then owns them)."""
+    from ..cli import open_resident, open_streamed
+    from ..models import load_model
+
+    dc = cfg.decoder_config()
+    model = load_model(layout, dc.torch_device, dc.torch_dtype, progress=dc.progress,
+                       keep_quantized=dc.resolved_slot_format == "quant")
+    source, hook = (open_resident if dc.resident else open_streamed)(dc, layout, model)
+    blob_bytes = [layout.experts.blob_bytes(i) for i in range(layout.hparams.n_layer)]
+    return Parts(model, source, StepExperts(blob_bytes, hook), stop_ids)
+
+
+def token_event(tok: int, logits: torch.Tensor, n_top: int | None) -> TokenEvent:
+    """The sampled token, with its logprob and the `n_top` most likely ones when asked (logits [V])."""
+    if n_top is None:
+        return TokenEvent(tok)
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [V]
+    top = torch.topk(logp, n_top) if n_top > 0 else None
+    pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+    return TokenEvent(tok, float(logp[tok]), pairs)

@@ -1,0 +1,93 @@
+"""`moestream serve` entry point: build the engine, then run uvicorn on a socket bound here
+(so `--port 0` can print the port it got) until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+
+from ..config import ConfigError
+from .config import ServeConfig, build_parser, config_from_args
+
+
+def open_engine(cfg: ServeConfig):
+    """Layout, tokenizer and a started engine for `cfg` (model and source load on the engine thread)."""
+    from ...common.layout import ModelLayout
+    from ..tokenizer import GGUFTokenizer
+    from .engine import Engine, open_parts
+
+    layout = ModelLayout(cfg.model)
+    tok = GGUFTokenizer.from_layout(layout)
+    limit = cfg.max_model_len or layout.hparams.context_length
+    if cfg.max_model_len and cfg.max_model_len > layout.hparams.context_length:
+        raise ConfigError(f"--max-model-len {cfg.max_model_len} is over the model's context length "
+                          f"{layout.hparams.context_length}")
+    engine = Engine(lambda: open_parts(cfg, layout, tok.stop_ids), max_seqs=cfg.max_seqs,
+                    max_step_tokens=cfg.max_step_tokens)
+    engine.start()
+    return layout, tok, engine, limit
+
+
+def listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(128)
+    return sock
+
+
+def serve(cfg: ServeConfig) -> int:
+    import uvicorn
+
+    from .app import ServerState, build_app
+
+    sock = listen(cfg.host, cfg.port)  # first: a taken port fails before the model loads
+    engine = None
+    try:
+        _, tok, engine, limit = open_engine(cfg)
+        if cfg.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(cfg.metrics_port, addr=cfg.host, registry=engine.metrics.registry)
+        app = build_app(ServerState(engine, tok, cfg.model_id, limit))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                               timeout_graceful_shutdown=5))
+        host, port = sock.getsockname()[:2]
+        print(f"moestream serve: {cfg.model_id} ({'resident' if cfg.resident else 'streamed from ' + cfg.iod}) "
+              f"on http://{host if ':' not in host else f'[{host}]'}:{port}", file=sys.stderr, flush=True)
+        # uvicorn drains on SIGTERM, restores the handler it found and raises the signal again:
+        # a no-op handler makes that end `serve` normally (engine closed, exit 0), not kill it
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        if engine is not None:
+            engine.close()
+    return 1 if engine.failure else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="moestream serve: %(message)s")
+    try:
+        return serve(config_from_args(args))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # one clear line for what the user can fix
+        from ..cli import expected_error
+
+        if not expected_error(e):
+            raise
+        print(f"moestream serve: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
