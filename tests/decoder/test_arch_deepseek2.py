@@ -12,11 +12,9 @@ routing with the selection bias, shared experts.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader
-from gguf.quants import dequantize as gguf_dequantize
 from moestream.common.client import IodClient, IodRequestError
 from moestream.common.layout import ModelFormatError, ModelLayout
 from moestream.decoder.arena_experts import open_arena
@@ -29,6 +27,7 @@ from moestream.decoder.quant_experts import QuantResidentExperts
 from moestream.decoder.slot_cache import DeviceSlotCache
 from moestream.decoder.streamed import StreamedExperts
 from moestream.decoder.weights import load_dense
+from hf_reference import gguf_tensors, max_logit_diff
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,15 +44,6 @@ STREAMED = dict(arch="deepseek2", quant="Q8_0", layers=4, experts=12, top_k=2, m
 
 
 # -- against Hugging Face --------------------------------------------------------------------
-def gguf_tensors(path) -> dict[str, torch.Tensor]:
-    """Every tensor as float32 in numpy (= HF) shape order, via gguf-py alone."""
-    out = {}
-    for t in GGUFReader(path).tensors:
-        arr = gguf_dequantize(np.asarray(t.data), t.tensor_type)
-        out[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist()))))
-    return out
-
-
 def meta(path) -> dict:
     r = GGUFReader(path)
     return {k: f.contents() for k, f in r.fields.items() if k.startswith("deepseek2.")}
@@ -86,6 +76,10 @@ def hf_config(path):
         tie_word_embeddings=False, attention_bias=False)
 
 
+def compare(path) -> float:
+    return max_logit_diff(path, build_hf, PROMPT_LEN, DECODE_STEPS)
+
+
 def build_hf(path):
     tensors, mod = gguf_tensors(path), get_model_module("deepseek2")
     cfg = hf_config(path)
@@ -109,27 +103,6 @@ def build_hf(path):
     assert not unexpected, unexpected
     assert all(n.endswith("e_score_correction_bias") for n in missing), missing  # only an absent bias (zeros)
     return model
-
-
-def compare(path) -> float:
-    """Max |ours - HF| over the prompt's logits and each greedy decode step."""
-    layout = ModelLayout(path)
-    ours, experts, hf = load_model(layout), ResidentExperts(layout), build_hf(path)
-    seq = torch.randint(0, layout.hparams.n_vocab, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(7))
-    cache = ours.new_cache(1, PROMPT_LEN + DECODE_STEPS)
-    worst = 0.0
-    with torch.inference_mode():
-        logits = ours.forward(seq, cache, experts)  # [1, T, V]
-        for step in range(DECODE_STEPS + 1):
-            ref = hf(input_ids=seq).logits  # [1, T, V]
-            mine = logits if step == 0 else logits[:, -1:]
-            worst = max(worst, (mine - ref[:, -mine.shape[1]:]).abs().max().item())
-            if step == DECODE_STEPS:
-                break
-            nxt = ref[:, -1].argmax(-1, keepdim=True)  # [1, 1]
-            seq = torch.cat([seq, nxt], dim=1)
-            logits = ours.forward(nxt, cache, experts)  # [1, 1, V]
-    return worst
 
 
 @pytest.mark.parametrize("form", ["current", "legacy"])

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from moestream.common.arch import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
@@ -24,6 +23,7 @@ from moestream.decoder.generate import generate
 from moestream.decoder.models import get_model_module, load_model
 from moestream.decoder.prefetch import Prefetcher
 from moestream.decoder.quant_experts import QuantResidentExperts
+from hf_reference import gguf_tensors
 
 transformers = pytest.importorskip("transformers")
 
@@ -104,15 +104,6 @@ def test_experts_of_one_call_equal_each_alone():
 
 
 # -- the model against Hugging Face ---------------------------------------------------------------
-def gguf_tensors(path) -> dict[str, torch.Tensor]:
-    """Every tensor as float32 in numpy (= HF) shape order, via gguf-py alone."""
-    out = {}
-    for t in GGUFReader(path).tensors:
-        arr = gguf_dequantize(np.asarray(t.data), t.tensor_type)
-        out[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist()))))
-    return out
-
-
 def build_hf(path):
     hp = ModelLayout(path).hparams
     x, mod, tensors = hp.extra, get_model_module(hp.arch), gguf_tensors(path)

@@ -19,7 +19,7 @@ from moestream.decoder.generate import generate
 from moestream.decoder.models import get_model_module, load_model
 from moestream.decoder.prefetch import Prefetcher
 from moestream.decoder.quant_experts import QuantResidentExperts
-from test_models_hf import gguf_tensors
+from hf_reference import gguf_tensors, max_logit_diff
 
 transformers = pytest.importorskip("transformers")
 
@@ -102,6 +102,10 @@ def interleave_qkvz(qkv: torch.Tensor, z: torch.Tensor, hp) -> torch.Tensor:
     return torch.cat([q, k, v, z.reshape(nk, -1, d)], dim=1).reshape(-1, d)
 
 
+def compare(path) -> float:
+    return max_logit_diff(path, build_hf, PROMPT_LEN, DECODE_STEPS)
+
+
 def build_hf(path):
     layout = ModelLayout(path)
     hp = layout.hparams
@@ -116,27 +120,6 @@ def build_hf(path):
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not unexpected and not missing, (missing, unexpected)
     return model
-
-
-def compare(path) -> float:
-    """Max |ours - HF| over the prompt's logits and each greedy decode step (ours through the cache)."""
-    layout = ModelLayout(path)
-    ours, experts, hf = load_model(layout), ResidentExperts(layout), build_hf(path)
-    seq = torch.randint(0, layout.hparams.n_vocab, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(7))
-    cache = ours.new_cache(1, PROMPT_LEN + DECODE_STEPS)
-    worst = 0.0
-    with torch.inference_mode():
-        logits = ours.forward(seq, cache, experts)  # [1, T, V]
-        for step in range(DECODE_STEPS + 1):
-            ref = hf(input_ids=seq, use_cache=False).logits  # [1, T, V]
-            mine = logits if step == 0 else logits[:, -1:]
-            worst = max(worst, (mine - ref[:, -mine.shape[1]:]).abs().max().item())
-            if step == DECODE_STEPS:
-                break
-            nxt = ref[:, -1].argmax(-1, keepdim=True)  # [1, 1]
-            seq = torch.cat([seq, nxt], dim=1)
-            logits = ours.forward(nxt, cache, experts)  # [1, 1, V]
-    return worst
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -287,29 +270,3 @@ def test_mtp_block_after_the_stack_is_not_run(tmp_path):
             model = load_model(layout)
             out.append(model.forward(seq, model.new_cache(1, 6), ResidentExperts(layout)))
     assert torch.equal(out[0], out[1])
-
-
-def test_forward_many_matches_forward_per_sequence(make_tiny_model):
-    """Continuous batching's pass (one HybridCache per sequence, a prefill beside decode steps)
-    gives each sequence's logits alone, up to float rounding (GEMV vs GEMM summation order)."""
-    layout = ModelLayout(make_tiny_model(arch="qwen35moe", quant="F32", **MODEL))
-    model, prompts = load_model(layout), [[5, 6, 7, 8, 9], [100, 200, 3]]
-    with torch.inference_mode(), ResidentExperts(layout) as experts:
-        alone = []
-        for p in prompts:
-            cache = model.new_cache(1, 16)
-            rows = [model.forward(torch.tensor([p]), cache, experts, last_only=True)[0]]
-            for _ in range(2):
-                rows.append(model.forward(rows[-1].argmax().view(1, 1), cache, experts, last_only=True)[0])
-            alone.append(rows)
-        caches, got = [model.new_cache(1, 16) for _ in prompts], [[], []]
-        for step in range(4):
-            live = [i for i in range(2) if i <= step and len(got[i]) < 3]
-            steps = [(torch.tensor([prompts[i]]) if step == i else got[i][-1].argmax().view(1, 1), caches[i])
-                     for i in live]
-            for i, row in zip(live, model.forward_many(steps, experts)):
-                got[i].append(row)
-    for a, b in zip(alone, got):
-        assert len(a) == len(b) == 3
-        for x, y in zip(a, b):
-            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-4)

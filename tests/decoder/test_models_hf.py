@@ -13,27 +13,15 @@ HF gets the gguf-py-dequantized weights.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader
-from gguf.quants import dequantize as gguf_dequantize
 from moestream.common.layout import ModelLayout
-from moestream.decoder.experts import ResidentExperts
-from moestream.decoder.models import get_model_module, load_model
+from moestream.decoder.models import get_model_module
+from hf_reference import gguf_tensors, max_logit_diff
 
 transformers = pytest.importorskip("transformers")
 
 PROMPT_LEN, DECODE_STEPS, TOL = 16, 8, 1e-4
-
-
-def gguf_tensors(path) -> dict[str, torch.Tensor]:
-    """Every tensor as float32 in numpy (= HF) shape order, via gguf-py alone."""
-    out = {}
-    for t in GGUFReader(path).tensors:
-        arr = gguf_dequantize(np.asarray(t.data), t.tensor_type)
-        out[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist()))))
-    return out
 
 
 def _common(hp, tied: bool) -> dict:
@@ -84,6 +72,10 @@ def hf_state_dict(mod, tensors: dict[str, torch.Tensor], hp) -> dict[str, torch.
     return sd
 
 
+def compare(path) -> float:
+    return max_logit_diff(path, build_hf, PROMPT_LEN, DECODE_STEPS, check_greedy=True)
+
+
 def build_hf(path):
     layout = ModelLayout(path)
     hp, mod, tensors = layout.hparams, get_model_module(layout.hparams.arch), gguf_tensors(path)
@@ -102,28 +94,6 @@ def build_hf(path):
     if tied:
         model.tie_weights()
     return model
-
-
-def compare(path) -> float:
-    """Max |ours - HF| over the prompt's logits and each greedy decode step."""
-    layout = ModelLayout(path)
-    ours, experts, hf = load_model(layout), ResidentExperts(layout), build_hf(path)
-    seq = torch.randint(0, layout.hparams.n_vocab, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(7))
-    cache = ours.new_cache(1, PROMPT_LEN + DECODE_STEPS)
-    worst = 0.0
-    with torch.inference_mode():
-        logits = ours.forward(seq, cache, experts)  # [1, T, V]
-        for step in range(DECODE_STEPS + 1):
-            ref = hf(input_ids=seq).logits  # [1, T, V]
-            mine = logits if step == 0 else logits[:, -1:]
-            worst = max(worst, (mine - ref[:, -mine.shape[1]:]).abs().max().item())
-            if step == DECODE_STEPS:
-                break
-            nxt = ref[:, -1].argmax(-1, keepdim=True)  # [1, 1] HF's greedy choice drives both
-            assert nxt.item() == mine[:, -1].argmax(-1).item(), f"greedy token differs at step {step}"
-            seq = torch.cat([seq, nxt], dim=1)
-            logits = ours.forward(nxt, cache, experts)  # [1, 1, V]
-    return worst
 
 
 @pytest.mark.parametrize("arch,quant", [("qwen3moe", "F32"), ("qwen3moe", "Q8_0"), ("qwen3moe", "Q4_K"),

@@ -1,0 +1,51 @@
+"""What every comparison with Hugging Face `transformers` shares: the GGUF's tensors as gguf-py
+alone reads them, and the logits of our model and HF's side by side, prompt then greedy steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
+
+from moestream.common.layout import ModelLayout
+from moestream.decoder.experts import ResidentExperts
+from moestream.decoder.models import load_model
+
+
+def gguf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor as float32 in numpy (= HF) shape order, via gguf-py alone."""
+    out = {}
+    for t in GGUFReader(path).tensors:
+        arr = gguf_dequantize(np.asarray(t.data), t.tensor_type)
+        out[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist()))))
+    return out
+
+
+def max_logit_diff(path: str | Path, build_hf: Callable[[str | Path], torch.nn.Module], prompt_len: int,
+                   decode_steps: int, check_greedy: bool = False) -> float:
+    """Max |ours - HF| over the prompt's logits and each greedy decode step: ours through its
+    cache one token at a time, HF on the whole sequence each step (its own cache not involved).
+    HF's greedy choice drives both; with `check_greedy` ours must choose the same."""
+    layout = ModelLayout(path)
+    ours, experts, hf = load_model(layout), ResidentExperts(layout), build_hf(path)
+    seq = torch.randint(0, layout.hparams.n_vocab, (1, prompt_len), generator=torch.Generator().manual_seed(7))
+    cache = ours.new_cache(1, prompt_len + decode_steps)
+    worst = 0.0
+    with torch.inference_mode():
+        logits = ours.forward(seq, cache, experts)  # [1, T, V]
+        for step in range(decode_steps + 1):
+            ref = hf(input_ids=seq, use_cache=False).logits  # [1, T, V]
+            mine = logits if step == 0 else logits[:, -1:]
+            worst = max(worst, (mine - ref[:, -mine.shape[1]:]).abs().max().item())
+            if step == decode_steps:
+                break
+            nxt = ref[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+            if check_greedy:
+                assert nxt.item() == mine[:, -1].argmax(-1).item(), f"greedy token differs at step {step}"
+            seq = torch.cat([seq, nxt], dim=1)
+            logits = ours.forward(nxt, cache, experts)  # [1, 1, V]
+    return worst
