@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
 
         SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.min_p)  # validates them
         cfg = ServeConfig(model=args.model, iod=args.iod, resident=args.resident, device=args.device,
-                          dtype=args.dtype, prefetch=args.prefetch, max_model_len=args.max_model_len)
+                          dtype=args.dtype, prefetch=args.prefetch, max_model_len=args.max_model_len,
+                          threads=args.threads)
         from .serve.main import open_engine
 
         _, tok, engine, limit = open_engine(cfg)

@@ -50,6 +50,7 @@ class DecoderConfig:
     trace_out: str | None = None  # write the routing trace here (JSON, `moestream simulate` reads it)
     progress: bool = field(default_factory=lambda: sys.stderr.isatty())  # bars only for a person watching
     fetch_timeout_s: float = 60.0
+    threads: int | None = None  # compute threads (numba kernels, torch); None: every core
     reconnect_s: float = 30.0  # how long to wait for a restarted daemon before giving up (0: at once)
 
     def __post_init__(self) -> None:
@@ -84,7 +85,7 @@ class DecoderConfig:
 
     def _check_numbers(self) -> None:
         for name, low in (("slots", 1), ("cache_bytes", 1), ("prefetch", 0), ("prefetch_top", 1),
-                          ("max_new_tokens", 1)):
+                          ("max_new_tokens", 1), ("threads", 1)):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")

@@ -47,3 +47,12 @@ def test_slots_are_capped_at_the_expert_count_and_below_top_k_warned(tiny_model,
     small = _moestream(*base, "--slots", "1")
     assert small.returncode == 0, small.stderr
     assert "--slots 1 is below the model's top-k (2 experts" in small.stderr
+
+
+def test_threads_change_the_speed_not_the_tokens(tiny_model):
+    base = ["generate", "--model", str(tiny_model), "--resident", "--prompt", "import os", "-n", "6", "--json"]
+    default, one = _moestream(*base), _moestream(*base, "--threads", "1")
+    assert default.returncode == 0 and one.returncode == 0, one.stderr
+    assert json.loads(one.stdout)["tokens"] == json.loads(default.stdout)["tokens"]
+    many = _moestream(*base, "--threads", "4096")
+    assert many.returncode == 1 and "--threads 4096: at most" in many.stderr

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cli import add_threads_arg
 from ..config import ConfigError, DecoderConfig
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -28,6 +29,7 @@ class ServeConfig:
     fetch_timeout_s: float = 60.0
     metrics_port: int | None = None  # also serve /metrics alone on this loopback port
     progress: bool = False
+    threads: int | None = None  # compute threads of the engine (None: every core)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -37,7 +39,7 @@ class ServeConfig:
         if bool(self.iod) == bool(self.resident):
             raise ConfigError("choose exactly one expert source: --iod ENDPOINT (streamed) or --resident")
         for name, low in (("port", 0), ("max_seqs", 1), ("max_step_tokens", 1), ("max_model_len", 2),
-                          ("metrics_port", 0), ("prefetch", 0)):
+                          ("metrics_port", 0), ("prefetch", 0), ("threads", 1)):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -56,7 +58,7 @@ class ServeConfig:
         (its prompt fields are required there and unused here)."""
         return DecoderConfig(model=self.model, prompt_ids=[[0]], iod=self.iod, resident=self.resident,
                              device=self.device, dtype=self.dtype, prefetch=self.prefetch,
-                             fetch_timeout_s=self.fetch_timeout_s, progress=self.progress)
+                             fetch_timeout_s=self.fetch_timeout_s, progress=self.progress, threads=self.threads)
 
 
 def add_source_args(ap: argparse.ArgumentParser) -> None:
@@ -71,6 +73,7 @@ def add_source_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefetch", type=int, default=1, help="router look-ahead layers for streamed experts (0 = off)")
     ap.add_argument("--max-model-len", type=int, dest="max_model_len",
                     help="limit on prompt + completion tokens (default: the model's context length)")
+    add_threads_arg(ap)
 
 
 def add_batching_args(ap: argparse.ArgumentParser) -> None:

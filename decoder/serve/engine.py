@@ -311,10 +311,11 @@ class Engine:
 def open_parts(cfg: Any, layout: Any, stop_ids: frozenset[int]) -> Parts:
     """Model, expert source and observer for a `ServeConfig`, opened as `moestream generate` opens
     them (called on the engine thread, which then owns them)."""
-    from ..cli import open_resident, open_streamed
+    from ..cli import open_resident, open_streamed, use_threads
     from ..models import load_model
 
     dc = cfg.decoder_config()
+    use_threads(dc.threads)  # this (the engine) thread's compute
     model = load_model(layout, dc.torch_device, dc.torch_dtype, progress=dc.progress,
                        keep_quantized=dc.resolved_slot_format == "quant")
     source, hook = (open_resident if dc.resident else open_streamed)(dc, layout, model)
