@@ -14,7 +14,8 @@ from typing import Any
 import zmq
 
 from . import protocol as P
-from .client import IodError, IodRequestError, IodUnavailable, endpoint_problem, no_answer
+from .client import IodError, IodRequestError, IodUnavailable
+from .endpoints import endpoint_problem, no_answer
 
 
 
