@@ -7,6 +7,10 @@ time to first token p50/p99 (client side), and expert bytes per generated token 
 server's /metrics: `used` = the distinct experts of each step (what batching shares), `fetched` =
 what the streamed source fetched from the daemon. It also checks that every concurrency
 returned the same tokens as the sequential run (greedy is batch-invariant here).
+
+Streamed, it then measures a warm start: the daemon's hit rate on a fresh server's first request
+(its prompt and first token) after a daemon restart, cold and after `moestream warm --top N` (N = the arena's slots) from the
+request history the daemon kept on disk while the rounds ran.
 """
 
 from __future__ import annotations
@@ -129,7 +133,8 @@ def run_source(name: str, args: argparse.Namespace, levels: list[int], tmp: Path
             from ..common.units import parse_size
 
             arena = parse_size(args.arena_bytes) if args.arena_bytes else None
-            daemon = spawn_daemon(args.model, run_dir=tmp / "iod", arena_bytes=arena)
+            daemon = spawn_daemon(args.model, run_dir=tmp / "iod", arena_bytes=arena,
+                                  extra_args=["--history-file", str(tmp / "hotness.json")])
             source = ["--iod", daemon.endpoint]
         else:
             source = ["--resident"]
@@ -140,6 +145,33 @@ def run_source(name: str, args: argparse.Namespace, levels: list[int], tmp: Path
     finally:
         if daemon is not None:
             daemon.stop()
+
+
+def first_request_hit_rates(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
+    """The daemon's hit rate on a fresh server's first token after a restart: cold, and after
+    `warm --top` from the history the rounds left in tmp/hotness.json."""
+    from ..common.client import IodClient
+    from ..common.spawn import spawn_daemon
+    from ..common.status_cli import get_status
+    from ..common.units import parse_size
+    from ..common.warm_cli import keys_from_history, warm
+    from .serve.process import spawn_server
+
+    arena = parse_size(args.arena_bytes) if args.arena_bytes else None
+    out = {}
+    for mode in ("cold", "warm"):
+        with spawn_daemon(args.model, run_dir=tmp / f"iod-{mode}", arena_bytes=arena,
+                          extra_args=["--history-file", str(tmp / "hotness.json")]) as d:
+            if mode == "warm":
+                with IodClient(d.endpoint, name="bench-warm") as client:
+                    warm(client, keys_from_history(d.status_endpoint, int(client.welcome["n_slots"]))[::-1])
+            with spawn_server(args.model, ["--iod", d.endpoint], tmp / f"serve-{mode}.log") as server:
+                before = get_status(d.status_endpoint, hottest=0)
+                complete(server.url, PROMPTS[1], 1)  # the prompt and its first token
+                after = get_status(d.status_endpoint, hottest=0)
+        hits = sum(after[k] - before[k] for k in ("hits", "joined"))
+        out[mode] = hits / max(1, after["requests"] - before["requests"])
+    return out
 
 
 def report(name: str, rows: list[dict]) -> None:
@@ -172,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="msbench-") as tmp:
         for name in sources:
             report(name, run_source(name, args, levels, Path(tmp)))
+        if "streamed" in sources:
+            rates = first_request_hit_rates(args, Path(tmp))
+            print(f"\nwarm start: a fresh server's first token after a daemon restart found {rates['cold']:.0%} of its "
+                  f"experts in the arena cold, {rates['warm']:.0%} after `moestream warm --top` (the daemon's history)")
     return 0
 
 
