@@ -28,9 +28,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .experts import ExpertSource
+    from .prefetch import Prefetcher
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 class Run:
     """The model, prompt and sampling shared by every phase."""
 
-    def __init__(self, args: argparse.Namespace, endpoint: str | None, stack: Any):
+    def __init__(self, args: argparse.Namespace, endpoint: str | None, stack: contextlib.ExitStack):
         from ..common.layout import ModelLayout
         from .config import DecoderConfig
         from .models import load_model
@@ -85,7 +89,7 @@ class Run:
         g = torch.Generator().manual_seed(args.seed)
         self.prompt = torch.randint(0, hp.n_vocab, (args.prompt_tokens,), generator=g).tolist()
 
-    def decode(self, source: Any, hook: Any = None) -> float:
+    def decode(self, source: ExpertSource, hook: Prefetcher | None = None) -> float:
         """Decode tok/s of one generation (EOS ignored: every run decodes the same count)."""
         from .generate import generate
 
@@ -127,7 +131,7 @@ class Run:
 class Phase:
     """One expert source under test; `once()` times one generation and accumulates its counters."""
 
-    def __init__(self, run: Run, source: Any, hook: Any = None, slots: int = 0, prefetch: int = 0,
+    def __init__(self, run: Run, source: ExpertSource, hook: Prefetcher | None = None, slots: int = 0, prefetch: int = 0,
                  status: str | None = None):
         self.run, self.source, self.hook = run, source, hook
         self.slots, self.prefetch, self.status = slots, prefetch, status
@@ -170,7 +174,7 @@ class Phase:
         return out
 
 
-def make_phases(run: Run, stack: Any) -> dict[str, Phase]:
+def make_phases(run: Run, stack: contextlib.ExitStack) -> dict[str, Phase]:
     """Every source at once, so the timed runs can alternate between them (a busy machine's
     load drifts; alternating spreads the drift over all phases instead of biasing one)."""
     cfg, args = run.cfg, run.args

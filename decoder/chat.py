@@ -13,9 +13,13 @@ import queue
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import ConfigError
+
+if TYPE_CHECKING:
+    from .serve.engine import Engine
+    from .tokenizer import GGUFTokenizer
 
 HELP = "commands: /reset (forget the conversation), /stats (speed, context, experts), /help, /quit"
 
@@ -51,8 +55,8 @@ class Turn:
 
 @dataclass
 class Chat:
-    engine: Any
-    tok: Any
+    engine: Engine
+    tok: GGUFTokenizer
     limit: int  # context length
     args: argparse.Namespace
     history: list[dict[str, str]] = field(default_factory=list)

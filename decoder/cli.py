@@ -6,9 +6,18 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .config import ConfigError, DecoderConfig
+
+if TYPE_CHECKING:  # (imported lazily at run time: `--help` must not load torch models)
+    from ..common.layout import HParams, ModelLayout
+    from .experts import ExpertSource
+    from .generate import GenerationResult
+    from .models.moe_transformer import MoEModel
+    from .prefetch import Prefetcher
+    from .tokenizer import GGUFTokenizer
 
 DESCRIPTION = """\
 Generate text from a GGUF Mixture-of-Experts model. Dense weights are loaded onto the device
@@ -134,7 +143,7 @@ def config_from_args(args: argparse.Namespace) -> DecoderConfig:
     return DecoderConfig.build(args.config, **values)
 
 
-def open_resident(cfg: DecoderConfig, layout: Any, model: Any) -> tuple[Any, Callable | None]:
+def open_resident(cfg: DecoderConfig, layout: ModelLayout, model: MoEModel) -> tuple[ExpertSource, Prefetcher | None]:
     if cfg.resolved_slot_format == "quant":
         from .quant_experts import QuantResidentExperts
 
@@ -145,13 +154,13 @@ def open_resident(cfg: DecoderConfig, layout: Any, model: Any) -> tuple[Any, Cal
     return source, None
 
 
-def default_slots(hp: Any) -> int:
+def default_slots(hp: HParams) -> int:
     """Without --slots/--cache-bytes: room for 4 steps' worth of routed experts, at most all of them."""
     moe_layers = hp.n_layer - hp.n_dense_lead
     return min(moe_layers * hp.n_expert, 4 * moe_layers * hp.n_expert_used)
 
 
-def checked_slots(slots: int, hp: Any) -> int:
+def checked_slots(slots: int, hp: HParams) -> int:
     """--slots as given, capped at the model's expert count (with a notice); a warning when it is
     below the top-k, where every token of every layer misses."""
     total = (hp.n_layer - hp.n_dense_lead) * hp.n_expert
@@ -165,7 +174,7 @@ def checked_slots(slots: int, hp: Any) -> int:
     return slots
 
 
-def open_streamed(cfg: DecoderConfig, layout: Any, model: Any) -> tuple[Any, Callable | None]:
+def open_streamed(cfg: DecoderConfig, layout: ModelLayout, model: MoEModel) -> tuple[ExpertSource, Prefetcher | None]:
     try:
         from .arena_experts import open_arena
         from .prefetch import Prefetcher
@@ -187,7 +196,7 @@ def open_streamed(cfg: DecoderConfig, layout: Any, model: Any) -> tuple[Any, Cal
     return source, hook
 
 
-def prompt_ids(cfg: DecoderConfig, tok: Any, n_vocab: int) -> list[list[int]]:
+def prompt_ids(cfg: DecoderConfig, tok: GGUFTokenizer, n_vocab: int) -> list[list[int]]:
     if cfg.prompt_ids:
         bad = sorted({t for ids in cfg.prompt_ids for t in ids if t >= n_vocab})
         if bad:
@@ -198,7 +207,7 @@ def prompt_ids(cfg: DecoderConfig, tok: Any, n_vocab: int) -> list[list[int]]:
 
 
 def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
-        header: Callable[[DecoderConfig, Any], None] | None = None) -> int:
+        header: Callable[[DecoderConfig, ModelLayout], None] | None = None) -> int:
     """Generate for `cfg` and print the text (streamed as it comes for a single prompt), or
     one JSON object with `cfg.json`.
 
@@ -246,7 +255,7 @@ def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
     return 0
 
 
-def result_json(result: Any, tok: Any, ids: list[list[int]], load_s: float, stats: dict,
+def result_json(result: GenerationResult, tok: GGUFTokenizer, ids: list[list[int]], load_s: float, stats: dict,
                 prefetch: dict | None) -> dict[str, Any]:
     return {"prompt_tokens": [len(p) for p in ids], "tokens": result.tokens,
             "text": [tok.decode(t) for t in result.tokens], "finish": result.finish,
@@ -255,7 +264,7 @@ def result_json(result: Any, tok: Any, ids: list[list[int]], load_s: float, stat
             "stats": stats, "prefetch": prefetch}
 
 
-def print_results(result: Any, tok: Any, streamed: bool) -> None:
+def print_results(result: GenerationResult, tok: GGUFTokenizer, streamed: bool) -> None:
     if streamed:
         print()
         return
@@ -264,7 +273,7 @@ def print_results(result: Any, tok: Any, streamed: bool) -> None:
         print(tok.decode(ids))
 
 
-def print_stats(result: Any, load_s: float, source_stats: dict, prefetch_stats: dict | None) -> None:
+def print_stats(result: GenerationResult, load_s: float, source_stats: dict, prefetch_stats: dict | None) -> None:
     """Counters for people, on stderr (stdout carries the text)."""
     out = sys.stderr
     print(f"stats: decode {result.decode_tok_s():.1f} tok/s ({result.new_tokens} tokens, {result.steps} decode steps), "

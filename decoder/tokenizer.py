@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gguf import TokenType
+
+from ..common.layout import ModelLayout
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 SPACE = "\u2581"  # ▁: SentencePiece's spelling of a space
@@ -279,7 +281,7 @@ class GGUFTokenizer:
                    space_prefix)
 
     @classmethod
-    def from_layout(cls, layout: Any) -> GGUFTokenizer:
+    def from_layout(cls, layout: ModelLayout) -> GGUFTokenizer:
         return cls.from_metadata(layout.kv)
 
     @property

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..tokenizer import GGUFTokenizer
 from . import openai_api as api
 from .engine import DoneEvent, Engine, ErrorEvent, TokenEvent
 from .text import ReplyText
@@ -28,7 +29,7 @@ from .text import ReplyText
 @dataclass
 class ServerState:
     engine: Engine
-    tok: Any  # GGUFTokenizer
+    tok: GGUFTokenizer
     model_id: str
     max_model_len: int
 

@@ -18,13 +18,18 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..models.moe_transformer import LayerObserver
+from ..experts import ExpertSource
+from ..models.moe_transformer import LayerObserver, MoEModel
 from ..sampling import Sampler, SamplingParams
 from .metrics import ServeMetrics
+
+if TYPE_CHECKING:
+    from ...common.layout import ModelLayout
+    from .config import ServeConfig
 
 log = logging.getLogger("moestream.serve")
 
@@ -112,8 +117,8 @@ class StepExperts(LayerObserver):
 class Parts:
     """What the engine thread builds at start: model, expert source, observer, stop ids."""
 
-    model: Any
-    source: Any
+    model: MoEModel
+    source: ExpertSource
     observer: StepExperts
     stop_ids: frozenset[int]
 
@@ -308,7 +313,7 @@ class Engine:
                 self._finish(seq, ev, "cancelled")
 
 
-def open_parts(cfg: Any, layout: Any, stop_ids: frozenset[int]) -> Parts:
+def open_parts(cfg: ServeConfig, layout: ModelLayout, stop_ids: frozenset[int]) -> Parts:
     """Model, expert source and observer for a `ServeConfig`, opened as `moestream generate` opens
     them (called on the engine thread, which then owns them)."""
     from ..cli import open_resident, open_streamed, use_threads

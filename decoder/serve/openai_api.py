@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..sampling import SamplingParams
+from ..tokenizer import GGUFTokenizer
 from .engine import GenRequest, TokenEvent, random_seed
 
 
@@ -131,7 +132,7 @@ def _job(kind: str, body: dict, prompt: list[int], limit: int, default_max: int 
 
 
 # -- requests ----------------------------------------------------------------------------------
-def completion_job(body: dict, tok: Any, model_id: str, limit: int) -> Job:
+def completion_job(body: dict, tok: GGUFTokenizer, model_id: str, limit: int) -> Job:
     check_model(body, model_id)
     _unsupported(body)
     prompt = completion_prompt(body.get("prompt"), tok)
@@ -139,7 +140,7 @@ def completion_job(body: dict, tok: Any, model_id: str, limit: int) -> Job:
     return _job("completion", body, prompt, limit, 16, logprobs)  # 16: OpenAI's default for completions
 
 
-def completion_prompt(p: Any, tok: Any) -> list[int]:
+def completion_prompt(p: Any, tok: GGUFTokenizer) -> list[int]:
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # a batch of one
     if isinstance(p, str):
@@ -156,7 +157,7 @@ def completion_prompt(p: Any, tok: Any) -> list[int]:
     return ids
 
 
-def chat_job(body: dict, tok: Any, model_id: str, limit: int) -> Job:
+def chat_job(body: dict, tok: GGUFTokenizer, model_id: str, limit: int) -> Job:
     check_model(body, model_id)
     _unsupported(body)
     text = render_messages(body.get("messages"), tok)
@@ -168,7 +169,7 @@ def chat_job(body: dict, tok: Any, model_id: str, limit: int) -> Job:
     return _job("chat", body, tok.encode(text), limit, None, logprobs)
 
 
-def render_messages(messages: Any, tok: Any) -> str:
+def render_messages(messages: Any, tok: GGUFTokenizer) -> str:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
     clean = []
