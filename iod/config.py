@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--lease-timeout", type=float, dest="lease_timeout_s", metavar="SECONDS", help="seconds without a message before a client's leases are freed (default 30)")
     a("--client-lease-share", type=float, metavar="SHARE",
       help="share of the arena's slots one client may hold leases on (with its requests in progress), e.g. 0.5; "
-      "never less than the model's top-k experts. Requests past it wait for the client's own releases. Default "
+      "never less than the model's top-k experts, and only while another client is connected (one alone may use "
+      "the whole arena). Requests past it wait for the client's own releases. Default "
       "0.5: two clients fit side by side, and a decoder's prefetch limit (half the arena less a top-k) leaves it room "
       "for demand; 1 turns the quota off (one client may lease the whole arena and queue more)")
     a("--queue-deadline", type=float, dest="queue_deadline_s", metavar="SECONDS",
