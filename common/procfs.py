@@ -15,3 +15,60 @@ def proc_read_bytes(pid: int | str = "self") -> int:
     except OSError:
         pass
     return -1
+
+
+def available_cpus(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
+    """CPUs this process may keep busy: its CPU affinity, capped by its cgroup's CPU quota
+    (rounded up). A container given 2 CPUs on a 64-core host still sees 64 in its affinity, and
+    64 compute threads on a 2-CPU quota spend most of their time throttled."""
+    import math
+    import os
+
+    n = len(os.sched_getaffinity(0))
+    quota = cgroup_cpu_quota(root, proc_cgroup)
+    return max(1, min(n, math.ceil(quota))) if quota is not None else n
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """The tightest CPU quota (in CPUs) on this process's cgroup and its ancestors: cgroup v2
+    `cpu.max`, or v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`; None where there is none."""
+    from pathlib import Path
+
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: "0::/path"
+            base, read = Path(root), _v2_quota
+        elif "cpu" in controllers.split(","):  # v1: "N:cpu,cpuacct:/path"
+            base, read = Path(root) / controllers, _v1_quota
+        else:
+            continue
+        here = base / path.lstrip("/")
+        for d in (here, *here.parents):
+            if not d.is_relative_to(base):
+                break
+            q = read(d)
+            if q is not None:
+                quotas.append(q)
+    return min(quotas) if quotas else None
+
+
+def _v2_quota(d) -> float | None:
+    try:
+        quota, period = (d / "cpu.max").read_text().split()
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def _v1_quota(d) -> float | None:
+    try:
+        quota = int((d / "cpu.cfs_quota_us").read_text())
+        period = int((d / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 or period <= 0 else quota / period

@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-THREADS_HELP = ("compute threads (default: every core). On a machine that other busy processes share, use fewer "
+THREADS_HELP = ("compute threads (default: the CPUs this process may keep busy: its affinity, capped by a "
+                "container's CPU quota). On a machine that other busy processes share, use fewer "
                 "than the cores: waiting kernel threads spin, and one busy process on a 2-core host took a decode "
                 "from 101 to 10 tok/s with 2 threads (64 with --threads 1)")
 
@@ -98,12 +99,20 @@ def add_threads_arg(ap: argparse.ArgumentParser) -> None:
 
 
 def use_threads(n: int | None) -> None:
-    """Run this thread's compute on `n` threads (numba's count is per calling thread; torch's is global)."""
-    if n is None:
-        return
+    """Run this thread's compute on `n` threads (numba's count is per calling thread; torch's is
+    global). By default, as many as the CPUs this process may keep busy: numba and torch size
+    their pools by the CPU affinity, which ignores a container's CPU quota."""
+    import os
+
     import numba
     import torch
 
+    from ..common.procfs import available_cpus
+
+    if n is None:
+        if "NUMBA_NUM_THREADS" in os.environ:  # the user's word
+            return
+        n = min(available_cpus(), numba.config.NUMBA_NUM_THREADS)
     if n > numba.config.NUMBA_NUM_THREADS:
         raise ConfigError(f"--threads {n}: at most {numba.config.NUMBA_NUM_THREADS} here (the cores numba sees)")
     numba.set_num_threads(n)

@@ -1,0 +1,34 @@
+"""CPU quota discovery from cgroup files (v2 and v1), on a tree written here the way the kernel lays it out."""
+
+from __future__ import annotations
+
+import os
+
+from moestream.common.procfs import available_cpus, cgroup_cpu_quota
+
+
+def _write(path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_v2_quota_is_the_tightest_on_the_path(tmp_path):
+    root, proc = tmp_path / "cg", tmp_path / "cgroup"
+    _write(proc, "0::/system.slice/box.scope\n")
+    _write(root / "cpu.max", "max 100000\n")
+    _write(root / "system.slice" / "cpu.max", "300000 100000\n")  # 3 CPUs on the parent
+    _write(root / "system.slice" / "box.scope" / "cpu.max", "150000 100000\n")  # 1.5 on the container
+    assert cgroup_cpu_quota(str(root), str(proc)) == 1.5
+    assert available_cpus(str(root), str(proc)) == min(2, len(os.sched_getaffinity(0)))  # 1.5 rounds up
+
+
+def test_v1_quota_and_no_quota(tmp_path):
+    root, proc = tmp_path / "cg", tmp_path / "cgroup"
+    _write(proc, "4:memory:/x\n2:cpu,cpuacct:/docker/abc\n")
+    _write(root / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us", "100000\n")
+    _write(root / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_period_us", "100000\n")
+    assert cgroup_cpu_quota(str(root), str(proc)) == 1.0 and available_cpus(str(root), str(proc)) == 1
+    _write(root / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us", "-1\n")  # unlimited
+    assert cgroup_cpu_quota(str(root), str(proc)) is None
+    assert available_cpus(str(root), str(proc)) == len(os.sched_getaffinity(0))
+    assert cgroup_cpu_quota(str(root), str(tmp_path / "absent")) is None
