@@ -104,18 +104,23 @@ def use_threads(n: int | None) -> None:
     their pools by the CPU affinity, which ignores a container's CPU quota."""
     import os
 
-    import numba
     import torch
 
     from ..common.procfs import available_cpus
 
+    try:
+        import numba
+    except ImportError:  # a GPU-only install without the CPU kernels (e.g. .ci/gpu_check.sh)
+        numba = None
+    most = numba.config.NUMBA_NUM_THREADS if numba is not None else available_cpus()
     if n is None:
         if "NUMBA_NUM_THREADS" in os.environ:  # the user's word
             return
-        n = min(available_cpus(), numba.config.NUMBA_NUM_THREADS)
-    if n > numba.config.NUMBA_NUM_THREADS:
-        raise ConfigError(f"--threads {n}: at most {numba.config.NUMBA_NUM_THREADS} here (the cores numba sees)")
-    numba.set_num_threads(n)
+        n = min(available_cpus(), most)
+    if n > most:
+        raise ConfigError(f"--threads {n}: at most {most} here (the CPUs this process may use)")
+    if numba is not None:
+        numba.set_num_threads(n)
     torch.set_num_threads(n)
 
 
