@@ -60,7 +60,7 @@ def format_text(d: dict[str, Any]) -> str:
         f"{d['path']}  ({_mib(d['file_bytes'])})",
         f"architecture     {d['architecture']}",
         "hyper-parameters " + ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
-                                        for k, v in hp.items() if k != "arch"),
+                                        for k, v in hp.items() if k != "arch" and _shown(v)),
         f"dense            {_mib(d['dense_bytes'])} in {d['dense_tensors']} tensors",
         f"experts          {ex['n_layer']} layers x {ex['n_expert']} experts, "
         f"top {hp['n_expert_used']}, parts {'+'.join(ex['parts'])}"
@@ -107,3 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _shown(v: object) -> bool:
+    """Hyper-parameters a family does not use (0, empty) stay out of the one-line summary."""
+    return isinstance(v, bool) or v not in (0, (), {}, None)

@@ -1,0 +1,185 @@
+"""Files written by llama.cpp's own converter (`convert_hf_to_gguf.py`), not by our writer.
+
+For every supported architecture: a tiny random Hugging Face checkpoint (transformers' own model
+class and config, a byte-level BPE or SentencePiece tokenizer trained here), converted by the
+converter shipped in the llama-cpp-python source distribution (fetched from the package index,
+or a llama.cpp checkout named by MOESTREAM_LLAMA_CPP), then decoded by us: logits against the
+same checkpoint in transformers, and streamed through a real daemon (a quarter of the experts
+in its arena) equal to resident. Skipped, saying why, where the converter cannot be had.
+
+The converter recognises a BPE tokenizer by the hash of its output on a fixed text; ours are
+trained here, so the wrapper tells it which `tokenizer.ggml.pre` to declare and changes nothing
+else (the tensors and metadata are the converter's own).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_reference import max_logit_diff
+from moestream.common.layout import ModelLayout
+from moestream.decoder.arena_experts import open_arena
+from moestream.decoder.generate import generate
+from moestream.decoder.models import load_model
+from moestream.decoder.quant_experts import QuantResidentExperts
+
+transformers = pytest.importorskip("transformers")
+T = transformers
+SDIST = "llama-cpp-python==0.3.36"
+TOL = 1e-4
+
+COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+MOE = dict(num_experts=8, num_experts_per_tok=2)
+DELTANET = dict(num_hidden_layers=4, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                moe_intermediate_size=48, shared_expert_intermediate_size=48, **MOE)
+# GGUF architecture -> (HF config class, HF model class, config, tokenizer.ggml.pre to declare, converter flags)
+CASES = {
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        intermediate_size=96, moe_intermediate_size=48, head_dim=16, norm_topk_prob=True, **MOE), "qwen2", ()),
+    "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        intermediate_size=96, moe_intermediate_size=48, shared_expert_intermediate_size=64, **MOE), "qwen2", ()),
+    "llama": ("MixtralConfig", "MixtralForCausalLM", dict(
+        intermediate_size=96, num_local_experts=8, num_experts_per_tok=2), None, ()),  # SentencePiece
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_key_value_heads=4, intermediate_size=48, **MOE), "olmo", ()),
+    "deepseek2": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=48, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
+        kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=2.5,
+        rope_interleave=True, scoring_func="sigmoid", topk_method="noaux_tc"), "deepseek-v3", ()),
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"]), "gpt-4o", ()),
+    "qwen3next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        intermediate_size=96, full_attention_interval=4, **DELTANET), "qwen2", ("--no-mtp",)),
+    "qwen35moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        layer_types=["linear_attention"] * 3 + ["full_attention"], **DELTANET), "qwen35", ("--no-mtp",)),
+}
+
+WRAPPER = '''import runpy, sys
+root = sys.argv.pop(1)
+sys.path[:0] = [root, root + "/gguf-py"]
+import conversion.base as base
+pre = sys.argv.pop(1)
+if pre != "-":
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+sys.argv[0] = root + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+@pytest.fixture(scope="session")
+def converter(tmp_path_factory) -> Path:
+    """A directory holding llama.cpp's convert_hf_to_gguf.py, conversion/ and gguf-py/."""
+    given = os.environ.get("MOESTREAM_LLAMA_CPP")
+    if given:
+        return Path(given)
+    where = tmp_path_factory.mktemp("llama-cpp")
+    got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                          "-d", str(where), SDIST], capture_output=True, text=True, timeout=600)
+    archives = list(where.glob("*.tar.gz"))
+    if got.returncode != 0 or not archives:
+        pytest.skip(f"llama.cpp's converter not available ({SDIST} not downloadable: {got.stderr.strip()[-200:]})")
+    with tarfile.open(archives[0]) as tar:
+        keep = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name and
+                any(part in m.name for part in ("convert_hf_to_gguf.py", "/conversion/", "/gguf-py/"))]
+        tar.extractall(where, members=keep, filter="data")
+    archives[0].unlink()
+    return next(where.glob("*/vendor/llama.cpp"))
+
+
+def _corpus() -> str:
+    import textwrap
+
+    return Path(textwrap.__file__).read_text() + Path(os.__file__).read_text()
+
+
+def _bpe_tokenizer(out: Path) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([_corpus()], trainers.BpeTrainer(
+        vocab_size=480, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = T.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    fast.save_pretrained(out)
+    return tok.get_vocab_size()
+
+
+def _spm_tokenizer(out: Path) -> int:
+    spm = pytest.importorskip("sentencepiece")
+    (out / "corpus.txt").write_text(_corpus())
+    spm.SentencePieceTrainer.train(  # Llama/Mistral's options: identity normalization, spaces kept
+        input=str(out / "corpus.txt"), model_prefix=str(out / "tokenizer"), vocab_size=512, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0, pad_id=-1, split_digits=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
+        minloglevel=2)
+    (out / "corpus.txt").unlink()
+    T.LlamaTokenizer(vocab_file=str(out / "tokenizer.model"), legacy=False).save_pretrained(out)
+    return 512
+
+
+def _checkpoint(arch: str, out: Path) -> None:
+    cfg_cls, model_cls, kw, pre, _ = CASES[arch]
+    out.mkdir(parents=True)
+    vocab = _spm_tokenizer(out) if pre is None else _bpe_tokenizer(out)
+    torch.manual_seed(0)
+    model = getattr(T, model_cls)(getattr(T, cfg_cls)(**{**COMMON, "vocab_size": vocab, **kw})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)  # big enough that routing and attention matter
+    model.save_pretrained(out, safe_serialization=True)
+
+
+@pytest.fixture(scope="session")
+def converted(converter, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """arch -> (HF checkpoint dir, the F32 GGUF llama.cpp's converter wrote from it)."""
+    root = tmp_path_factory.mktemp("converted")
+    (root / "convert.py").write_text(WRAPPER)
+    out = {}
+    for arch, (_, _, _, pre, flags) in CASES.items():
+        hf_dir, gguf = root / arch, root / f"{arch}.gguf"
+        _checkpoint(arch, hf_dir)
+        run = subprocess.run([sys.executable, str(root / "convert.py"), str(converter), pre or "-", str(hf_dir),
+                              "--outfile", str(gguf), "--outtype", "f32", *flags], capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 0, f"{arch}: the converter failed:\n{run.stderr[-2000:]}"
+        out[arch] = (hf_dir, gguf)
+    return out
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_converter_written_file_matches_transformers(converted, arch):
+    hf_dir, gguf = converted[arch]
+    assert ModelLayout(gguf).hparams.arch == arch
+
+    def build_hf(_path):
+        return getattr(T, CASES[arch][1]).from_pretrained(hf_dir, dtype=torch.float32).eval()
+
+    diff = max_logit_diff(gguf, build_hf, prompt_len=12, decode_steps=4)
+    print(f"{arch} (llama.cpp's converter, F32): max abs logit diff vs transformers {diff:.3g}")
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_converter_written_file_streams_as_it_decodes_resident(converted, start_daemon, arch):
+    _, gguf = converted[arch]
+    layout = ModelLayout(gguf)
+    model = load_model(layout, keep_quantized=True)
+    prompts = [[3, 14, 15, 92, 65], [35, 89, 79]]
+    with QuantResidentExperts(layout) as resident:
+        want = generate(model, resident, prompts, 6).tokens
+    slots = max(layout.hparams.n_expert_used, layout.experts.n_blobs // 4)  # a quarter of the experts
+    d = start_daemon(gguf, arena_slots=slots)
+    with open_arena(layout, d.endpoint) as streamed:
+        assert generate(model, streamed, prompts, 6).tokens == want
