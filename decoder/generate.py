@@ -98,7 +98,8 @@ def generate(model: MoEModel, experts: ExpertSource, prompts: Sequence[Sequence[
     sampler, batch = Sampler(sampling), _Batch(len(prompts), max_new_tokens, stop_ids, on_token)
     result = GenerationResult(batch.tokens, batch.finish, [len(p) for p in prompts])
     t0 = time.perf_counter()
-    logits = model.forward(tokens, cache, experts, valid, observer, last_only=True)  # [B, V]
+    whole = bool(valid.all())  # no padding: the pass needs no row selection (one check, at the prefill)
+    logits = model.forward(tokens, cache, experts, None if whole else valid, observer, last_only=True)  # [B, V]
     while True:
         if keep_logits:
             result.logits.append(logits.float().cpu())
@@ -109,7 +110,8 @@ def generate(model: MoEModel, experts: ExpertSource, prompts: Sequence[Sequence[
             break
         running = batch.running()  # [B]
         step = torch.where(running, latest_tokens(batch), pad_id)[:, None].to(model.device)  # [B, 1]
-        logits = model.forward(step, cache, experts, running[:, None].to(model.device), observer, last_only=True)
+        valid = None if bool(running.all()) else running[:, None].to(model.device)  # None: no masking, no sync
+        logits = model.forward(step, cache, experts, valid, observer, last_only=True)
         result.steps += 1
     result.decode_s = time.perf_counter() - t0 - result.prefill_s
     return result

@@ -134,15 +134,15 @@ class MoETransformer:
         w = self.layers[layer]
         return linear(rms_norm(h, w["ffn_norm"], self.hparams.rms_eps), w["ffn_gate_inp"])
 
-    def block(self, layer: int, h: torch.Tensor, active: torch.Tensor, cache: KVCache, st: StepAttn,
+    def block(self, layer: int, h: torch.Tensor, active: torch.Tensor | None, cache: KVCache, st: StepAttn,
               experts: ExpertSource, observer: LayerObserver) -> torch.Tensor:
-        """One layer on rows h [N, d]; only the `active` rows [n] go through the FFN."""
+        """One layer on rows h [N, d]; only the `active` rows [n] go through the FFN (None: all)."""
         w, eps = self.layers[layer], self.hparams.rms_eps
         h = h + self.attend(layer, rms_norm(h, w["attn_norm"], eps), cache, st)  # [N, d]
-        real = h[active]  # [n, d] real tokens only: pads fetch no experts
+        real = h if active is None else h[active]  # [n, d] real tokens only: pads fetch no experts
         observer.after_attention(layer, real)
-        x = rms_norm(real, w["ffn_norm"], eps)  # [n, d]
-        return h.index_put((active,), self.ffn(layer, x, experts, observer), accumulate=True)  # [N, d]
+        y = self.ffn(layer, rms_norm(real, w["ffn_norm"], eps), experts, observer)  # [n, d]
+        return h + y if active is None else h.index_put((active,), y, accumulate=True)  # [N, d]
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, experts: ExpertSource,
                 valid: torch.Tensor | None = None, observer: LayerObserver | None = None,
@@ -154,14 +154,15 @@ class MoETransformer:
         """
         obs = observer or _NO_OBSERVER
         B, T = tokens.shape
+        # every token real (valid None): no row selection, so no host sync for it (a decode step)
+        active = None if valid is None else valid.reshape(-1).nonzero().squeeze(1)  # [n] real rows
         valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid.to(torch.bool)
         st = self.prepare(cache, valid)
-        active = valid.reshape(-1).nonzero().squeeze(1)  # [n] row indices of real tokens
         experts.begin_step()
         h = embed(tokens.reshape(-1), self.embed, self.dtype)  # [N, d]
         for i in range(self.hparams.n_layer):
             h = self.block(i, h, active, cache, st, experts, obs)
-            obs.after_layer(i, h[active])
+            obs.after_layer(i, h if active is None else h[active])
         h = h.reshape(B, T, -1)[:, -1] if last_only else h.reshape(B, T, -1)  # [B, d] | [B, T, d]
         return linear(rms_norm(h, self.norm, self.hparams.rms_eps), self.lm_head)  # [B, (T,) V]
 
