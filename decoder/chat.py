@@ -90,7 +90,7 @@ class Chat:
         sampling = SamplingParams(a.temperature, a.top_k, a.top_p, a.seed + self.replies, a.min_p)
         events: queue.SimpleQueue = queue.SimpleQueue()
         seq = self.engine.submit(GenRequest(ids, min(a.max_tokens, self.limit - len(ids)), sampling), events.put)
-        reply, text_out, t0 = [], ReplyText(self.tok.decode), time.perf_counter()
+        reply, text_out, t0 = [], ReplyText(self.tok.decode, lstrip=self.tok.space_prefix), time.perf_counter()
         self.last, self.replies = Turn(prompt_tokens=len(ids)), self.replies + 1
         try:
             while True:

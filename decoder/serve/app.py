@@ -115,7 +115,7 @@ async def deltas(state: ServerState, job: api.Job) -> AsyncIterator[Delta]:
     consumer stops early (client gone) or a stop string ends the reply."""
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     seq = state.engine.submit(job.req, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
-    text = ReplyText(state.tok.decode, job.stops)
+    text = ReplyText(state.tok.decode, job.stops, lstrip=job.kind == "chat" and state.tok.space_prefix)
     try:
         while True:
             ev = await events.get()

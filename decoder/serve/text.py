@@ -12,14 +12,20 @@ from ..generate import TextStream
 
 
 class ReplyText:
-    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str] = ()):
+    """`lstrip`: drop one leading space of the reply, for a chat answer of a SentencePiece model
+    (its first token spells the word's space, `▁Hello`: right after a prompt, not as a message)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str] = (), lstrip: bool = False):
         self.stops = [s for s in stops if s]
+        self._lstrip = lstrip
         self.text = ""  # everything decoded so far (cut at the stop string once found)
         self.sent = 0  # characters of `text` handed out
         self.stopped = False
         self._stream = TextStream(decode, self._on_text)
 
     def _on_text(self, _seq: int, piece: str) -> None:
+        if self._lstrip and piece:
+            piece, self._lstrip = piece.removeprefix(" "), False
         self.text += piece
 
     def add(self, token: int) -> str:

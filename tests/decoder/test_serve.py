@@ -287,6 +287,20 @@ def test_reply_text_holds_back_and_cuts_stop_strings():
     assert [r.add(ord(c)) for c in "az"] == ["a", ""] and r.finish() == "z"
 
 
+def test_a_sentencepiece_chat_reply_starts_without_the_words_space(make_tiny_model):
+    """`▁Hello` spells its space: kept after a completion's prompt, not at the start of a chat message."""
+    from moestream.common.layout import ModelLayout
+    from moestream.decoder.serve.text import ReplyText
+    from moestream.decoder.tokenizer import GGUFTokenizer
+
+    tok = GGUFTokenizer.from_layout(ModelLayout(make_tiny_model(arch="llama", quant="F32")))
+    ids = [i for i in tok.encode("Hello world, again") if i != tok.bos_id]
+    assert tok.space_prefix and tok.decode(ids) == " Hello world, again"
+    for lstrip, want in ((False, " Hello world, again"), (True, "Hello world, again")):
+        r = ReplyText(tok.decode, lstrip=lstrip)
+        assert "".join(r.add(i) for i in ids) + r.finish() == want
+
+
 def test_min_p_keeps_tokens_near_the_best():
     from moestream.decoder.sampling import filter_min_p
 
