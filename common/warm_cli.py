@@ -20,8 +20,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .client import IodClient, IodError
-from .protocol import DEFAULT_ENDPOINT, DEFAULT_STATUS_ENDPOINT
+from .client import IodClient, IodError, IodRequestError
+from .protocol import DEFAULT_ENDPOINT, DEFAULT_STATUS_ENDPOINT, MAX_HOTTEST
 from .status_cli import get_status
 from .traces import load_trace
 
@@ -70,7 +70,7 @@ def keys_from_trace(path: str) -> list[Key]:
 
 def keys_from_history(status_endpoint: str, n: int) -> list[Key]:
     """The daemon's `n` hottest experts, from its request counts (kept across restarts)."""
-    status = get_status(status_endpoint, hottest=n)
+    status = get_status(status_endpoint, hottest=min(n, MAX_HOTTEST))
     return [(int(layer), int(e)) for layer, e, _count in status["hottest"][:n]]
 
 
@@ -89,8 +89,8 @@ def warm(client: IodClient, keys: Sequence[Key], in_flight: int = 32, on_done=No
         for f in done:
             try:
                 lease = f.result()
-            except IodError as e:  # e.g. the arena is busy with decoders' work: they come first
-                skipped[getattr(e, "code", type(e).__name__)] += 1
+            except IodRequestError as e:  # e.g. the arena is busy with decoders' work: they come first
+                skipped[e.code] += 1
                 continue
             leases.append(lease)
             res.bytes += sum(n for _, n in lease.parts.values())
