@@ -284,6 +284,11 @@ class IodClient:
                 self._dead = dead
             self._changed.notify_all()
 
+    @property
+    def lease_quota(self) -> int | None:
+        """Leases this client may claim at once while others share the daemon (None: no quota)."""
+        return self.welcome.get("lease_quota") or None
+
     def _attach(self, welcome: dict) -> None:
         """A welcome: check the model, map its arena (the previous one goes: its leases are void)."""
         problem = fingerprint_mismatch(self._expect, welcome["fingerprint"]) if self._expect else None

@@ -160,6 +160,9 @@ class Welcome(Message):
     index: dict
     heartbeat_s: float
     lease_timeout_s: float
+    # leases (+ requests in progress) one client may claim while others are connected; 0: no quota.
+    # A client that holds prefetched leases keeps them under this, or its own demand waits on them.
+    lease_quota: int = 0
 
 
 @dataclass

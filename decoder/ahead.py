@@ -36,10 +36,12 @@ COUNTERS = ("prefetch_sent", "prefetch_dropped", "useful", "hidden", "late", "wa
 class AheadPrefetches:
     """Prefetch requests of one expert source: sending, judging and giving them up."""
 
-    def __init__(self, client: IodClient, cache: DeviceSlotCache, receiver: Receiver, landing: str, reserve: int):
+    def __init__(self, client: IodClient, cache: DeviceSlotCache, receiver: Receiver, landing: str, reserve: int,
+                 max_in_flight: int | None = None):
         self.client, self.cache, self.receiver = client, cache, receiver
         self.landing = landing
         self.reserve = reserve  # slots an eager prefetch leaves free for demand misses
+        self.max_in_flight = max_in_flight  # prefetches not yet taken (each may hold a lease): the daemon's quota
         self._futures: dict[int, dict[int, cf.Future]] = {}  # layer -> expert -> prefetch future
         self._deferred: dict[int, set[int]] = {}  # predictions waiting for the next demand fetch
         self._holds: set[Key] = set()  # prefetched keys whose hold pin is still held
@@ -73,12 +75,17 @@ class AheadPrefetches:
         keys: list[Key] = []
         eager = self.landing == "eager"
         room = self.cache.n_slots - self.reserve - self.cache.pinned() if eager else 0
+        outstanding = sum(len(mine) for mine in self._futures.values())
+        leases = self.max_in_flight - outstanding if self.max_in_flight is not None else None
         for layer, experts in predictions.items():
             self._predicted[layer] = {int(e) for e in experts}
             mine = self._futures.get(layer, {})
             for e in sorted(self._predicted[layer]):
                 key = (layer, e)
                 if e in mine or key in self.cache:
+                    continue
+                if leases is not None and len(keys) >= leases:
+                    self.c["prefetch_dropped"] += 1
                     continue
                 if eager:  # lazy: no slot yet, a wrong guess evicts nothing
                     if room <= 0 or not self._claim_held(key):

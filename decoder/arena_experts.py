@@ -131,7 +131,9 @@ class ArenaExperts(ExpertSource):
         self.client, self.layout = client, layout
         self.fetch_timeout_s, self._owns_client = fetch_timeout_s, owns_client
         n_slots = client.arena.n_slots if client.arena is not None else 0
-        limit = prefetch_limit if prefetch_limit is not None else n_slots // 2 - layout.hparams.n_expert_used
+        # within the daemon's lease quota, less a layer's demand (and never over half the shared arena)
+        share = min(n_slots // 2, client.lease_quota or n_slots)
+        limit = prefetch_limit if prefetch_limit is not None else share - layout.hparams.n_expert_used
         self.prefetches = Prefetches(client, limit)
         self._base: np.ndarray | None = None  # the arena as one array (`_base_for`), re-made after a reconnect
         self._base_arena: ArenaView | None = None

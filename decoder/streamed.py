@@ -62,7 +62,10 @@ class StreamedExperts(AcquireSource):
         if self.landing not in LANDINGS:
             raise ValueError(f"prefetch landing must be one of {LANDINGS}, got {self.landing!r}")
         self.receiver = Receiver(client, cache)
-        self.ahead = AheadPrefetches(client, cache, self.receiver, landing, layout.hparams.n_expert_used)
+        top_k = layout.hparams.n_expert_used
+        quota = client.lease_quota  # prefetch leases stay under it, leaving a layer's demand room
+        self.ahead = AheadPrefetches(client, cache, self.receiver, landing, top_k,
+                                     max_in_flight=None if quota is None else max(0, quota - top_k))
         self._bypassed: dict[int, set[int]] = {}  # layer -> experts served without a slot (no pin)
         self._closed = False
         self.c = dict.fromkeys(("acquired", "hits", "misses", "bypassed", "refetched", "demand_bytes",

@@ -329,7 +329,7 @@ class Server:
         a = self.arena
         self._send(ident, P.Welcome(P.PROTOCOL_VERSION, self.layout.fingerprint.as_dict(), a.name, a.n_slots,
                                     a.slot_bytes, self.layout.experts.summary(), self.heartbeat_s,
-                                    self.cfg.lease_timeout_s).encode())
+                                    self.cfg.lease_timeout_s, self._quota() or 0).encode())
 
     def _fetch(self, c: ClientState, msg: P.Fetch) -> None:
         if self.closing:

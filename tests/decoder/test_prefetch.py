@@ -271,3 +271,18 @@ def test_attention_point_hints_are_sent_after_the_layer_pins_its_own(setup):
     hook = Prefetcher(model, Source(layout), 2, at="attention")
     model.forward(torch.tensor([[5, 17, 99]]), model.new_cache(1, 4), hook.source, observer=hook)
     assert calls == [("hint", True, [1, 2]), ("acquire", 0), ("hint", True, [2]), ("acquire", 1), ("acquire", 2)]
+
+
+def test_prefetch_stays_within_the_daemons_lease_quota_beside_another_client(make_tiny_model, start_daemon):
+    """With another client connected, a decoder holding lazy prefetch leases past its quota would
+    wait on its own demand until `deadline`: prefetches stay within the quota the welcome carries."""
+    path = make_tiny_model(arch="qwen3moe", quant="Q8_0", layers=4, experts=16, top_k=2)
+    layout = ModelLayout(path)
+    model, resident = load_model(layout), ResidentExperts(layout)
+    d = start_daemon(path, arena_slots=9, extra_args=["--queue-deadline", "2"])  # quota 4 of 9
+    want = generate(model, resident, PROMPTS, 8, keep_logits=True)
+    with IodClient(d.endpoint, name="other"), streamed(layout, d.endpoint, "lazy", slots=16) as src:
+        assert src.client.lease_quota == 4 and src.ahead.max_in_flight == 2
+        got = generate(model, src, PROMPTS, 8, observer=Prefetcher(model, src, 3), keep_logits=True)
+        st = src.stats()
+    assert got.tokens == want.tokens and st["prefetch_sent"] > 0
