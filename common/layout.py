@@ -436,12 +436,16 @@ class ModelLayout:
 
     @cached_property
     def fingerprint(self) -> Fingerprint:
-        data = self.reader.data  # the file's memory map: only the hashed pages are read
-        header = data[: self.reader.data_offset]  # metadata + tensor table
+        data = self.reader.data
+        header = data[: self.reader.data_offset]  # metadata + tensor table (mapped already: parsed)
         sample = hashlib.sha256()
         ranges = sample_ranges(self.reader.data_offset, len(data))
-        for lo, hi in ranges:
-            sample.update(data[lo:hi])
+        # The sample by pread, not through the map: touching it there maps whole page-cache folios
+        # (measured: 126 MB of RSS for 4 MiB hashed), which a memory cap would charge to the process.
+        with open(self.path, "rb", buffering=0) as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # no readahead around the chunks
+            for lo, hi in ranges:
+                sample.update(os.pread(f.fileno(), hi - lo, lo))
         return Fingerprint(str(self.path), self._stat.st_size, self._stat.st_mtime_ns,
                            hashlib.sha256(header).hexdigest(), sample.hexdigest(), sum(hi - lo for lo, hi in ranges))
 

@@ -51,6 +51,11 @@ class ErrorCode(str, enum.Enum):
     INTERNAL = "internal"
 
 
+# Answers that fail nothing: the daemon gave an `ahead`/`cached` request up (stale, over quota,
+# not in the arena). A decoder that needs the expert fetches it again `now`.
+GIVEN_UP = frozenset({ErrorCode.DROPPED.value, ErrorCode.NOT_CACHED.value})
+
+
 class ProtocolError(ValueError):
     def __init__(self, code: ErrorCode, message: str, rid: int | None = None):
         super().__init__(f"{code.value}: {message}")

@@ -50,7 +50,7 @@ from ..common.layout import ModelLayout
 from .experts import ExpertSource, Predictions, combine, group_by_expert
 from .quant_experts import Mats, expert_mats, run_experts
 
-RETRYABLE = {P.ErrorCode.DROPPED.value, P.ErrorCode.BUSY.value}
+RETRYABLE = P.GIVEN_UP | {P.ErrorCode.BUSY.value}  # fetched again `now` (busy: after a back-off)
 MAX_RETRIES = 20  # a request refused this often in a row means the daemon is overloaded
 
 

@@ -229,14 +229,12 @@ def expert_table(base: np.ndarray, experts: Sequence[Mats]) -> ExpertTable:
         qtypes.append([m.qtype for m in mats])
         native.append(all(m.qtype in _NATIVE_INTS for m in mats))
     has_bias = biases[0] is not None
+    bias_gu, bias_d = _NO_BIAS_GU, _NO_BIAS_D  # (read-only already: nothing to do per layer)
     if has_bias:
-        bias_gu = np.stack([np.stack(b[:2]) for b in biases]).astype(np.float32)  # [E, 2, ff]
-        bias_d = np.stack([b[2] for b in biases]).astype(np.float32)  # [E, d]
-    else:
-        bias_gu, bias_d = _NO_BIAS_GU, _NO_BIAS_D
+        bias_gu = _readonly(np.stack([np.stack(b[:2]) for b in biases]).astype(np.float32))  # [E, 2, ff]
+        bias_d = _readonly(np.stack([b[2] for b in biases]).astype(np.float32))  # [E, d]
     return ExpertTable(_readonly(base), np.array(offsets, np.int64), np.array(qtypes, np.int64),
-                       tuple(tuple(m) for m in experts), np.array(native), int(d), int(ff),
-                       _readonly(np.ascontiguousarray(bias_gu)), _readonly(np.ascontiguousarray(bias_d)), has_bias)
+                       tuple(tuple(m) for m in experts), np.array(native), int(d), int(ff), bias_gu, bias_d, has_bias)
 
 
 # stand-ins for experts without biases: one numba signature either way, never read

@@ -47,9 +47,6 @@ from .prefetch import Receiver
 from .slot_cache import DeviceSlotCache, FetchFailed, Key, SlotEntry
 
 
-# Errors a prefetch the demand path joined may end with that only mean "fetch it now yourself".
-GIVEN_UP_PREFETCH = frozenset({P.ErrorCode.DROPPED.value, P.ErrorCode.NOT_CACHED.value})
-
 
 class StreamedExperts(AcquireSource):
     """Experts fetched from moestream-iod into a `DeviceSlotCache`."""
@@ -254,7 +251,7 @@ class StreamedExperts(AcquireSource):
                 lease = self._result(fut, (layer, e))
                 return lease, {name: self.client.part_view(lease, name) for name in lease.parts}
             except IodRequestError as exc:
-                if exc.code not in GIVEN_UP_PREFETCH:
+                if exc.code not in P.GIVEN_UP:
                     raise
             except LeaseVoided:
                 pass

@@ -41,6 +41,7 @@ from ...common.arch import MLADims, mla_dims
 from ...common.layout import HParams, ModelFormatError
 from ..experts import ExpertSource
 from ..weights import QuantWeight
+from . import qwen3moe
 from .layers import (
     KVCache,
     StepAttn,
@@ -57,10 +58,7 @@ ARCH = "deepseek2"
 # GGUF name -> Hugging Face `DeepseekV3ForCausalLM` state-dict name ("{i}" = layer). attn_k_b and
 # attn_v_b (current converters) have no HF name of their own: `hf_kv_b` joins them into kv_b_proj.
 TENSOR_NAMES: dict[str, str] = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    **qwen3moe.COMMON_NAMES,
     "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
     "blk.{i}.attn_q_a.weight": "model.layers.{i}.self_attn.q_a_proj.weight",
     "blk.{i}.attn_q_a_norm.weight": "model.layers.{i}.self_attn.q_a_layernorm.weight",

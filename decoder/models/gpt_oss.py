@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ...common.layout import HParams
+from . import qwen3moe
 from .layers import KVCache, StepAttn, _proj, _qkv, apply_rope_neox, attention_mask, linear, rms_norm
 from .moe_transformer import MoETransformer
 
@@ -32,10 +33,7 @@ ARCH = "gpt-oss"
 # GGUF name -> Hugging Face `GptOssForCausalLM` state-dict name ("{i}" = layer). The experts go
 # through `hf_experts` (HF interleaves gate and up columns and stores [E, in, out]).
 TENSOR_NAMES: dict[str, str] = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    **qwen3moe.COMMON_NAMES,
     "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "blk.{i}.attn_sinks.weight": "model.layers.{i}.self_attn.sinks",
     "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.router.weight",

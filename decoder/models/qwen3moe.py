@@ -14,11 +14,15 @@ ARCH = "qwen3moe"
 
 # GGUF name -> Hugging Face `Qwen3MoeForCausalLM` state-dict name ("{i}" = layer). The two
 # per-expert gate/up tensors go, gate rows first, into HF's fused `gate_up_proj` (see HF_FUSED).
-ATTENTION_NAMES: dict[str, str] = {
+# The names every family's HF model shares (embeddings, final norm, head, the attention norm).
+COMMON_NAMES: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
     "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+}
+ATTENTION_NAMES: dict[str, str] = {
+    **COMMON_NAMES,
     "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
     "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
     "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",

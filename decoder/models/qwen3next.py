@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ...common.layout import HParams
+from . import qwen3moe
 from .layers import (
     KVCache,
     StepAttn,
@@ -287,10 +288,7 @@ def gated_delta_net(x: torch.Tensor, w: Weights, g: DeltaNetShape, layer: int, c
 # (HF weight = GGUF - 1), `attn_qkv` + `attn_gate` -> `in_proj_qkvz` (re-interleaved per key
 # head), ssm_a -> A_log = log(-ssm_a), ssm_conv1d [C, K] -> conv1d.weight [C, 1, K].
 TENSOR_NAMES: dict[str, str] = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    **qwen3moe.COMMON_NAMES,
     "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
     "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
