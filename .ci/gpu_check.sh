@@ -80,7 +80,7 @@ SLICE=/tmp/moestream-slice.gguf
 cat > /tmp/moestream-kernels.py <<'EOF'
 import sys, torch
 from moestream.common.layout import ModelLayout
-from moestream.decoder.experts import ResidentExperts
+from moestream.decoder.experts.source import ResidentExperts
 
 layout = ModelLayout(sys.argv[1])
 hp = layout.hparams
@@ -126,7 +126,7 @@ bench() {  # bench NAME MODEL: JSON and the human report from the same run
     local name=$1 model=$2
     step "bench-$name" 420 $PY -m moestream bench decode --model "$model" --device cuda -n 32 --repeat 2 --json \
         > "$OUT/bench_$name.json" 2> "$OUT/bench_$name.err"
-    $PY -c 'import json, sys; from moestream.decoder.bench import report; print(report(json.load(open(sys.argv[1]))))' \
+    $PY -c 'import json, sys; from moestream.decoder.bench.decode import report; print(report(json.load(open(sys.argv[1]))))' \
         "$OUT/bench_$name.json" > "$OUT/bench_$name.txt" 2>&1
 }
 want bench-slice && bench slice "$SLICE"

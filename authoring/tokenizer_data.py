@@ -29,7 +29,7 @@ from gguf import TokenType
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 # Qwen2's split (`tokenizer.ggml.pre = "qwen2"`): single digits, letter runs, punctuation runs, newline and space runs
-from ..decoder.tokenizer import QWEN2_SPLIT_REGEX, SPACE
+from ..decoder.generation.tokenizer import QWEN2_SPLIT_REGEX, SPACE
 
 TOKENIZER_VERSION = 2
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

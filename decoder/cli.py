@@ -13,11 +13,11 @@ from .config import ConfigError, DecoderConfig
 
 if TYPE_CHECKING:  # (imported lazily at run time: `--help` must not load torch models)
     from ..common.layout import HParams, ModelLayout
-    from .experts import ExpertSource
-    from .generate import GenerationResult
+    from .experts.source import ExpertSource
+    from .generation.loop import GenerationResult
     from .models.moe_transformer import MoEModel
-    from .prefetch import Prefetcher
-    from .tokenizer import GGUFTokenizer
+    from .experts.prefetch import Prefetcher
+    from .generation.tokenizer import GGUFTokenizer
 
 DESCRIPTION = """\
 Generate text from a GGUF Mixture-of-Experts model. Dense weights are loaded onto the device
@@ -159,10 +159,10 @@ def config_from_args(args: argparse.Namespace) -> DecoderConfig:
 
 def open_resident(cfg: DecoderConfig, layout: ModelLayout, model: MoEModel) -> tuple[ExpertSource, Prefetcher | None]:
     if cfg.resolved_slot_format == "quant":
-        from .quant_experts import QuantResidentExperts
+        from .experts.resident import QuantResidentExperts
 
         return QuantResidentExperts(layout), None
-    from .experts import ResidentExperts
+    from .experts.source import ResidentExperts
 
     source = ResidentExperts(layout, cfg.torch_device, cfg.torch_dtype, cfg.resolved_slot_format, progress=cfg.progress)
     return source, None
@@ -190,9 +190,9 @@ def checked_slots(slots: int, hp: HParams) -> int:
 
 def open_streamed(cfg: DecoderConfig, layout: ModelLayout, model: MoEModel) -> tuple[ExpertSource, Prefetcher | None]:
     try:
-        from .arena_experts import open_arena
-        from .prefetch import Prefetcher
-        from .streamed import open_streamed as connect
+        from .experts.arena import open_arena
+        from .experts.prefetch import Prefetcher
+        from .experts.streamed import open_streamed as connect
     except ImportError as e:
         raise ConfigError(f"streamed mode not available ({e}); use --resident") from None
     if cfg.resolved_slot_format == "quant":
@@ -228,10 +228,10 @@ def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
     `echo_prompt` prints a single prompt's text before its continuation; `header(cfg, layout)`
     runs once the model is loaded, before generating (the demo's description of the setup)."""
     from ..common.layout import ModelLayout
-    from .generate import TextStream, generate
+    from .generation.loop import TextStream, generate
     from .models import load_model
-    from .tokenizer import GGUFTokenizer
-    from .traces import RoutingRecorder
+    from .generation.tokenizer import GGUFTokenizer
+    from .generation.traces import RoutingRecorder
 
     use_threads(cfg.threads)
     layout = ModelLayout(cfg.model)
@@ -294,11 +294,11 @@ def print_stats(result: GenerationResult, load_s: float, source_stats: dict, pre
           f"prefill {result.prefill_s * 1e3:.1f} ms, load {load_s:.2f} s", file=out)
     st = source_stats
     if st["source"] == "streamed" and st.get("slot_format") == "quant":
-        from .arena_experts import describe_stats
+        from .experts.arena import describe_stats
 
         print(describe_stats(st), file=out)
     elif st["source"] == "streamed":
-        from .streamed import describe_stats as describe_slots
+        from .experts.streamed import describe_stats as describe_slots
 
         print(describe_slots(st), file=out)
     else:
@@ -327,7 +327,7 @@ def expected_error(e: BaseException) -> bool:
         return True
     try:
         from ..common.client import IodError
-        from ..common.spawn import DaemonStartError
+        from ..tools.spawn import DaemonStartError
     except ImportError:  # streamed extras not installed: nothing of theirs can have raised
         return False
     return isinstance(e, (IodError, DaemonStartError))

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .sampling import SamplingParams
+from .generation.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SLOT_FORMATS = ("auto", "quant", "raw", "dequant")

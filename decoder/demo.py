@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         model_path = default_model(args.cache_dir)
     if args.iod:
         return generate_streamed(args, model_path, args.iod)
-    from ..common.spawn import spawn_daemon
+    from ..tools.spawn import spawn_daemon
 
     slots = cache_slots(args, model_path)
     daemon = spawn_daemon(model_path, arena_slots=None if device_slots(args) else slots)

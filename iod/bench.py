@@ -264,7 +264,7 @@ def daemon(args: argparse.Namespace) -> Iterator[tuple[str, str | None, int | No
     if args.iod:
         yield args.iod, args.status_endpoint, None
         return
-    from moestream.common.spawn import spawn_daemon
+    from moestream.tools.spawn import spawn_daemon
 
     # one client measuring delivery: no per-client lease quota (it would cap the loads in flight)
     extra = ["--backend", args.backend, "--queue-depth", str(args.depth), "--client-lease-share", "1"] + \
@@ -276,7 +276,7 @@ def daemon(args: argparse.Namespace) -> Iterator[tuple[str, str | None, int | No
 def delivery_phase(args: argparse.Namespace, name: str, keys: list[Key], dst: np.ndarray, layout: ModelLayout,
                    hits: int = 0) -> dict:
     from moestream.common.client import IodClient
-    from moestream.common.status_cli import get_status
+    from moestream.tools.status import get_status
 
     with daemon(args) as (endpoint, status_ep, pid), IodClient(endpoint, name="bench-io") as client:
         _map_arena(client)
@@ -304,7 +304,7 @@ def _in_flight(status: dict) -> dict | None:
 
 
 def hit_phase(client, hot: list[Key], n: int, status_ep: str | None) -> dict:
-    from moestream.common.status_cli import get_status
+    from moestream.tools.status import get_status
 
     make_resident(client, hot)
     before = get_status(status_ep) if status_ep else None

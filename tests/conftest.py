@@ -70,7 +70,7 @@ def tiny_model(make_tiny_model) -> Path:
 def start_daemon(tmp_path: Path):
     """`start_daemon(model, **spawn_daemon_kwargs)`: a real daemon on ipc endpoints under tmp_path,
     stopped after the test."""
-    from moestream.common.spawn import spawn_daemon
+    from moestream.tools.spawn import spawn_daemon
 
     started: list = []
 
@@ -89,7 +89,7 @@ def start_daemon(tmp_path: Path):
 def wait_status() -> Callable[..., dict]:
     """`wait_status(status_endpoint, pred, timeout_s=10)`: poll a daemon's status until `pred(status)` holds."""
 
-    from moestream.common.status_cli import get_status
+    from moestream.tools.status import get_status
 
     def wait(endpoint: str, pred: Callable[[dict], bool], timeout_s: float = 10.0) -> dict:
         deadline = time.monotonic() + timeout_s

@@ -54,6 +54,6 @@ def test_the_contract_and_the_daemon_never_import_the_authoring_tools():
 
 
 def test_status_and_the_daemon_run_without_torch():
-    code = ("import sys, moestream.cli, moestream.common.status_cli, moestream.iod.main, moestream.iod.server; "
+    code = ("import sys, moestream.cli, moestream.tools.status, moestream.iod.main, moestream.iod.server; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -43,7 +43,7 @@ def load_model(layout: ModelLayout, device: str | torch.device = "cpu", dtype: t
                progress: bool = False, keep_quantized: bool = False) -> MoEModel:
     """The architecture's `Model` with every dense weight of `layout` materialized on `device`
     (2-D quantized ones kept as their blocks with `keep_quantized`, on a CPU)."""
-    from ..weights import load_dense
+    from .weights import load_dense
 
     dense = load_dense(layout, device, dtype or torch.float32, progress, keep_quantized)
     return get_model_module(layout.hparams.arch).Model(layout.hparams, dense)

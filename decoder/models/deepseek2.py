@@ -39,8 +39,8 @@ import torch.nn.functional as F
 
 from ...common.arch import MLADims, mla_dims
 from ...common.layout import HParams, ModelFormatError
-from ..experts import ExpertSource
-from ..weights import QuantWeight
+from ..experts.source import ExpertSource
+from .weights import QuantWeight
 from . import qwen3moe
 from .layers import (
     KVCache,

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..weights import QuantWeight
+from .weights import QuantWeight
 
 Weights = dict[str, "torch.Tensor | QuantWeight"]
 

@@ -19,7 +19,7 @@ import torch
 
 from ...common.arch import ArchSpec, get_arch
 from ...common.layout import HParams
-from ..experts import ExpertSource
+from ..experts.source import ExpertSource
 from .layers import (ROUTING, AttnShape, KVCache, StepAttn, Weights, attention, embed, linear, rms_norm,
                      shared_expert, step_attn)
 

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..tokenizer import GGUFTokenizer
+from ..generation.tokenizer import GGUFTokenizer
 from . import openai_api as api
 from .engine import DoneEvent, Engine, ErrorEvent, TokenEvent
 from .text import ReplyText

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..experts import ExpertSource
+from ..experts.source import ExpertSource
 from ..models.moe_transformer import LayerObserver, MoEModel
-from ..sampling import Sampler, SamplingParams
+from ..generation.sampling import Sampler, SamplingParams
 from .metrics import ServeMetrics
 
 if TYPE_CHECKING:

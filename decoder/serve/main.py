@@ -15,7 +15,7 @@ from .config import ServeConfig, build_parser, config_from_args
 def open_engine(cfg: ServeConfig):
     """Layout, tokenizer and a started engine for `cfg` (model and source load on the engine thread)."""
     from ...common.layout import ModelLayout
-    from ..tokenizer import GGUFTokenizer
+    from ..generation.tokenizer import GGUFTokenizer
     from .engine import Engine, open_parts
 
     layout = ModelLayout(cfg.model)

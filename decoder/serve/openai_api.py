@@ -11,8 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..sampling import SamplingParams
-from ..tokenizer import GGUFTokenizer
+from ..generation.sampling import SamplingParams
+from ..generation.tokenizer import GGUFTokenizer
 from .engine import GenRequest, TokenEvent, random_seed
 
 
@@ -177,7 +177,7 @@ def render_messages(messages: Any, tok: GGUFTokenizer) -> str:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a string role", "messages")
         clean.append({"role": m["role"], "content": message_text(m.get("content"), i)})
-    from ..tokenizer import TokenizerError
+    from ..generation.tokenizer import TokenizerError
 
     try:
         return tok.render_chat(clean, add_generation_prompt=True)

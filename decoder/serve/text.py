@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..generate import TextStream
+from ..generation.loop import TextStream
 
 
 class ReplyText:

@@ -8,10 +8,10 @@ from moestream.cli import dispatch
 
 BENCHES: dict[str, tuple[str, str]] = {
     "io": ("moestream.iod.bench", "expert delivery from moestream-iod vs the raw read/memcpy limit"),
-    "decode": ("moestream.decoder.bench", "tokens/s streamed vs resident"),
-    "kernels": ("moestream.decoder.bench_kernels", "per-expert time: quantized kernels vs dequantize-then-matmul"),
-    "serve": ("moestream.decoder.bench_serve", "a real server at concurrency 1/2/4: tok/s, TTFT, expert bytes per token"),
-    "capped": ("moestream.decoder.bench_capped", "daemon + decoder under one memory cap, optionally beside llama.cpp"),
+    "decode": ("moestream.decoder.bench.decode", "tokens/s streamed vs resident"),
+    "kernels": ("moestream.decoder.bench.kernels", "per-expert time: quantized kernels vs dequantize-then-matmul"),
+    "serve": ("moestream.decoder.bench.serve", "a real server at concurrency 1/2/4: tok/s, TTFT, expert bytes per token"),
+    "capped": ("moestream.decoder.bench.capped", "daemon + decoder under one memory cap, optionally beside llama.cpp"),
 }
 
 

@@ -25,8 +25,8 @@ from moestream.common.client import (
     fingerprint_mismatch,
 )
 from moestream.common.layout import ModelLayout
-from moestream.common.spawn import spawn_daemon
-from moestream.common.status_cli import get_status
+from moestream.tools.spawn import spawn_daemon
+from moestream.tools.status import get_status
 
 
 @pytest.fixture

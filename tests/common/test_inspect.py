@@ -7,7 +7,7 @@ import json
 import numpy as np
 from gguf import GGUFReader
 
-from moestream.common.inspect import main
+from moestream.tools.inspect import main
 
 
 def test_inspect_json_numbers(make_tiny_model, capsys):

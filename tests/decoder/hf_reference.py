@@ -12,7 +12,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 from moestream.common.layout import ModelLayout
-from moestream.decoder.experts import ResidentExperts
+from moestream.decoder.experts.source import ResidentExperts
 from moestream.decoder.models import load_model
 
 

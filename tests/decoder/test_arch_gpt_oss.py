@@ -16,13 +16,13 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from moestream.common.arch import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from moestream.common.layout import ModelLayout
-from moestream.decoder import qkernels as qk
-from moestream.decoder.arena_experts import open_arena
-from moestream.decoder.experts import ResidentExperts
-from moestream.decoder.generate import generate
+from moestream.decoder.kernels import cpu as qk
+from moestream.decoder.experts.arena import open_arena
+from moestream.decoder.experts.source import ResidentExperts
+from moestream.decoder.generation.loop import generate
 from moestream.decoder.models import get_model_module, load_model
-from moestream.decoder.prefetch import Prefetcher
-from moestream.decoder.quant_experts import QuantResidentExperts
+from moestream.decoder.experts.prefetch import Prefetcher
+from moestream.decoder.experts.resident import QuantResidentExperts
 from hf_reference import gguf_tensors
 
 transformers = pytest.importorskip("transformers")
@@ -187,7 +187,7 @@ def test_unsupported_rope_scaling_is_a_clear_error(make_tiny_model):
 
 
 def test_device_slot_cache_path_refuses_clearly(make_tiny_model):
-    from moestream.decoder.streamed import open_streamed
+    from moestream.decoder.experts.streamed import open_streamed
 
     layout = ModelLayout(make_tiny_model(**MODEL))
     with pytest.raises(ValueError, match="not supported on the device slot-cache path yet"):
@@ -215,7 +215,7 @@ def test_streamed_equals_resident_bit_for_bit(make_tiny_model, start_daemon):
 
 
 def test_cli_generate_resident_and_iod_same_text(make_tiny_model, capsys):
-    from moestream.common.spawn import spawn_daemon
+    from moestream.tools.spawn import spawn_daemon
     from moestream.decoder import cli
 
     path = make_tiny_model(**MODEL)

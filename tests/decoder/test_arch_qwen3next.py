@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 from moestream.common.layout import ModelFormatError, ModelLayout
-from moestream.decoder.arena_experts import open_arena
-from moestream.decoder.experts import ResidentExperts
-from moestream.decoder.generate import generate
+from moestream.decoder.experts.arena import open_arena
+from moestream.decoder.experts.source import ResidentExperts
+from moestream.decoder.generation.loop import generate
 from moestream.decoder.models import get_model_module, load_model
-from moestream.decoder.prefetch import Prefetcher
-from moestream.decoder.quant_experts import QuantResidentExperts
+from moestream.decoder.experts.prefetch import Prefetcher
+from moestream.decoder.experts.resident import QuantResidentExperts
 from hf_reference import gguf_tensors, max_logit_diff
 
 transformers = pytest.importorskip("transformers")

@@ -14,13 +14,13 @@ import pytest
 import torch
 from moestream.common.client import IodRequestError
 from moestream.common.layout import ModelLayout
-from moestream.decoder.arena_experts import open_arena
-from moestream.decoder.experts import ResidentExperts
-from moestream.decoder.generate import generate
+from moestream.decoder.experts.arena import open_arena
+from moestream.decoder.experts.source import ResidentExperts
+from moestream.decoder.generation.loop import generate
 from moestream.decoder.models import get_model_module
-from moestream.decoder.prefetch import Prefetcher
-from moestream.decoder.quant_experts import QuantResidentExperts
-from moestream.decoder.weights import load_dense
+from moestream.decoder.experts.prefetch import Prefetcher
+from moestream.decoder.experts.resident import QuantResidentExperts
+from moestream.decoder.models.weights import load_dense
 
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 128, 9, 77, 31, 2, 501]
 N_NEW = 6
@@ -132,7 +132,7 @@ def test_a_prefetch_that_failed_is_fetched_again_now(setups, start_daemon):
 def test_predictions_if_cached_never_read(setups, start_daemon):
     """`cached` prefetches lease what the arena holds and never cause a read; a right guess then
     leaves the layer nothing to wait for."""
-    from moestream.common.status_cli import get_status
+    from moestream.tools.status import get_status
 
     s = setups("Q8_0")
     daemon = start_daemon(s.path, arena_slots=8)
@@ -167,7 +167,7 @@ def test_dense_weights_kept_quantized_match_dequantized(setups, quant):
     """`keep_quantized`: 2-D quantized dense weights stay as their blocks (1/4 to 1/7 of float32),
     computed by the same kernels; the forward agrees with the dequantized-weight model."""
     from moestream.decoder.models import load_model
-    from moestream.decoder.weights import QuantWeight, load_tensor
+    from moestream.decoder.models.weights import QuantWeight, load_tensor
 
     s = setups(quant)
     quant_model = load_model(s.layout, keep_quantized=True)

@@ -9,13 +9,13 @@ import os
 import subprocess
 
 import pytest
-from moestream.decoder import bench_capped as bc
-from moestream.decoder import bench_capped_plan as plan
-from moestream.decoder import bench_capped_report as report
-from moestream.decoder import cgroup_run as cg
-from moestream.decoder import host_counters as hc
-from moestream.decoder import moestream_run as msr
-from moestream.decoder import routing_replay as rr
+from moestream.decoder.bench import capped as bc
+from moestream.decoder.bench import capped_plan as plan
+from moestream.decoder.bench import capped_report as report
+from moestream.decoder.bench import cgroup_run as cg
+from moestream.decoder.bench import host_counters as hc
+from moestream.decoder.bench import moestream_run as msr
+from moestream.decoder.bench import routing_replay as rr
 
 MiB = 1 << 20
 

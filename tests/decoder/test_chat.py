@@ -20,10 +20,10 @@ CHAT = [sys.executable, "-m", "moestream", "chat", "--model", str(MODEL), "--res
 def greedy_reply(message: str, n: int) -> str:
     """The resident decoder's greedy reply to one user message (the independent reference)."""
     from moestream.common.layout import ModelLayout
-    from moestream.decoder.generate import generate
+    from moestream.decoder.generation.loop import generate
     from moestream.decoder.models import load_model
-    from moestream.decoder.quant_experts import QuantResidentExperts
-    from moestream.decoder.tokenizer import GGUFTokenizer
+    from moestream.decoder.experts.resident import QuantResidentExperts
+    from moestream.decoder.generation.tokenizer import GGUFTokenizer
 
     layout = ModelLayout(MODEL)
     tok = GGUFTokenizer.from_layout(layout)

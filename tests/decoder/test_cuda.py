@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 from moestream.common.layout import ModelLayout
-from moestream.decoder.experts import ResidentExperts
+from moestream.decoder.experts.source import ResidentExperts
 from moestream.decoder.models import load_model
-from moestream.decoder.streamed import open_streamed
+from moestream.decoder.experts.streamed import open_streamed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -130,7 +130,7 @@ def test_streamed_copies_straight_from_the_registered_arena(models, start_daemon
 
 
 def test_bench_decode_on_cuda_prints_the_peers(models, capsys):
-    from moestream.decoder import bench
+    from moestream.decoder.bench import decode as bench
 
     rc = bench.main(["--model", str(models["qwen3moe"]), "--device", "cuda", "-n", "4", "--repeat", "1",
                      "--prompt-tokens", "4"])

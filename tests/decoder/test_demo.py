@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from moestream.common import spawn
+from moestream.tools import spawn
 from moestream.common.client import IodClient
 from moestream.common.layout import ModelLayout
 from moestream.decoder import demo
@@ -73,7 +73,7 @@ def test_demo_stops_its_daemon_on_ctrl_c(fresh, capsys, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("moestream.decoder.generate.generate", interrupted)
+    monkeypatch.setattr("moestream.decoder.generation.loop.generate", interrupted)
     assert demo.main(["--cache-dir", str(cache), "-n", "2"]) == 130
     captured = capsys.readouterr()
     assert "interrupted" in captured.err and "stopped moestream-iod" in captured.out
@@ -91,7 +91,7 @@ def test_demo_bad_model_is_one_clear_line(fresh, capsys, tmp_path):
 def test_bench_decode_json(make_tiny_model, capsys):
     import json
 
-    from moestream.decoder import bench
+    from moestream.decoder.bench import decode as bench
 
     model = make_tiny_model(quant="Q8_0", layers=2, experts=8, top_k=2)
     assert bench.main(["--model", str(model), "-n", "3", "--repeat", "1", "--prompt-tokens", "4", "--json"]) == 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import moestream.decoder.dequant as dq
+import moestream.decoder.kernels.dequant as dq
 import numpy as np
 import pytest
 import torch
@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quant_shape_to_byte_shape
 from moestream.common.layout import SUPPORTED_QTYPES
-from moestream.decoder.dequant import SUPPORTED, byte_size, dequantize
+from moestream.decoder.kernels.dequant import SUPPORTED, byte_size, dequantize
 
 # byte offsets of the float16 scale fields inside one block (from ggml's block structs)
 F16_FIELDS = {

@@ -6,16 +6,16 @@ import pytest
 import torch
 from moestream.common.layout import ModelLayout
 from moestream.decoder import cli
-from moestream.decoder.experts import ResidentExperts
-from moestream.decoder.generate import TextStream, generate
+from moestream.decoder.experts.source import ResidentExperts
+from moestream.decoder.generation.loop import TextStream, generate
 from moestream.decoder.models import load_model
-from moestream.decoder.sampling import (
+from moestream.decoder.generation.sampling import (
     Sampler,
     SamplingParams,
     filter_top_k,
     filter_top_p,
 )
-from moestream.decoder.tokenizer import GGUFTokenizer
+from moestream.decoder.generation.tokenizer import GGUFTokenizer
 
 PROMPTS = [[5, 17, 200, 33, 41, 9, 300, 12], [77, 3], [450, 451, 452, 1, 2]]
 
@@ -129,7 +129,7 @@ def test_cli_errors_are_one_line(tiny_model, capsys, args, message):
 
 
 def test_cli_streamed_matches_resident(tiny_model, capsys):
-    from moestream.common.spawn import spawn_daemon
+    from moestream.tools.spawn import spawn_daemon
 
     args = ["--model", str(tiny_model), "--prompt", "import os", "-n", "8", "--no-progress"]
     assert cli.main([*args, "--resident"]) == 0
@@ -169,7 +169,7 @@ def test_cli_json_and_trace(tiny_model, tmp_path, capsys):
 def test_cli_without_streamed_module(tiny_model, capsys, monkeypatch):
     import sys
 
-    monkeypatch.setitem(sys.modules, "moestream.decoder.streamed", None)  # import now fails
+    monkeypatch.setitem(sys.modules, "moestream.decoder.experts.streamed", None)  # import now fails
     rc = cli.main(["--model", str(tiny_model), "--iod", "ipc:///nonexistent", "--prompt", "x", "--no-progress"])
     assert rc == 1 and "streamed mode not available" in capsys.readouterr().err
 

@@ -25,10 +25,10 @@ import torch
 
 from hf_reference import max_logit_diff
 from moestream.common.layout import ModelLayout
-from moestream.decoder.arena_experts import open_arena
-from moestream.decoder.generate import generate
+from moestream.decoder.experts.arena import open_arena
+from moestream.decoder.generation.loop import generate
 from moestream.decoder.models import load_model
-from moestream.decoder.quant_experts import QuantResidentExperts
+from moestream.decoder.experts.resident import QuantResidentExperts
 
 transformers = pytest.importorskip("transformers")
 T = transformers

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from moestream.common.layout import ModelLayout
-from moestream.decoder.experts import ExpertSource, ResidentExperts
+from moestream.decoder.experts.source import ExpertSource, ResidentExperts
 from moestream.decoder.models import architectures, load_model
 from moestream.decoder.models.moe_transformer import OnLayer
 

@@ -10,15 +10,15 @@ import pytest
 import torch
 from moestream.common.client import IodClient, IodRequestError
 from moestream.common.layout import ModelLayout
-from moestream.common.spawn import spawn_daemon
-from moestream.decoder.experts import ResidentExperts
-from moestream.decoder.generate import generate
+from moestream.tools.spawn import spawn_daemon
+from moestream.decoder.experts.source import ResidentExperts
+from moestream.decoder.generation.loop import generate
 from moestream.decoder.models import load_model
 from moestream.decoder.models.moe_transformer import OnLayer
-from moestream.decoder.prefetch import Prefetcher
-from moestream.decoder.sampling import SamplingParams
-from moestream.decoder.slot_cache import DeviceSlotCache
-from moestream.decoder.streamed import StreamedExperts
+from moestream.decoder.experts.prefetch import Prefetcher
+from moestream.decoder.generation.sampling import SamplingParams
+from moestream.decoder.experts.slot_cache import DeviceSlotCache
+from moestream.decoder.experts.streamed import StreamedExperts
 
 MODEL = dict(arch="qwen3moe", quant="Q8_0", layers=3, experts=8, top_k=2)
 PROMPTS = [[5, 17, 99, 3, 250, 41], [7, 300]]

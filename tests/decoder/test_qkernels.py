@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from moestream.authoring.quantize import encode
-from moestream.decoder import qkernels as qk
+from moestream.decoder.kernels import cpu as qk
 
 RTOL = 1e-5
 D, FF = 256, 512  # hidden, expert ff: multiples of every block size
@@ -208,7 +208,7 @@ def test_bad_matrices_raise() -> None:
 
 
 def test_bench_json(capsys: pytest.CaptureFixture[str]) -> None:
-    from moestream.decoder.bench_kernels import main
+    from moestream.decoder.bench.kernels import main
 
     assert main(["--types", "Q8_0", "Q5_1", "--hidden", "256", "--expert-ff", "256", "--rows", "1", "24",
                  "--repeat", "1", "--json"]) == 0

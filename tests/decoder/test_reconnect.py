@@ -20,18 +20,18 @@ import torch
 
 from moestream.common.client import IodClient, State
 from moestream.common.layout import ModelLayout
-from moestream.common.spawn import spawn_daemon
-from moestream.common.status_cli import get_status
+from moestream.tools.spawn import spawn_daemon
+from moestream.tools.status import get_status
 from moestream.decoder import cli
-from moestream.decoder.arena_experts import open_arena
-from moestream.decoder.experts import ResidentExperts
-from moestream.decoder.generate import generate
+from moestream.decoder.experts.arena import open_arena
+from moestream.decoder.experts.source import ResidentExperts
+from moestream.decoder.generation.loop import generate
 from moestream.decoder.models import get_model_module
-from moestream.decoder.prefetch import Prefetcher
-from moestream.decoder.quant_experts import QuantResidentExperts
-from moestream.decoder.slot_cache import DeviceSlotCache
-from moestream.decoder.streamed import StreamedExperts
-from moestream.decoder.weights import load_dense
+from moestream.decoder.experts.prefetch import Prefetcher
+from moestream.decoder.experts.resident import QuantResidentExperts
+from moestream.decoder.experts.slot_cache import DeviceSlotCache
+from moestream.decoder.experts.streamed import StreamedExperts
+from moestream.decoder.models.weights import load_dense
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 300], [400, 2, 33]]
 N_NEW = 6

@@ -29,8 +29,8 @@ def resident():
     """The reference: the resident decoder in this process, and the model's tokenizer."""
     from moestream.common.layout import ModelLayout
     from moestream.decoder.models import load_model
-    from moestream.decoder.quant_experts import QuantResidentExperts
-    from moestream.decoder.tokenizer import GGUFTokenizer
+    from moestream.decoder.experts.resident import QuantResidentExperts
+    from moestream.decoder.generation.tokenizer import GGUFTokenizer
 
     layout = ModelLayout(MODEL)
     model = load_model(layout, "cpu", torch.float32, keep_quantized=True)
@@ -44,7 +44,7 @@ def reference(resident, ids: list[int], n: int) -> list[int]:
 
 def references(resident, prompts: list[list[int]], n: int) -> list[list[int]]:
     """Greedy tokens of the resident decoder (a left-padded batch: same tokens as one at a time)."""
-    from moestream.decoder.generate import generate
+    from moestream.decoder.generation.loop import generate
 
     model, experts, tok = resident
     return generate(model, experts, prompts, n, stop_ids=tok.stop_ids, pad_id=tok.pad_id).tokens
@@ -53,7 +53,7 @@ def references(resident, prompts: list[list[int]], n: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """`moestream serve --iod` on a free loopback port, with its own daemon; both stopped after."""
-    from moestream.common.spawn import spawn_daemon
+    from moestream.tools.spawn import spawn_daemon
     from moestream.decoder.serve.process import spawn_server
 
     tmp = tmp_path_factory.mktemp("serve")
@@ -249,7 +249,7 @@ def test_forward_many_matches_forward_per_sequence(make_tiny_model, arch):
     own prepare/attend/ffn/new_cache run as they are."""
     from moestream.common.layout import ModelLayout
     from moestream.decoder.models import load_model
-    from moestream.decoder.quant_experts import QuantResidentExperts
+    from moestream.decoder.experts.resident import QuantResidentExperts
 
     layout = ModelLayout(make_tiny_model(arch=arch))
     model = load_model(layout, "cpu", torch.float32, keep_quantized=True)
@@ -291,7 +291,7 @@ def test_a_sentencepiece_chat_reply_starts_without_the_words_space(make_tiny_mod
     """`▁Hello` spells its space: kept after a completion's prompt, not at the start of a chat message."""
     from moestream.common.layout import ModelLayout
     from moestream.decoder.serve.text import ReplyText
-    from moestream.decoder.tokenizer import GGUFTokenizer
+    from moestream.decoder.generation.tokenizer import GGUFTokenizer
 
     tok = GGUFTokenizer.from_layout(ModelLayout(make_tiny_model(arch="llama", quant="F32")))
     ids = [i for i in tok.encode("Hello world, again") if i != tok.bos_id]
@@ -302,7 +302,7 @@ def test_a_sentencepiece_chat_reply_starts_without_the_words_space(make_tiny_mod
 
 
 def test_min_p_keeps_tokens_near_the_best():
-    from moestream.decoder.sampling import filter_min_p
+    from moestream.decoder.generation.sampling import filter_min_p
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     kept = filter_min_p(logits, 0.5).isfinite()

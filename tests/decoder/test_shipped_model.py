@@ -17,20 +17,20 @@ import torch
 from moestream.common.client import IodClient
 from moestream.common.layout import ModelLayout
 from moestream.common.traces import load_trace
-from moestream.common.spawn import spawn_daemon
-from moestream.decoder.experts import ResidentExperts
-from moestream.decoder.generate import generate
+from moestream.tools.spawn import spawn_daemon
+from moestream.decoder.experts.source import ResidentExperts
+from moestream.decoder.generation.loop import generate
 from moestream.decoder.models import load_model
-from moestream.decoder.prefetch import Prefetcher
-from moestream.decoder.slot_cache import DeviceSlotCache
-from moestream.decoder.streamed import StreamedExperts
-from moestream.decoder.tiny_corpus import (
+from moestream.decoder.experts.prefetch import Prefetcher
+from moestream.decoder.experts.slot_cache import DeviceSlotCache
+from moestream.decoder.experts.streamed import StreamedExperts
+from moestream.authoring.tiny_corpus import (
     corpus_files,
     is_held_out,
     stdlib_dir,
     unigram_loss,
 )
-from moestream.decoder.tokenizer import GGUFTokenizer
+from moestream.decoder.generation.tokenizer import GGUFTokenizer
 
 import moestream
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 from moestream.common.layout import ModelLayout
-from moestream.decoder.experts import ResidentExperts
-from moestream.decoder.generate import generate
+from moestream.decoder.experts.source import ResidentExperts
+from moestream.decoder.generation.loop import generate
 from moestream.decoder.models import load_model
-from moestream.decoder.tiny_corpus import (
+from moestream.authoring.tiny_corpus import (
     EXCLUDED_DIRS,
     corpus_files,
     inference_tokenizer,
@@ -20,10 +20,10 @@ from moestream.decoder.tiny_corpus import (
     stdlib_dir,
     train_tokenizer,
 )
-from moestream.decoder.tokenizer import GGUFTokenizer
-from moestream.decoder.trace_stats import predictability, skew
-from moestream.decoder.traces import Recorder
-from moestream.decoder.train_tiny import TrainConfig, lr_at
+from moestream.decoder.generation.tokenizer import GGUFTokenizer
+from moestream.authoring.trace_stats import predictability, skew
+from moestream.decoder.generation.traces import Recorder
+from moestream.authoring.train_tiny import TrainConfig, lr_at
 
 pytest.importorskip("transformers")
 
@@ -57,7 +57,7 @@ def test_corpus_split_is_sorted_disjoint_and_small():
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A train_tiny run directory holding a random (untrained) small model and a real tokenizer."""
-    from moestream.decoder.train_tiny import build_model
+    from moestream.authoring.train_tiny import build_model
 
     run = tmp_path_factory.mktemp("run")
     cfg = TrainConfig(out=run, vocab=512, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=32, experts=8,
@@ -80,7 +80,7 @@ def tiny_run(tmp_path_factory):
 
 
 def test_export_reproduces_the_hf_model_in_our_decoder(tiny_run, tmp_path):
-    from moestream.decoder.export_gguf import export, max_logit_diff
+    from moestream.authoring.export_gguf import export, max_logit_diff
 
     run, _ = tiny_run
     f32, q8 = export(run, tmp_path, ["F32", "Q8_0"])
@@ -93,7 +93,7 @@ def test_export_reproduces_the_hf_model_in_our_decoder(tiny_run, tmp_path):
 
 
 def test_gguf_tokenizer_encodes_like_the_training_tokenizer(tiny_run, tmp_path):
-    from moestream.decoder.export_gguf import export
+    from moestream.authoring.export_gguf import export
     from tokenizers import Tokenizer
 
     run, texts = tiny_run

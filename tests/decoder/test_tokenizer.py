@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from gguf import GGUFReader
 from moestream.common.layout import ModelLayout
-from moestream.decoder.tokenizer import GGUFTokenizer, TokenizerError
+from moestream.decoder.generation.tokenizer import GGUFTokenizer, TokenizerError
 
 transformers = pytest.importorskip("transformers")
 

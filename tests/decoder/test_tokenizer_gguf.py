@@ -22,8 +22,8 @@ from pathlib import Path
 import gguf
 import pytest
 from gguf import GGUFReader, TokenType
-from moestream.decoder.generate import TextStream
-from moestream.decoder.tokenizer import PRE_TOKENIZERS, GGUFTokenizer, TokenizerError
+from moestream.decoder.generation.loop import TextStream
+from moestream.decoder.generation.tokenizer import PRE_TOKENIZERS, GGUFTokenizer, TokenizerError
 from tokenizers import AddedToken, Tokenizer, pre_tokenizers, trainers
 
 TEXTS = [
@@ -389,7 +389,7 @@ def test_mixtral_sentencepiece_file_generates_the_same_text_both_ways(make_tiny_
     """`generate --resident` and `--iod` (a real daemon, a quarter of the experts cached) print the
     same text for a SentencePiece Mixtral file, and the streamed print is the decode of the ids."""
     from moestream.common.layout import ModelLayout
-    from moestream.common.spawn import spawn_daemon
+    from moestream.tools.spawn import spawn_daemon
     from moestream.decoder import cli
 
     path = make_tiny_model(arch="llama")

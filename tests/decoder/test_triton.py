@@ -25,9 +25,9 @@ from gguf.quants import dequantize as gguf_dequantize
 triton = pytest.importorskip("triton")
 
 from moestream.common.layout import ExpertIndex, TensorInfo
-from moestream.decoder import triton_experts as tx
-from moestream.decoder import triton_quant as tq
-from moestream.decoder.slot_format import slot_layouts
+from moestream.decoder.kernels import triton_experts as tx
+from moestream.decoder.kernels import triton_quant as tq
+from moestream.decoder.experts.slot_format import slot_layouts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LISTED = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.IQ4_XS, Q.MXFP4)
@@ -218,9 +218,9 @@ def test_resident_and_streamed_on_the_kernels(tiny_model, start_daemon) -> None:
     logits' scale); streamed through a daemon with a cache of a quarter of the experts, some
     served from spare rows, equals resident on the kernels bit for bit."""
     from moestream.common.layout import ModelLayout
-    from moestream.decoder.experts import ResidentExperts
+    from moestream.decoder.experts.source import ResidentExperts
     from moestream.decoder.models import load_model
-    from moestream.decoder.streamed import open_streamed
+    from moestream.decoder.experts.streamed import open_streamed
 
     layout = ModelLayout(tiny_model)
     model = load_model(layout, DEVICE, torch.float32)
@@ -244,7 +244,7 @@ def test_resident_and_streamed_on_the_kernels(tiny_model, start_daemon) -> None:
 def test_slot_kernels_choice_and_the_one_time_notice(capsys) -> None:
     """Auto: kernels on CUDA only; asked for: layers of types without a kernel keep the torch
     path, said once per process."""
-    from moestream.decoder import slot_format
+    from moestream.decoder.experts import slot_format
 
     mixed = [Bank((Q.Q8_0, Q.Q8_0), 64, 96).lay, Bank((Q.Q5_0, Q.Q8_0), 64, 96).lay]
     assert slot_format.slot_kernels(mixed, "cpu", None) is None

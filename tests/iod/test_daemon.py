@@ -24,7 +24,7 @@ from moestream.common.client import (
     IodUnavailable,
 )
 from moestream.common.layout import ModelLayout
-from moestream.common.status_cli import get_status
+from moestream.tools.status import get_status
 
 # Takes leases, says so, then waits to be killed.
 HOLD_LEASES = r"""

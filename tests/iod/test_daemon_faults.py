@@ -14,8 +14,8 @@ import zmq
 
 from moestream.common import protocol as P
 from moestream.common.client import IodClient
-from moestream.common.spawn import DaemonStartError, spawn_daemon
-from moestream.common.status_cli import get_status
+from moestream.tools.spawn import DaemonStartError, spawn_daemon
+from moestream.tools.status import get_status
 
 SHM = Path("/dev/shm")
 

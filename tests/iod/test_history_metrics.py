@@ -12,9 +12,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from moestream.common.client import IodClient
-from moestream.common.status_cli import get_status
+from moestream.tools.status import get_status
 from moestream.common.traces import write_trace
-from moestream.common.warm_cli import main as warm_main
+from moestream.tools.warm import main as warm_main
 
 
 def _fetch_and_release(endpoint: str, keys: list[tuple[int, int]], times: int = 1) -> None:

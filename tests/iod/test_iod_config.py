@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from moestream.common import status_cli
+from moestream.tools import status as status_cli
 from moestream.common.client import IodClient
 from moestream.iod import notify
 from moestream.iod.config import DEFAULT_ENDPOINT, ConfigError, load_config, parse_size, resolve_slots

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 from moestream.common import units
-from moestream.common.inspect import describe, format_text
+from moestream.tools.inspect import describe, format_text
 from moestream.common.layout import ModelLayout
-from moestream.common.status_cli import get_status
+from moestream.tools.status import get_status
 from moestream.iod.config import ConfigError, load_config, resolve_slots
 
 MiB = 1 << 20

@@ -6,7 +6,7 @@ import time
 
 import pytest
 from moestream.common.client import IodClient
-from moestream.common.status_cli import get_status
+from moestream.tools.status import get_status
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import time
 import pytest
 from moestream.common.client import IodClient
 from moestream.common.layout import PAGE
-from moestream.common.status_cli import get_status
+from moestream.tools.status import get_status
 from moestream.iod import readers
 from moestream.iod.depth_gauge import DepthGauge, bucket
 from moestream.iod.readers import PendingQueue, ReadOp

@@ -18,8 +18,8 @@ import zmq
 
 from moestream.common import protocol as P
 from moestream.common.client import IodClient, IodRequestError, IodUnavailable
-from moestream.common.spawn import spawn_daemon
-from moestream.common.status_cli import format_status, get_status
+from moestream.tools.spawn import spawn_daemon
+from moestream.tools.status import format_status, get_status
 
 IOD = [sys.executable, "-m", "moestream.iod.main"]
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from moestream.common.client import IodClient
-from moestream.common.spawn import spawn_daemon
-from moestream.common.status_cli import get_status
+from moestream.tools.spawn import spawn_daemon
+from moestream.tools.status import get_status
 from moestream.iod.config import IodConfig, load_config
 
 SYSTEMD = Path(__file__).resolve().parents[2] / "systemd"

@@ -1,0 +1,1 @@
+"""`moestream bench decode|kernels|serve|capped`: benchmarks that print ratios measured in one run."""

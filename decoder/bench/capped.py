@@ -1,0 +1,298 @@
+"""`moestream bench capped`: moestream (daemon + decoder) under one hard memory cap, optionally
+beside llama.cpp under the same cap, on the same GGUF file, prompt, token count and threads.
+
+Method
+  cap        each --memory is a share of the model FILE's size ("50%") or a size ("1.5GiB"). Every
+             run gets a fresh memory cgroup (v2 memory.max, or v1 memory.limit_in_bytes, swap off)
+             created under this process's own cgroup (or --cgroup-parent) and removed afterwards.
+             Page cache counts against it: that is the point, llama.cpp's mmap competes for the
+             same bytes as moestream's arena.
+  split      moestream's cap = decoder + daemon + headroom + arena. The decoder's and the daemon's
+             own memory (peak RssAnon + RssFile; the arena's shared memory excluded) are measured in
+             an uncapped warm-up run, which also decides the sampling (below). The daemon gets
+             `--memory cap - decoder - headroom` (it sizes its arena itself), or, on a daemon
+             without --memory, `--arena-bytes` of what is left after its measured use.
+  runs       --cold (default) drops the page cache before each run (`sync; echo 3 >
+             /proc/sys/vm/drop_caches`). Runs are interleaved: for each repeat, for each cap,
+             moestream then llama.cpp, so the machine's drift spreads over both; medians are shown.
+  moestream  `moestream-iod --direct` and `moestream generate --prompt-ids ... --json --trace-out` as
+             two processes in the run's cgroup. The prompt is --prompt-tokens random ids (--seed).
+             The daemon reads with O_DIRECT: with page-cache reads, the model file's pages would be
+             charged to the cgroup beside the arena, the same bytes cached twice under one cap
+             (--no-direct runs it that way, to compare).
+  llama.cpp  llama-cpp-python in its own process and cgroup: `Llama(use_mmap=True)`, `eval` of
+             the prompt ids, then one `sample` + `eval` per token (EOS ignored), the same threads.
+             Extra buffer types (weight repacking, AMX) are off, as `llama-cli --no-repack`: they
+             copy weights into anonymous memory, which defeats mmap under a cap (and the AMX path
+             crashed on the development VM); --llamacpp-extra-bufts turns them back on.
+  disk       bytes read during the decode steps (load and prefill shown apart), per decoded
+             token, from the block device holding the model (/sys/dev/block/MAJ:MIN/stat), which
+             counts both sides the same way, or from each side's own processes (/proc/PID/io
+             read_bytes: daemon + decoder, or llama.cpp's process, mmap faults included): both are
+             shown, --disk-counter picks (auto: the block device unless it saw other processes'
+             reads during the run, as on a shared machine). The decode window of moestream's run
+             is found by sampling every 5 ms (the daemon's first served request marks the prefill's
+             start, plus the decoder's reported prefill time): tens of ms of error at the edges.
+             llama.cpp's process reads its counters itself around its loops.
+  ideal LRU  moestream's routing trace replayed through an LRU cache of as many experts as the
+             capped arena holds (its slot count): missed expert bytes per decoded token; the
+             prefill's misses warm the cache but are not counted. disk / ideal LRU says how close
+             each side's reads come to that cache; the disk bound is the disk's bandwidth (cold
+             batched preads of random experts, 32 in flight, measured once in this run) / ideal
+             LRU missed bytes per token; each side's bound is min(its uncapped tok/s, with
+             --uncapped, and the disk bound).
+  spread     distinct experts per layer over the decode steps. Greedy decoding of a random model
+             tends to loop over a few tokens, so the experts touched stay few; if the warm-up's
+             spread is under 50 % of the experts (on >= 32 tokens), every run samples instead
+             (--temperature, --seed; `--sampling greedy` keeps greedy). The two implementations
+             then sample different tokens (different random streams): same distribution, not the
+             same text.
+  uncapped   --uncapped adds a warm, uncapped phase: `moestream generate --resident` beside
+             llama.cpp, tok/s only: compute efficiency without I/O.
+
+Caveats: block-device counters see every process on that disk (the report shows the processes'
+own counters beside them); --warm runs under a cap are only meaningful for the arena, since
+page-cache pages charged to another cgroup before the run are used without counting against
+the cap. The exit code is 2 for bad input or missing cgroups, 1 if any run failed (the report
+still shows the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .capped_plan import MIN_ARENA_SLOTS, Plan, Split, UsageError, fmt_bytes, parse_cap, split_budget
+from .capped_report import any_failed, format_report, medians, ratio, summarize
+from .cgroup_run import CgroupError, CgroupParent, MemoryCgroup, find_cgroup_parent
+from .host_counters import block_device, disk_bandwidth, drop_caches, evict_file
+from .llamacpp_peer import run_llamacpp
+from .moestream_run import run_moestream
+
+UNCAPPED_FIGURES = ("decode_tok_s", "prefill_s", "error")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moestream bench capped", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--model", required=True, help="GGUF MoE file")
+    a("--memory", action="append", dest="caps", metavar="CAP",
+      help="memory cap: a share of the model file (50%%) or a size (1.5GiB); repeat for several caps (default 50%%)")
+    a("--llamacpp", action="store_true", help="run llama.cpp (llama-cpp-python) under the same caps, interleaved")
+    a("--uncapped", action="store_true", help="add a warm, uncapped phase: moestream --resident beside llama.cpp")
+    a("-n", "--tokens", type=int, default=64, help="tokens generated per run (default 64)")
+    a("--prompt-tokens", type=int, default=22, help="prompt length in random token ids (default 22)")
+    a("--repeat", type=int, default=2, help="runs per cap and side; medians reported (default 2)")
+    a("--threads", type=int, default=2, help="compute threads of each side (default 2)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--cold", dest="cold", action="store_true", default=True,
+                   help="drop the page cache before every run (default; needs root)")
+    g.add_argument("--warm", dest="cold", action="store_false", help="keep the page cache between runs")
+    a("--prefetch", type=int, default=1, help="moestream's router look-ahead depth (default 1)")
+    a("--direct", action=argparse.BooleanOptionalAction, default=True,
+      help="moestream-iod reads with O_DIRECT (default); --no-direct reads through the page cache, whose pages "
+      "are then charged to the cgroup beside the arena (the same bytes cached twice under one cap)")
+    a("--sampling", choices=("auto", "greedy", "sample"), default="auto",
+      help="auto (default): greedy unless the warm-up's routing is narrow, then sample; or force one")
+    a("--temperature", type=float, default=1.0, help="temperature when sampling (default 1.0)")
+    a("--seed", type=int, default=0, help="prompt ids and sampling seed (default 0)")
+    a("--headroom", default="64MiB",
+      help="part of each cap left to the kernel and in-flight page cache (default 64MiB)")
+    a("--decoder-arg", action="append", default=[], metavar="ARG",
+      help="extra argument for `moestream generate` (repeatable), e.g. --decoder-arg=--slot-format=quant")
+    a("--llamacpp-extra-bufts", action="store_true",
+      help="let llama.cpp repack weights into extra buffer types (off by default: see above)")
+    a("--disk-counter", choices=("auto", "block", "proc"), default="auto",
+      help="count disk reads on the block device (block), by each side's own processes (proc: /proc/PID/io), or "
+      "auto (default): the block device unless it saw other processes' reads in the run")
+    a("--cgroup-parent", metavar="DIR", help="create the runs' cgroups under this cgroup directory (default: this "
+      "process's own memory cgroup, v2 if it has the memory controller, else v1)")
+    a("--timeout", type=float, default=1800.0, help="seconds one run may take (default 1800)")
+    a("--json", action="store_true", help="print one JSON object instead of the tables")
+    return p
+
+
+# -- input -----------------------------------------------------------------------------------
+def check_args(args: argparse.Namespace) -> tuple[Any, list[tuple[str, int]], int]:
+    """Validate the input; returns (layout, [(cap text, cap bytes)], headroom bytes). UsageError
+    otherwise."""
+    from ...common.layout import ModelLayout
+
+    if not Path(args.model).is_file():
+        raise UsageError(f"model not found: {args.model}")
+    if args.tokens < 2 or args.prompt_tokens < 1 or args.repeat < 1 or args.threads < 1 or args.prefetch < 0:
+        raise UsageError("-n must be >= 2, --prompt-tokens, --repeat and --threads >= 1, --prefetch >= 0")
+    if args.temperature <= 0:
+        raise UsageError(f"--temperature must be > 0 (greedy is --sampling greedy), got {args.temperature}")
+    layout = ModelLayout(args.model)
+    caps = [(text, parse_cap(text, layout.file_size)) for text in (args.caps or ["50%"])]
+    for text, cap in caps:
+        if cap <= layout.dense_bytes:
+            raise UsageError(f"cap {text} = {fmt_bytes(cap)} is smaller than the model's dense weights alone "
+                             f"({fmt_bytes(layout.dense_bytes)} of a {fmt_bytes(layout.file_size)} file)")
+    headroom = parse_cap(args.headroom, layout.file_size, "--headroom")
+    if args.llamacpp and importlib.util.find_spec("llama_cpp") is None:
+        raise UsageError("--llamacpp needs llama-cpp-python: pip install 'moestream[bench]'")
+    return layout, caps, headroom
+
+
+def _help_lacks(module: str, flags: Sequence[str]) -> list[str]:
+    """Which of `flags` the module's --help lacks."""
+    text = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
+                          check=False).stdout
+    return [f for f in flags if f not in text]
+
+
+def make_plan(args: argparse.Namespace, layout: Any, workdir: Path) -> Plan:
+    missing = _help_lacks("moestream.decoder.cli", ("--prompt-ids", "--json", "--trace-out"))
+    if missing:
+        raise UsageError(f"this moestream's `generate` lacks {', '.join(missing)}, which this bench needs")
+    rng = random.Random(args.seed)
+    dev = block_device(args.model)
+    return Plan(model=str(Path(args.model).resolve()),
+                prompt=[rng.randrange(layout.hparams.n_vocab) for _ in range(args.prompt_tokens)],
+                tokens=args.tokens, threads=args.threads, prefetch=args.prefetch,
+                temperature=args.temperature if args.sampling == "sample" else 0.0, seed=args.seed,
+                block_stat=dev[1] if dev else None, workdir=workdir, timeout_s=args.timeout,
+                decoder_args=list(args.decoder_arg), extra_bufts=args.llamacpp_extra_bufts,
+                daemon_memory_flag=not _help_lacks("moestream.iod.main", ("--memory",)),
+                disk_counter=args.disk_counter, direct=args.direct)
+
+
+class Cold:
+    """Drops the page cache before a run (cold), saying once if it cannot."""
+
+    def __init__(self, cold: bool, model: str, notes: list[str]):
+        self.cold, self.model, self.notes, self._warned = cold, model, notes, False
+
+    def __call__(self) -> None:
+        if not self.cold:
+            return
+        why = drop_caches()
+        if why is None:
+            return
+        evict_file(self.model)
+        if not self._warned:
+            self._warned = True
+            self.notes.append(f"warm: could not drop caches ({why}); only the model file's pages are evicted "
+                              "before each run (POSIX_FADV_DONTNEED), libraries stay cached")
+            print(f"moestream bench capped: {self.notes[-1]}", file=sys.stderr)
+
+
+# -- the phases ------------------------------------------------------------------------------
+def warm_up(plan: Plan, layout: Any, parent: CgroupParent, args: argparse.Namespace) -> dict[str, Any]:
+    """Uncapped run (own cgroup, no limit): the processes' memory, and the sampling decision."""
+    r = run_moestream(plan, layout, parent, None, "warmup")
+    if "error" in r:
+        raise RuntimeError(f"warm-up run failed: {r['error']}")
+    out = {"decoder_bytes": r["peak_decoder"], "daemon_bytes": r["peak_daemon"], "spread": r["spread"],
+           "decode_tok_s": r["decode_tok_s"], "sampling": "greedy"}
+    if args.sampling == "sample" or (args.sampling == "auto" and r["spread"]["narrow"]):
+        plan.temperature = args.temperature
+        out["sampling"] = f"temperature {args.temperature}, seed {args.seed}"
+    return out
+
+
+def uncapped_phase(plan: Plan, layout: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Warm, no cap: moestream --resident beside llama.cpp; one untimed run each first."""
+    sides: dict[str, list] = {"moestream": [], "llamacpp": []}
+    for i in range(args.repeat + 1):
+        ms = run_moestream(plan, layout, None, None, f"res{i}", resident=True)
+        ll = run_llamacpp(plan, None, None, f"llu{i}") if args.llamacpp else None
+        if i:  # the first pass warms the page cache (and compiled kernels' caches)
+            for side, r in (("moestream", ms), ("llamacpp", ll)):
+                if r is not None:
+                    sides[side].append({k: r[k] for k in UNCAPPED_FIGURES if k in r})
+    out = {side: medians(r) for side, r in sides.items() if r}
+    if "llamacpp" in out:
+        out["ratio"] = ratio(out["moestream"].get("decode_tok_s"), out["llamacpp"].get("decode_tok_s"))
+    return out
+
+
+def capped_runs(plan: Plan, layout: Any, parent: CgroupParent, splits: dict[str, Split], caps: list[tuple[str, int]],
+                args: argparse.Namespace, cold: Cold) -> dict[str, dict[str, list]]:
+    """Interleaved: for each repeat, for each cap, moestream then llama.cpp (drift spreads over both)."""
+    runs: dict[str, dict[str, list]] = {text: {"moestream": [], "llamacpp": []} for text, _ in caps}
+    for i in range(args.repeat):
+        for text, cap in caps:
+            cold()
+            runs[text]["moestream"].append(run_moestream(plan, layout, parent, splits[text], f"ms{i}"))
+            if args.llamacpp:
+                cold()
+                runs[text]["llamacpp"].append(run_llamacpp(plan, parent, cap, f"ll{i}"))
+    return runs
+
+
+def _setup(plan: Plan, layout: Any, parent: CgroupParent, args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
+    """The result's description of the model and the method."""
+    ex, hp = layout.experts, layout.hparams
+    return {"model": plan.model, "file_bytes": layout.file_size, "dense_bytes": layout.dense_bytes,
+            "expert_bytes": ex.total_bytes, "n_layer": hp.n_layer, "n_expert": hp.n_expert, "top_k": hp.n_expert_used,
+            "tokens": plan.tokens, "prompt_tokens": len(plan.prompt), "threads": plan.threads, "repeat": args.repeat,
+            "cold": args.cold, "prefetch": plan.prefetch, "direct": plan.direct,
+            "cgroup": f"v{parent.version} under {parent.path}",
+            "disk": block_device(plan.model)[0] if plan.block_stat else None,
+            "daemon_sizing": "--memory" if plan.daemon_memory_flag else "--arena-bytes", "notes": notes}
+
+
+def measure(args: argparse.Namespace, layout: Any, caps: list[tuple[str, int]], headroom: int,
+            workdir: Path) -> dict[str, Any]:
+    """warm-up -> the caps' splits -> disk bandwidth -> (uncapped) -> the capped runs -> summary."""
+    parent = find_cgroup_parent(args.cgroup_parent)
+    MemoryCgroup(parent, None, "probe").remove()  # can we create one at all? (clear error before any run)
+    plan = make_plan(args, layout, workdir)
+    notes: list[str] = []
+    cold = Cold(args.cold, plan.model, notes)
+    out = _setup(plan, layout, parent, args, notes)
+    out["warmup"] = warm = warm_up(plan, layout, parent, args)
+    out["sampling"] = warm["sampling"]
+    ex = layout.experts
+    min_slots = max(MIN_ARENA_SLOTS, layout.hparams.n_expert_used)
+    splits = {text: split_budget(cap, warm["decoder_bytes"], warm["daemon_bytes"], headroom,
+                                 ex.slot_bytes(plan.direct), min_slots, ex.n_blobs, text)
+              for text, cap in caps}
+    cold()
+    out["bandwidth"] = disk_bandwidth(layout, args.seed)
+    if args.uncapped:
+        out["uncapped"] = uncapped_phase(plan, layout, args)
+    runs = capped_runs(plan, layout, parent, splits, caps, args, cold)
+    out["caps"] = [summarize(text, splits[text], runs[text], out) for text, _ in caps]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..demo import sigterm_as_exit
+
+    args = build_parser().parse_args(argv)
+    try:
+        layout, caps, headroom = check_args(args)
+        with sigterm_as_exit(), tempfile.TemporaryDirectory(prefix="msbench-") as tmp:  # cgroups go on SIGTERM too
+            result = measure(args, layout, caps, headroom, Path(tmp))
+    except KeyboardInterrupt:
+        print("\nmoestream bench capped: interrupted", file=sys.stderr)
+        return 130
+    except (UsageError, CgroupError) as e:
+        print(f"moestream bench capped: {e}", file=sys.stderr)
+        return 2
+    except subprocess.TimeoutExpired as e:
+        print(f"moestream bench capped: a run took longer than {e.timeout:.0f} s (--timeout): {e.cmd[0]} ...",
+              file=sys.stderr)
+        return 1
+    except (OSError, RuntimeError, ValueError) as e:
+        print(f"moestream bench capped: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2, default=str) if args.json else format_report(result))
+    return 1 if any_failed(result) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

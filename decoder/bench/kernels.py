@@ -1,0 +1,185 @@
+"""`moestream bench kernels`: one expert's SwiGLU FFN on its quantized blocks vs dequantize-then-matmul.
+
+For each quant type and rows-per-expert n, times `qkernels.swiglu_expert` (native kernels: fused
+below DENSE_MIN_ROWS rows, decode-to-buffer + BLAS from there) against the reference a decoder
+would otherwise run: the project's torch `dequantize` of gate, up and down, then F.linear SwiGLU;
+and `qkernels.swiglu_experts` computing the whole pool in one call ("1-call", as a layer's experts).
+All are timed interleaved, each on a pool of --experts distinct random experts (so a run is not
+one expert hot in cache), --repeat times; medians are reported, per expert, with the quantized
+bytes per second the kernel reads and the speed-up of `swiglu_expert` over the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+DEFAULT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+# f16 scale fields set by hand for types `random_blocks` cannot write: byte offset -> value
+_SCALES = {"Q5_K": {0: 2e-4, 2: 1e-3}, "Q2_K": {80: 2e-3, 82: 1e-3}, "Q3_K": {108: 1e-3},
+           "IQ4_NL": {0: 5e-4}, "IQ4_XS": {0: 2e-5}}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moestream bench kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--types", nargs="+", default=list(DEFAULT_TYPES), metavar="QTYPE",
+                   help=f"GGUF quant types (default: {' '.join(DEFAULT_TYPES)}); types without a native kernel "
+                   "run the fallback (torch dequantize + matmul) on both sides")
+    p.add_argument("--hidden", type=int, default=1024, help="model hidden size d (default 1024)")
+    p.add_argument("--expert-ff", type=int, default=1024, help="expert feed-forward size (default 1024)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32], metavar="N",
+                   help="tokens routed to the expert, one measurement each (default: 1 4 32)")
+    p.add_argument("--repeat", type=int, default=9, help="timed rounds, median reported (default 9)")
+    p.add_argument("--experts", type=int, default=4,
+                   help="distinct experts per round, also those of the one-call form (default 4)")
+    p.add_argument("--threads", type=int, help="kernel and torch threads (default: numba's and torch's own)")
+    p.add_argument("--seed", type=int, default=0, help="random weights and activations (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return p
+
+
+def random_matrix(qtype: Any, n_out: int, n_in: int, rng: np.random.Generator) -> np.ndarray:
+    """[n_out * row_bytes] uint8 of random blocks that decode to small, finite weights."""
+    from gguf import GGML_QUANT_SIZES
+
+    from ...authoring.quantize import ENCODABLE, random_blocks
+
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    n_blocks = n_out * n_in // block
+    if qtype in ENCODABLE:
+        return random_blocks(n_blocks, qtype, 0.02, rng).reshape(-1)
+    if qtype.name not in _SCALES:
+        raise ValueError(f"cannot make random {qtype.name} blocks (known: Q5_K, Q2_K, Q3_K, IQ4_NL, IQ4_XS "
+                         "and the types moestream.authoring.quantize writes)")
+    blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    for off, value in _SCALES[qtype.name].items():
+        blocks[:, off:off + 2] = np.frombuffer(np.float16(value).tobytes(), dtype=np.uint8)
+    return blocks.reshape(-1)
+
+
+def _reference(x, gate, up, down) -> Callable[[], Any]:
+    """Dequantize the three matrices with decoder.dequant, then F.linear SwiGLU (the old path)."""
+    import torch
+    import torch.nn.functional as F
+    from gguf import GGMLQuantizationType as Q
+
+    from ..kernels.dequant import dequantize
+
+    xt = torch.from_numpy(x)  # [n, d]
+    parts = [(torch.from_numpy(m.data), Q(m.qtype), (m.n_in, m.n_out)) for m in (gate, up, down)]
+
+    def run() -> Any:
+        g, u, d = (dequantize(*p) for p in parts)  # [ff, d], [ff, d], [d, ff]
+        return F.linear(F.silu(F.linear(xt, g)) * F.linear(xt, u), d)  # [n, d]
+
+    return run
+
+
+def _median_ms(fns: list[Callable[[], Any]], repeat: int) -> list[float]:
+    """Median ms per call of each of `fns` (each a list of callables run in turn), interleaved."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) * 1e3 for t in times]
+
+
+def measure(qname: str, n: int, args: argparse.Namespace, rng: np.random.Generator) -> dict[str, Any]:
+    from gguf import GGMLQuantizationType as Q
+
+    from ..kernels import cpu as qk
+
+    qtype, d, ff = Q[qname], args.hidden, args.expert_ff
+    shapes = ((ff, d), (ff, d), (d, ff))  # gate, up, down
+    raw = [random_matrix(qtype, *shape, rng) for _ in range(args.experts) for shape in shapes]
+    base = np.concatenate(raw)  # [bytes] uint8: every expert's parts in one array, as in a file map
+    ends = np.cumsum([r.size for r in raw])
+    mats = [qk.QMatrix(base[end - r.size:end], int(qtype), *shapes[i % 3]) for i, (r, end) in enumerate(zip(raw, ends))]
+    pool = [tuple(mats[i:i + 3]) for i in range(0, len(mats), 3)]
+    x = rng.standard_normal((n, d)).astype(np.float32)  # [n, d]
+    refs = [_reference(x, *e) for e in pool]
+    rows = [np.arange(n)] * len(pool)
+
+    def kernel() -> None:
+        for e in pool:
+            qk.swiglu_expert(x, *e)
+
+    def experts() -> None:  # one call for the whole pool, as a layer's experts
+        qk.swiglu_experts(x, qk.expert_table(base, pool), rows)
+
+    def reference() -> None:
+        for r in refs:
+            r()
+
+    t0 = time.perf_counter()
+    kernel()  # warm-up: loads (or compiles) the kernels, faults the weights in
+    jit_s = time.perf_counter() - t0
+    experts()
+    reference()
+    k_ms, e_ms, r_ms = (t / len(pool) for t in _median_ms([kernel, experts, reference], args.repeat))
+    nbytes = sum(m.nbytes for m in pool[0])
+    native = qk.has_kernel(int(qtype))
+    path = "fallback" if not native else ("fused" if n < qk.DENSE_MIN_ROWS else "dense")
+    return {"type": qname, "rows": n, "path": path,
+            "expert_bytes": nbytes, "kernel_ms": k_ms, "reference_ms": r_ms, "gb_per_s": nbytes / k_ms / 1e6,
+            "experts_call_ms": e_ms, "experts_gb_per_s": nbytes / e_ms / 1e6,
+            "speedup": r_ms / k_ms, "first_call_s": jit_s}
+
+
+def _table(report: dict[str, Any]) -> str:
+    lines = [(f"expert: hidden {report['hidden']}, ff {report['expert_ff']}; {report['threads']} kernel threads "
+              f"({report['threading_layer']}), torch {report['torch_threads']}; median of {report['repeat']}"),
+             f"first call (kernels loaded from numba's cache, or compiled): {report['results'][0]['first_call_s']:.2f} s",
+             (f"{'type':<7}{'rows':>5}  {'path':<8}{'kernel ms':>10}{'GB/s':>7}{'1-call ms':>10}{'GB/s':>7}"
+              f"{'dequant+mm ms':>15}{'speed-up':>10}")]
+    for r in report["results"]:
+        lines.append(f"{r['type']:<7}{r['rows']:>5}  {r['path']:<8}{r['kernel_ms']:>10.3f}{r['gb_per_s']:>7.2f}"
+                     f"{r['experts_call_ms']:>10.3f}{r['experts_gb_per_s']:>7.2f}{r['reference_ms']:>15.3f}{r['speedup']:>9.2f}x")
+    return "\n".join(lines)
+
+
+def _bad_args(args: argparse.Namespace, known_types: set[str]) -> str | None:
+    unknown = [t for t in args.types if t not in known_types]
+    if unknown:
+        return f"unknown quant types {unknown}"
+    if min(args.repeat, args.experts, *args.rows) < 1:
+        return "--repeat, --experts and --rows must be >= 1"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    import numba
+    import torch
+    from gguf import GGMLQuantizationType as Q
+
+    from ..kernels import cpu as qk
+
+    problem = _bad_args(args, set(Q.__members__))
+    if problem:
+        print(f"moestream bench kernels: {problem}", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(args.seed)
+    try:
+        if args.threads:
+            qk.set_threads(args.threads)  # ValueError above NUMBA_NUM_THREADS
+            torch.set_num_threads(args.threads)
+        results = [measure(t, n, args, rng) for t in args.types for n in args.rows]
+    except ValueError as e:
+        print(f"moestream bench kernels: {e}", file=sys.stderr)
+        return 2
+    report = {"hidden": args.hidden, "expert_ff": args.expert_ff, "repeat": args.repeat,
+              "threads": qk.get_threads(), "torch_threads": torch.get_num_threads(),
+              "threading_layer": numba.threading_layer(), "dense_min_rows": qk.DENSE_MIN_ROWS, "results": results}
+    print(json.dumps(report) if args.json else _table(report))
+    return 0

@@ -1,0 +1,318 @@
+"""Streamed experts on CPU: the daemon's shared-memory arena is the expert cache.
+
+A decoder on CPU keeps no expert memory of its own. For each layer, `ArenaExperts.mix`:
+
+1. routes and lists the wanted experts (ascending);
+2. joins this layer's prefetches whose lease already came (`Prefetches.take`); every other
+   wanted expert — including a prefetch still in flight, which is cancelled so that it cannot
+   queue behind other prefetches — goes out in one `fetch now` message;
+3. sends the predictions deferred until now (`prefetch_ahead(..., defer=True)`), so they queue
+   behind this layer's demand at the daemon, which reads `now` before `ahead`. Predictions come
+   in two strengths: `ahead` (read from disk if need be: each token's top-1 guess by default, a
+   wrong guess costs a read and an eviction) and `cached` (the rest of the top-k: leased only if
+   the arena already holds them, never read: a right guess then costs the layer no round trip);
+4. computes the experts whose leases have arrived (one kernel call per batch of arrivals),
+   straight from the read-only arena slots (`quant_experts.run_experts`, zero copies), and
+   releases those leases at once: the slots stay in the daemon's host tier (decayed LFU,
+   shared by every decoder) until evicted;
+5. sums the outputs in ascending expert order (`experts.combine`): bit-identical to
+   `QuantResidentExperts` on the same file.
+
+A daemon restart voids every lease of the lost connection (the client reconnects and sends
+the requests still outstanding again): a void lease, landed before the loss or voided while
+its expert was being computed, is fetched again `now` and its output computed anew from the
+new daemon's arena, so the result stays bit-identical.
+
+Nothing aborts for lack of room: the daemon queues what the arena cannot hold yet and each
+lease goes back as soon as its expert is computed, so a prompt whose layer routes to more
+experts than the arena holds is processed in pieces; a prefetch this layer joined that
+failed (dropped as stale, refused as busy) is fetched again `now`. Prefetched leases this
+decoder holds are capped (`Prefetches.limit`) so they can never fill the arena.
+
+Each wanted expert is in one state at a time: requested (a future), computing (its lease
+held by this thread), done (its output kept, lease released) — owned by `mix`'s loop.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...common import protocol as P
+from ...common.arena import ArenaView
+from ...common.client import IodClient, IodRequestError, IodUnavailable, Lease, LeaseVoided
+from ...common.layout import ModelLayout
+from .source import ExpertSource, Predictions, combine, group_by_expert
+from .resident import Mats, expert_mats, run_experts
+
+RETRYABLE = P.GIVEN_UP | {P.ErrorCode.BUSY.value}  # fetched again `now` (busy: after a back-off)
+MAX_RETRIES = 20  # a request refused this often in a row means the daemon is overloaded
+
+
+class Prefetches:
+    """This decoder's `fetch ahead` requests: one future per (layer, expert), in flight or
+    landed (a landed one holds an arena lease until its layer runs or it is given up)."""
+
+    def __init__(self, client: IodClient, limit: int):
+        self.client, self.limit = client, max(0, limit)
+        self._by_layer: dict[int, dict[int, cf.Future]] = {}
+        self.c = dict.fromkeys(("sent", "sent_if_cached", "not_cached", "skipped", "useful", "hidden", "late",
+                                "wasted", "cancelled"), 0)
+
+    def outstanding(self) -> int:
+        return sum(len(m) for m in self._by_layer.values())
+
+    def send(self, predictions: Predictions, priority: str = "ahead") -> None:
+        """One fetch (`ahead`: read if need be; `cached`: only if the arena holds it) for the
+        predicted experts not requested yet, within `limit`."""
+        keys, room = [], self.limit - self.outstanding()
+        for layer in sorted(predictions):
+            mine = self._by_layer.setdefault(layer, {})
+            for e in sorted({int(e) for e in predictions[layer]} - set(mine)):
+                if room <= 0:
+                    self.c["skipped"] += 1
+                    continue
+                keys.append((layer, e))
+                room -= 1
+        if not keys:
+            return
+        for (layer, e), fut in zip(keys, self.client.fetch(keys, priority)):
+            self._by_layer[layer][e] = fut
+        self.c["sent" if priority == "ahead" else "sent_if_cached"] += len(keys)
+
+    def take(self, layer: int, wanted: list[int]) -> dict[int, cf.Future]:
+        """`layer` runs now: return its prefetches of `wanted` experts whose lease came; give up
+        the rest (in flight ones are cancelled: the caller fetches those `now`)."""
+        mine = self._by_layer.pop(layer, {})
+        landed = {e: f for e, f in mine.items() if e in wanted and _leased(f)}
+        refused = [f for f in mine.values() if f.done() and not f.cancelled() and f.exception() is not None]
+        late = [f for e, f in mine.items() if e in wanted and e not in landed and f not in refused]
+        unused = [f for e, f in mine.items() if e not in wanted and f not in refused]
+        self.c["useful"] += len(landed) + len(late)
+        self.c["hidden"] += len(landed)
+        self.c["late"] += len(late)
+        self.c["not_cached"] += len(refused)  # or dropped: fetched `now` if wanted
+        self._count_unused(unused)
+        self.give_up(late + unused)
+        return landed
+
+    def give_up(self, futures: list[cf.Future]) -> None:
+        """Cancel what is in flight (one message) and hand back leases that came."""
+        self.client.cancel([f for f in futures if not f.done()])  # a lease arriving later goes back
+        self.client.release_many([f.result() for f in futures if _leased(f)])
+
+    def clear(self) -> None:
+        """Give up every prefetch (a new forward pass starts, or the source closes)."""
+        futures = [f for m in self._by_layer.values() for f in m.values()]
+        self._by_layer.clear()
+        self._count_unused(futures)
+        self.give_up(futures)
+
+    def _count_unused(self, futures: list[cf.Future]) -> None:
+        landed = sum(1 for f in futures if f.done())
+        self.c["wasted"] += landed  # read (or failed) for nothing
+        self.c["cancelled"] += len(futures) - landed
+
+
+def _leased(f: cf.Future) -> bool:
+    return f.done() and not f.cancelled() and f.exception() is None
+
+
+class ArenaExperts(ExpertSource):
+    """Experts computed from leased arena slots of a moestream-iod (see the module docstring)."""
+
+    def __init__(self, client: IodClient, layout: ModelLayout, *, fetch_timeout_s: float = 60.0,
+                 owns_client: bool = False, prefetch_limit: int | None = None):
+        self.client, self.layout = client, layout
+        self.fetch_timeout_s, self._owns_client = fetch_timeout_s, owns_client
+        n_slots = client.arena.n_slots if client.arena is not None else 0
+        # within the daemon's lease quota, less a layer's demand (and never over half the shared arena)
+        share = min(n_slots // 2, client.lease_quota or n_slots)
+        limit = prefetch_limit if prefetch_limit is not None else share - layout.hparams.n_expert_used
+        self.prefetches = Prefetches(client, limit)
+        self._base: np.ndarray | None = None  # the arena as one array (`_base_for`), re-made after a reconnect
+        self._base_arena: ArenaView | None = None
+        self._deferred: list[tuple[Predictions, Predictions]] = []  # sent after the next layer's demand
+        self._closed = False
+        self.c: dict[str, Any] = dict.fromkeys(("acquired", "demand", "refetched", "voided", "bytes_fetched"), 0)
+        self.c.update(stall_s=0.0, compute_s=0.0)
+
+    # -- ExpertSource ----------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self._deferred.clear()
+        self.prefetches.clear()
+
+    def prefetch_ahead(self, predictions: Predictions, defer: bool = False,
+                       if_cached: Predictions | None = None) -> None:
+        """`predictions` are fetched `ahead` (read if need be); `if_cached` ones only if the arena
+        holds them (a lease, no read: a hit then costs this layer no round trip)."""
+        if defer:
+            self._deferred.append((predictions, if_cached or {}))
+        else:
+            self._send(predictions, if_cached or {})
+
+    def _send(self, predictions: Predictions, if_cached: Predictions) -> None:
+        self.prefetches.send(predictions, "ahead")
+        if any(if_cached.values()):
+            self.prefetches.send(if_cached, "cached")
+
+    def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        groups = group_by_expert(ids)
+        pending = self._request(layer, sorted(groups))
+        outputs = {}
+        retries: dict[int, int] = {}
+        try:
+            for leases in self._arrivals(layer, pending, retries):
+                t0 = time.perf_counter()
+                try:
+                    outputs.update(self._compute(layer, x, groups, weights, leases))
+                finally:
+                    self.client.release_many(list(leases.values()))
+                self.c["compute_s"] += time.perf_counter() - t0
+                for e in [e for e, lease in leases.items() if self.client.voided(lease)]:
+                    outputs.pop(e, None)  # computed from a lost daemon's slot: not to be trusted
+                    self._refetch(layer, e, "voided", pending, retries)
+        except BaseException:
+            self.prefetches.give_up(list(pending))  # `_arrivals` keeps `pending` to what is still owed
+            raise
+        self.c["acquired"] += len(groups)
+        return combine(x, outputs)
+
+    def stats(self) -> dict[str, Any]:
+        p = self.prefetches.c
+        would_miss = self.c["demand"] + p["useful"]
+        return {"source": "streamed", "slot_format": "quant", **self.c,
+                "prefetch": dict(p), "hidden_share": p["hidden"] / would_miss if would_miss else 0.0}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._base = self._base_arena = None  # the arena mapping can go with the client
+        try:
+            self.prefetches.clear()
+        except IodUnavailable:
+            pass  # the daemon is gone, and our leases with it
+        if self._owns_client:
+            self.client.close()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _request(self, layer: int, wanted: list[int]) -> dict[cf.Future, int]:
+        """Futures of every wanted expert: landed prefetches joined, the rest in one `fetch now`;
+        then the deferred predictions. Returns {future: expert}."""
+        landed = self.prefetches.take(layer, wanted)
+        fresh = [e for e in wanted if e not in landed]
+        pending = {f: e for e, f in landed.items()}
+        if fresh:
+            pending.update(zip(self.client.fetch([(layer, e) for e in fresh], "now"), fresh))
+            self.c["demand"] += len(fresh)
+        deferred, self._deferred = self._deferred, []
+        for predictions, if_cached in deferred:
+            self._send(predictions, if_cached)
+        return pending
+
+    def _arrivals(self, layer: int, pending: dict[cf.Future, int],
+                  retries: dict[int, int]) -> Iterator[dict[int, Lease]]:
+        """Yield {expert: lease} for the leases that arrived together, refetching `now` what was
+        dropped, refused or voided. Removes each future from `pending` once it is handled."""
+        while pending:
+            t0 = time.perf_counter()
+            done, _ = cf.wait(list(pending), timeout=self.fetch_timeout_s, return_when=cf.FIRST_COMPLETED)
+            self.c["stall_s"] += time.perf_counter() - t0
+            if not done:
+                raise IodUnavailable(f"experts of layer {layer} {sorted(pending.values())} not delivered "
+                                     f"within {self.fetch_timeout_s}s")
+            leases = {}
+            for f in done:
+                e = pending.pop(f)
+                lease = self._lease_or_retry(layer, e, f, pending, retries)
+                if lease is not None:
+                    self.c["bytes_fetched"] += sum(n for _, n in lease.parts.values())
+                    leases[e] = lease
+            if leases:
+                yield leases
+
+    def _lease_or_retry(self, layer: int, e: int, f: cf.Future, pending: dict[cf.Future, int],
+                        retries: dict[int, int]) -> Lease | None:
+        try:
+            lease = f.result()
+        except (cf.CancelledError, IodRequestError) as exc:
+            code = getattr(exc, "code", "cancelled")
+            if code != "cancelled" and code not in RETRYABLE:
+                raise
+            self._refetch(layer, e, code, pending, retries, exc)
+            return None
+        if self.client.voided(lease):  # landed before the daemon was lost (a prefetch): ask the new one
+            self._refetch(layer, e, "voided", pending, retries)
+            return None
+        return lease
+
+    def _refetch(self, layer: int, e: int, why: str, pending: dict[cf.Future, int], retries: dict[int, int],
+                 exc: BaseException | None = None) -> None:
+        """Fetch `e` again `now` (dropped, refused as busy, cancelled, or its lease voided)."""
+        retries[e] = retries.get(e, 0) + 1
+        if retries[e] > MAX_RETRIES:
+            raise IodUnavailable(f"expert ({layer}, {e}) refused {MAX_RETRIES} times in a row: {exc or why}")
+        if why == P.ErrorCode.BUSY.value:
+            time.sleep(min(0.001 * 2 ** retries[e], 0.1))  # the daemon's queue is full: back off
+        pending[self.client.fetch([(layer, e)], "now")[0]] = e
+        self.c["voided" if why == "voided" else "refetched"] += 1
+
+    def _compute(self, layer: int, x: torch.Tensor, groups: Any, weights: torch.Tensor,
+                 leases: dict[int, Lease]) -> dict[int, torch.Tensor]:
+        """The outputs of the leased experts, computed where they lie in the arena; none when the
+        leases were voided meanwhile (the caller fetches them again)."""
+        epoch = self.client.epoch  # leases of an older one are void: left out, fetched again by the caller
+        current = {e: lease for e, lease in leases.items() if lease.epoch == epoch}
+        try:
+            base = self._base_for(next(iter(current.values()))) if current else None
+        except LeaseVoided:  # lost since: all of them are void now
+            return {}
+        mats = {e: self._mats(layer, lease, base) for e, lease in current.items()}
+        return run_experts(x, groups, weights, base, mats, self.layout.spec.expert_act) if mats else {}
+
+    def _base_for(self, lease: Lease) -> np.ndarray:
+        """The arena `lease` lives in, as one uint8 array (re-made when a reconnect brought a new arena)."""
+        arena = self.client.arena_of(lease)
+        if arena is not self._base_arena:
+            self._base, self._base_arena = np.frombuffer(arena.whole(), dtype=np.uint8), arena
+        return self._base
+
+    def _mats(self, layer: int, lease: Lease, base: np.ndarray) -> Mats:
+        """The leased expert's matrices: views into the arena array `base`, no copy."""
+        start = lease.slot * self._base_arena.slot_bytes
+        views = {name: base[start + off:start + off + n] for name, (off, n) in lease.parts.items()}
+        return expert_mats(self.layout.experts.parts(layer, lease.expert), views)
+
+
+def open_arena(layout: ModelLayout, endpoint: str, *, timeout_s: float = 5.0, fetch_timeout_s: float = 60.0,
+               name: str | None = None, prefetch_limit: int | None = None, reconnect_s: float = 30.0) -> ArenaExperts:
+    """Connect to the daemon at `endpoint` (checking it serves this file; reconnecting for up to
+    `reconnect_s` when it restarts)."""
+    client = IodClient(endpoint, expect_fingerprint=layout.fingerprint.as_dict(), timeout_s=timeout_s, name=name,
+                       reconnect_s=reconnect_s)
+    try:
+        return ArenaExperts(client, layout, fetch_timeout_s=fetch_timeout_s, owns_client=True,
+                            prefetch_limit=prefetch_limit)
+    except BaseException:
+        client.close()
+        raise
+
+
+def describe_stats(st: dict[str, Any]) -> str:
+    """The arena source's counters for people."""
+    p = st["prefetch"]
+    lines = [f"experts: {st['acquired']} used, {st['demand']} fetched now, {st['bytes_fetched'] / 2**20:.1f} MiB "
+             f"delivered, stall {st['stall_s'] * 1e3:.1f} ms, compute {st['compute_s'] * 1e3:.1f} ms"
+             + (f", {st['refetched']} refetched" if st["refetched"] else "")]
+    if p["sent"] or p["sent_if_cached"] or p["skipped"]:
+        lines.append(f"prefetch: {p['sent']} sent ahead, {p['sent_if_cached']} if cached ({p['not_cached']} were "
+                     f"not), {p['useful']} useful ({p['hidden']} in time, {p['late']} late), {p['wasted']} wasted, "
+                     f"{p['cancelled']} cancelled, {p['skipped']} over the limit; hid {st['hidden_share']:.1%} of "
+                     f"the fetches")
+    return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""Experts computed on their quantized GGUF blocks where they lie (CPU).
+
+An expert's gate/up/down parts are byte views — into the file's read-only memory map
+(`QuantResidentExperts`) or into a leased slot of the daemon's shared-memory arena
+(`arena_experts.ArenaExperts`) — and `qkernels.swiglu_expert` reads the blocks as they are:
+no dequantized copy of an expert exists, so resident mode costs the file's expert bytes (in
+the page cache, shared with every process mapping the file) and a streamed decoder holds no
+expert memory of its own.
+
+Both sources compute experts with `run_experts` (one kernel call for a layer's experts, or for
+those that arrived together) and sum with `experts.combine`, so they are bit-identical.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from ...common.layout import ExpertPart, ModelLayout
+from .source import ExpertSource, combine, group_by_expert
+from ..kernels.cpu import Bias, QMatrix, expert_table, swiglu_experts
+
+Mats = tuple  # (gate, up, down) QMatrix, or (gate, up, down, Bias) for experts with biases (qkernels.Bias)
+_WEIGHTS = ("gate", "up", "down", "gate_up")
+_BIASES = ("gate.bias", "up.bias", "down.bias", "gate_up.bias")
+
+
+def expert_mats(parts: list[ExpertPart], views: Mapping[str, np.ndarray]) -> Mats:
+    """(gate, up, down) matrices over one expert's part bytes `views[name]` (uint8, 1-D), plus
+    their biases (decoded, a few KB) when the expert has them: (gate, up, down, Bias).
+
+    A fused `gate_up` part holds the gate rows first, then the up rows: two halves of one view.
+    """
+    mats: dict[str, QMatrix] = {}
+    biases: dict[str, np.ndarray] = {}
+    for p in parts:
+        if p.name not in _WEIGHTS + _BIASES:
+            raise ValueError(f"expert part {p.name!r} is not one of {', '.join(_WEIGHTS + _BIASES)}")
+        data = views[p.name]
+        if data.size != p.nbytes:
+            raise ValueError(f"expert part {p.name!r}: {data.size} bytes, expected {p.nbytes}")
+        if p.name in _BIASES:
+            biases[p.name.removesuffix(".bias")] = _vector(data, p)  # [n]
+            continue
+        n_in, n_out = p.shape[0], p.shape[1]
+        if p.name == "gate_up":
+            half = p.nbytes // 2
+            mats["gate"] = QMatrix(data[:half], int(p.qtype), n_out // 2, n_in)
+            mats["up"] = QMatrix(data[half:], int(p.qtype), n_out // 2, n_in)
+        else:
+            mats[p.name] = QMatrix(data, int(p.qtype), n_out, n_in)
+    missing = {"gate", "up", "down"} - set(mats)
+    if missing:
+        raise ValueError(f"expert has no {', '.join(sorted(missing))} part (has {[p.name for p in parts]})")
+    if not biases:
+        return mats["gate"], mats["up"], mats["down"]
+    return mats["gate"], mats["up"], mats["down"], _bias(biases, [p.name for p in parts])
+
+
+def _vector(data: np.ndarray, p: ExpertPart) -> np.ndarray:
+    """A bias part's bytes as float32 (a small copy: numpy, not a kernel launch per part)."""
+    if p.qtype == GGMLQuantizationType.F32:
+        return data.view("<f4").astype(np.float32)
+    if p.qtype == GGMLQuantizationType.F16:
+        return data.view("<f2").astype(np.float32)
+    if p.qtype == GGMLQuantizationType.BF16:
+        return (data.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    raise ValueError(f"expert part {p.name!r}: biases of type {p.qtype.name} are not supported (F32, F16, BF16)")
+
+
+def _bias(biases: dict[str, np.ndarray], names: list[str]) -> Bias:
+    """(gate, up, down) biases from the parts' (a fused gate_up bias: gate half first)."""
+    if "gate_up" in biases:
+        biases["gate"], biases["up"] = np.split(biases.pop("gate_up"), 2)
+    missing = {"gate", "up", "down"} - set(biases)
+    if missing:
+        raise ValueError(f"expert has biases but no {', '.join(sorted(missing))} bias (has {names})")
+    return biases["gate"], biases["up"], biases["down"]
+
+
+def run_experts(x: torch.Tensor, groups: Mapping[int, tuple[torch.Tensor, torch.Tensor]], weights: torch.Tensor,
+                base: np.ndarray, mats: Mapping[int, Mats],
+                act: str = "swiglu") -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The experts of `mats`, whose bytes all lie inside `base`, in one kernel call (two parallel
+    regions in all): {e: (rows [n_e], weights * swiglu_e(x[rows]) [n_e, d])}. Each expert's
+    output is the same bits whichever experts share the call, so arrival batches do not matter."""
+    es = sorted(mats)
+    xs = x.to(torch.float32).contiguous().numpy()  # [N, d]
+    ys = swiglu_experts(xs, expert_table(base, [mats[e] for e in es]), [groups[e][0].numpy() for e in es], act)
+    out = {}
+    for e, y in zip(es, ys):
+        rows, slot = groups[e]
+        out[e] = rows, torch.from_numpy(y).to(x.dtype) * weights[rows, slot, None]  # [n_e, d]
+    return out
+
+
+class QuantResidentExperts(ExpertSource):
+    """Every expert resident as the file's own quantized bytes (a read-only memory map).
+
+    The reference the streamed CPU source must match bit for bit; memory is the file's
+    expert bytes, in the page cache, as llama.cpp's mmap has them.
+    """
+
+    def __init__(self, layout: ModelLayout):
+        if layout.reader.data is None:
+            raise ValueError(f"{layout.path}: no memory map of the file")
+        self.layout = layout
+        self._data: np.ndarray = layout.reader.data  # [file bytes] uint8, read-only map
+        self._mats: dict[tuple[int, int], Mats] = {}
+        self.c = {"acquired": 0, "compute_s": 0.0}
+
+    def mats(self, layer: int, expert: int) -> Mats:
+        key = (layer, expert)
+        got = self._mats.get(key)
+        if got is None:
+            parts = self.layout.experts.parts(layer, expert)
+            views = {p.name: self._data[p.offset:p.offset + p.nbytes] for p in parts}  # views, no copy
+            got = self._mats[key] = expert_mats(parts, views)
+        return got
+
+    def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        groups = group_by_expert(ids)
+        outputs = run_experts(x, groups, weights, self._data, {e: self.mats(layer, e) for e in groups},
+                              self.layout.spec.expert_act)
+        self.c["acquired"] += len(groups)
+        self.c["compute_s"] += time.perf_counter() - t0
+        return combine(x, outputs)
+
+    def stats(self) -> dict[str, Any]:
+        ex = self.layout.experts
+        nbytes = sum(ex.blob_bytes(layer) * ex.n_expert for layer in ex.moe_layers)
+        return {"source": "resident", "slot_format": "quant", "experts": ex.n_blobs,
+                "bytes": nbytes, **self.c}
+
+    def close(self) -> None:
+        self._mats.clear()

@@ -1,0 +1,1 @@
+"""Generation: the loop, sampling, the tokenizer from GGUF metadata, routing trace recording."""

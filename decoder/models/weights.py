@@ -1,0 +1,101 @@
+"""Load every non-expert weight of a GGUF MoE onto the device, before the first token.
+
+Dense weights (embeddings, attention, norms, routers, shared experts) are small next to the
+experts and are needed by every token, so they are read and materialized once at start: the
+first forward pass never waits on a lazy read. On a GPU they are dequantized (`decoder.dequant`);
+on a CPU with the `quant` format, 2-D weights of a type the CPU kernels decode stay as their
+GGUF blocks in a private copy (`QuantWeight`): a decode step reads 1/4 (Q8_0) to 1/7 (Q4_K) of
+the float32 bytes, and the process holds that much less.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ...common.layout import ModelLayout
+from ..kernels.dequant import dequantize
+
+Dense = "torch.Tensor | QuantWeight"
+
+
+class QuantWeight:
+    """A 2-D weight [n_out, n_in] kept as its GGUF blocks on the CPU, used through `linear`
+    (`qkernels.linear`) and `rows` (an embedding lookup decodes only the rows it needs)."""
+
+    def __init__(self, data: np.ndarray, qtype: int, n_out: int, n_in: int):
+        from ..kernels.cpu import QMatrix
+
+        self.m = QMatrix(data, qtype, n_out, n_in)
+        self.row_bytes = data.size // n_out
+        self.shape = (n_out, n_in)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., n_in] -> x @ W.T [..., n_out], in x's dtype."""
+        from ..kernels.cpu import linear
+
+        flat = x.reshape(-1, self.shape[1]).to(torch.float32)  # [N, n_in]
+        y = torch.from_numpy(linear(flat.contiguous().numpy(), self.m))  # [N, n_out]
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """W[ids] [N, n_in]: only those rows decoded."""
+        from ..kernels.cpu import QMatrix, dequantize as decode
+
+        out = torch.empty(ids.numel(), self.shape[1], dtype=torch.float32)  # [N, n_in]
+        for i, r in enumerate(ids.tolist()):
+            row = QMatrix(self.m.data[r * self.row_bytes:(r + 1) * self.row_bytes], self.m.qtype, 1, self.shape[1])
+            decode(row, out[i:i + 1].numpy())
+        return out.to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.m.nbytes
+
+
+def keeps_quantized(layout: ModelLayout, name: str) -> bool:
+    """A 2-D weight of a block-quantized type the CPU kernels decode natively."""
+    from gguf import GGMLQuantizationType as Q
+
+    from ..kernels.cpu import has_kernel
+
+    t = layout.tensors[name]
+    return len(t.shape) == 2 and t.qtype not in (Q.F32, Q.F16, Q.BF16) and has_kernel(t.qtype)
+
+
+def load_quantized(layout: ModelLayout, name: str) -> QuantWeight:
+    t = layout.tensors[name]
+    raw = np.array(layout.tensor_bytes(name), copy=True)  # private: resident whatever the page cache does
+    return QuantWeight(raw, int(t.qtype), t.shape[1], t.shape[0])
+
+
+def load_tensor(layout: ModelLayout, name: str, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor of the file, dequantized, torch shape reversed from ggml's, on `device`."""
+    t = layout.tensors[name]
+    raw = np.array(layout.tensor_bytes(name), copy=True)  # copy out of the read-only memory map
+    data = torch.from_numpy(raw).to(device)  # [nbytes] uint8
+    out = dequantize(data, t.qtype, t.shape, name=name)  # float32, [ne_{n-1}, ..., ne0]
+    return out.to(dtype)
+
+
+def load_dense(layout: ModelLayout, device: torch.device | str, dtype: torch.dtype = torch.float32,
+               progress: bool = True, keep_quantized: bool = False) -> dict[str, Dense]:
+    """Every non-expert tensor by GGUF name, materialized on `device` (with a progress bar);
+    with `keep_quantized` (CPU only), 2-D quantized weights as `QuantWeight`s."""
+    if keep_quantized and torch.device(device).type != "cpu":
+        raise ValueError(f"quantized dense weights are computed by CPU kernels, not on {device}")
+    from tqdm import tqdm
+
+    names = sorted(layout.dense)
+    total = sum(layout.dense[n].nbytes for n in names)
+    out: dict[str, torch.Tensor] = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc="dense weights", disable=not progress, leave=False) as bar:
+        for name in names:
+            if keep_quantized and keeps_quantized(layout, name):
+                out[name] = load_quantized(layout, name)
+            else:
+                out[name] = load_tensor(layout, name, device, dtype)
+            bar.update(layout.dense[name].nbytes)
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)  # materialized means really on the device, not queued
+    return out

@@ -1,0 +1,211 @@
+"""`moestream chat`: a multi-turn conversation in the terminal, on the serving engine in process.
+
+Each turn renders the whole conversation with the model's chat template and submits it to the
+same `Engine` `moestream serve` runs (one sequence; its KV cache is rebuilt per turn, which on a
+model that fits the context costs one prefill). Replies stream as they come; Ctrl-C cancels the
+reply (the engine drops the sequence before its next step) and keeps what was said so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..config import ConfigError
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from ..generation.tokenizer import GGUFTokenizer
+
+HELP = "commands: /reset (forget the conversation), /stats (speed, context, experts), /help, /quit"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .config import add_source_args
+
+    ap = argparse.ArgumentParser(
+        prog="moestream chat", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Chat with a GGUF MoE model in the terminal: its chat template, replies streamed as\n"
+                    "they are generated, experts resident (--resident) or streamed from moestream-iod (--iod).\n"
+                    f"{HELP}.\nCtrl-C stops a reply (not the program); Ctrl-D or /quit leaves.")
+    add_source_args(ap)
+    ap.add_argument("--system", help="a system message opening the conversation")
+    ap.add_argument("--max-tokens", type=int, default=256, dest="max_tokens", help="longest reply (default 256)")
+    ap.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    ap.add_argument("--top-p", type=float, default=0.9, dest="top_p", help="nucleus mass (default 0.9)")
+    ap.add_argument("--top-k", type=int, default=0, dest="top_k", help="0 = off (default)")
+    ap.add_argument("--min-p", type=float, default=0.0, dest="min_p", help="0 = off (default)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed of the first reply (then +1 per reply)")
+    return ap
+
+
+@dataclass
+class Turn:
+    """Numbers of the last reply, for /stats."""
+
+    prompt_tokens: int = 0
+    tokens: int = 0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+
+
+@dataclass
+class Chat:
+    engine: Engine
+    tok: GGUFTokenizer
+    limit: int  # context length
+    args: argparse.Namespace
+    history: list[dict[str, str]] = field(default_factory=list)
+    last: Turn = field(default_factory=Turn)
+    replies: int = 0
+
+    def reset(self) -> None:
+        self.history = [{"role": "system", "content": self.args.system}] if self.args.system else []
+
+    def prompt_ids(self) -> list[int]:
+        """The conversation rendered and encoded; the oldest turns are dropped to leave room for a reply."""
+        while True:
+            ids = self.tok.encode(self.tok.render_chat(self.history, add_generation_prompt=True))
+            turns = [i for i, m in enumerate(self.history) if m["role"] != "system"]
+            if len(ids) + 1 <= self.limit or len(turns) <= 1:
+                return ids
+            del self.history[turns[0]]
+
+    def say(self, text: str, out: Any) -> None:
+        """One user message; the reply is streamed to `out` and kept in the history."""
+        from ..generation.sampling import SamplingParams
+        from .engine import DoneEvent, ErrorEvent, GenRequest
+        from .text import ReplyText
+
+        self.history.append({"role": "user", "content": text})
+        ids = self.prompt_ids()
+        if len(ids) >= self.limit:
+            self.history.pop()
+            raise ValueError(f"the message is {len(ids)} tokens; the context holds {self.limit}")
+        a = self.args
+        sampling = SamplingParams(a.temperature, a.top_k, a.top_p, a.seed + self.replies, a.min_p)
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        seq = self.engine.submit(GenRequest(ids, min(a.max_tokens, self.limit - len(ids)), sampling), events.put)
+        reply, text_out, t0 = [], ReplyText(self.tok.decode, lstrip=self.tok.space_prefix), time.perf_counter()
+        self.last, self.replies = Turn(prompt_tokens=len(ids)), self.replies + 1
+        try:
+            while True:
+                ev = events.get()
+                if isinstance(ev, (DoneEvent, ErrorEvent)):
+                    break
+                if not reply:
+                    self.last.ttft_s = time.perf_counter() - t0
+                reply.append(ev.token)
+                self._show(text_out.add(ev.token), out)
+            self._show(text_out.finish(), out)
+            if isinstance(ev, ErrorEvent):
+                print(f"\n[error: {ev.message}]", file=out, flush=True)
+        except KeyboardInterrupt:
+            seq.cancel()
+            self._show(text_out.finish(), out)
+            print(" [stopped]", end="", file=out, flush=True)
+        self.last.tokens, self.last.decode_s = len(reply), time.perf_counter() - t0 - self.last.ttft_s
+        print(file=out, flush=True)
+        self.history.append({"role": "assistant", "content": text_out.text})
+
+    @staticmethod
+    def _show(piece: str, out: Any) -> None:
+        if piece:
+            print(piece, end="", file=out, flush=True)
+
+    def stats(self) -> str:
+        t = self.last
+        rate = (t.tokens - 1) / t.decode_s if t.tokens > 1 and t.decode_s > 0 else 0.0
+        used = len(self.prompt_ids()) if self.history else 0
+        st = self.engine.stats()
+        fetched = st.get("bytes_fetched")
+        experts = (f"experts: {st.get('source', '?')}" +
+                   (f", {fetched / 2**20:.1f} MiB fetched so far" if fetched is not None else ""))
+        return (f"last reply: {t.tokens} tokens, {rate:.1f} tok/s, first token after {t.ttft_s * 1e3:.0f} ms "
+                f"(prompt {t.prompt_tokens} tokens); context {used}/{self.limit} tokens; {experts}")
+
+
+def repl(chat: Chat, inp: Any = sys.stdin, out: Any = sys.stdout) -> int:
+    chat.reset()
+    interactive = inp.isatty()
+    print(f"moestream chat: {HELP}; Ctrl-C stops a reply, Ctrl-D leaves", file=out, flush=True)
+    while True:
+        try:
+            if interactive:
+                line = input("> ")
+            else:
+                print("> ", end="", file=out, flush=True)
+                line = inp.readline()
+                if not line:
+                    raise EOFError
+        except EOFError:
+            print(file=out)
+            return 0
+        except KeyboardInterrupt:  # at the prompt: a fresh line, as a shell does
+            print(file=out)
+            continue
+        if not command(chat, line.strip(), out):
+            return 0
+
+
+def command(chat: Chat, line: str, out: Any) -> bool:
+    """Handle one input line; False to leave."""
+    if line in ("/quit", "/exit"):
+        return False
+    if line == "/reset":
+        chat.reset()
+        print("[conversation cleared]", file=out, flush=True)
+    elif line == "/stats":
+        print(chat.stats(), file=out, flush=True)
+    elif line == "/help":
+        print(HELP, file=out, flush=True)
+    elif line.startswith("/"):
+        print(f"unknown command {line.split()[0]}; {HELP}", file=out, flush=True)
+    elif line:
+        try:
+            chat.say(line, out)
+        except ValueError as e:
+            print(f"[{e}]", file=out, flush=True)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .config import ServeConfig
+
+    args = build_parser().parse_args(argv)
+    engine = None
+    try:
+        if args.max_tokens < 1:
+            raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        from ..generation.sampling import SamplingParams
+
+        SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.min_p)  # validates them
+        cfg = ServeConfig(model=args.model, iod=args.iod, resident=args.resident, device=args.device,
+                          dtype=args.dtype, prefetch=args.prefetch, max_model_len=args.max_model_len,
+                          threads=args.threads)
+        from .main import open_engine
+
+        _, tok, engine, limit = open_engine(cfg)
+        if not tok.chat_template:
+            raise ConfigError("this model has no tokenizer.chat_template; use `moestream generate`")
+        return repl(Chat(engine, tok, limit, args))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        from ..cli import expected_error
+
+        if not expected_error(e):
+            raise
+        print(f"moestream chat: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
