@@ -155,7 +155,7 @@ from gguf import GGMLQuantizationType as Q
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moestream.decoder import triton_experts as tx, triton_quant as tq
+from moestream.decoder.kernels import triton_experts as tx, triton_quant as tq
 
 target = GPUTarget("cuda", 90, 32)
 
