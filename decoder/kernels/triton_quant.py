@@ -44,10 +44,15 @@ def has_kernel(qtype: int) -> bool:
     return int(qtype) in _KINT
 
 
-def lut(qtype: int, device: torch.device) -> torch.Tensor:
+def lut(qtype: int, device: torch.device | str) -> torch.Tensor:
     """The table `decode` gathers from for `qtype` on `device`: float32 [16] values, an int8 grid
-    [rows * width] for the grid types, float32 zeros [16] for types without a table."""
-    q = Q(qtype)
+    [rows * width] for the grid types, float32 zeros [16] for types without a table. Made once
+    per type and device (read-only), so a launch copies nothing to the device."""
+    return _lut(Q(qtype), torch.device(device))
+
+
+@functools.cache
+def _lut(q: Q, device: torch.device) -> torch.Tensor:
     if q in _GRIDS:
         return torch.from_numpy(grid_table(q)).to(device)  # [rows * width]
     return torch.tensor(_LUTS.get(q, (0,) * 16), dtype=torch.float32, device=device)  # [16]
@@ -91,76 +96,93 @@ def col_tile(n_in: int, most: int = 64) -> int:
 # On a GPU: 256 columns = 8 groups per row in a tile, so a thread holds several elements of one
 # group and loads its scales once (sm_90 PTX of the Q4_K dequantizer: 21 instructions and 1.2
 # byte loads per element, against 76 and 8 with 64 columns). Not timed on a GPU yet (none was
-# available): `.dev/gpu_check.sh` sweeps these.
+# available): `.ci/gpu_check.sh` sweeps these.
 TILE_ROWS, TILE_COLS = (128, 256) if interpreted() else (16, 256)
 NUM_WARPS = 4
 
 
-@triton.constexpr_function
-def _block_size(qt):
-    """(elements, bytes) of a block of ggml type qt, at compile time."""
-    return GGML_QUANT_SIZES[Q(int(qt))]
-
-
 @triton.jit
-def _block(row, colg, QT: tl.constexpr):
+def _block(row, colg, QK: tl.constexpr, TS: tl.constexpr):
     """(pointer to the block of the group starting at column colg [1, G, 1], group index in it)."""
-    QK: tl.constexpr = _block_size(QT)[0]
-    TS: tl.constexpr = _block_size(QT)[1]
     return row + (colg // QK) * TS, (colg % QK) // 32
 
 
 @triton.jit
-def _quant(blk, gi, l, lut, QT: tl.constexpr):
-    """The block decoder of type QT; `lut` is its table (`lut()`), unused by most."""
+def _quant(row, colg, l, lut, QT: tl.constexpr):
+    """Elements [BN, G, 32] of a block type QT (rows `row` [BN, 1, 1], groups at columns colg):
+    its block decoder at (block size, bytes) literals; `lut` is its table (`lut()`)."""
     # one assignment per constexpr branch, one return: only the taken branch is compiled
-    if QT == 8:
+    if QT == 8:  # Q8_0
+        blk, gi = _block(row, colg, 32, 34)
         w = tb._q8_0(blk, gi, l)
-    elif QT == 2:
+    elif QT == 2:  # Q4_0
+        blk, gi = _block(row, colg, 32, 18)
         w = tb._q4_0(blk, gi, l)
-    elif QT == 3:
+    elif QT == 3:  # Q4_1
+        blk, gi = _block(row, colg, 32, 20)
         w = tb._q4_1(blk, gi, l)
-    elif QT == 6:
+    elif QT == 6:  # Q5_0
+        blk, gi = _block(row, colg, 32, 22)
         w = tb._q5_0(blk, gi, l)
-    elif QT == 7:
+    elif QT == 7:  # Q5_1
+        blk, gi = _block(row, colg, 32, 24)
         w = tb._q5_1(blk, gi, l)
-    elif QT == 20:
+    elif QT == 20:  # IQ4_NL
+        blk, gi = _block(row, colg, 32, 18)
         w = tb._iq4_nl(blk, gi, l, lut)
-    elif QT == 39:
+    elif QT == 39:  # MXFP4
+        blk, gi = _block(row, colg, 32, 17)
         w = tb._mxfp4(blk, gi, l, lut)
-    elif QT == 40:
+    elif QT == 40:  # NVFP4
+        blk, gi = _block(row, colg, 64, 36)
         w = tb._nvfp4(blk, gi, l, lut)
-    elif QT == 41:
+    elif QT == 41:  # Q1_0
+        blk, gi = _block(row, colg, 128, 18)
         w = tb._q1_0(blk, gi, l)
-    elif QT == 34:
+    elif QT == 34:  # TQ1_0
+        blk, gi = _block(row, colg, 256, 54)
         w = tb._tq1_0(blk, gi, l)
-    elif QT == 35:
+    elif QT == 35:  # TQ2_0
+        blk, gi = _block(row, colg, 256, 66)
         w = tb._tq2_0(blk, gi, l)
-    elif QT == 10:
+    elif QT == 10:  # Q2_K
+        blk, gi = _block(row, colg, 256, 84)
         w = tb._q2_k(blk, gi, l)
-    elif QT == 11:
+    elif QT == 11:  # Q3_K
+        blk, gi = _block(row, colg, 256, 110)
         w = tb._q3_k(blk, gi, l)
-    elif QT == 12:
+    elif QT == 12:  # Q4_K
+        blk, gi = _block(row, colg, 256, 144)
         w = tb._q4_k(blk, gi, l)
-    elif QT == 13:
+    elif QT == 13:  # Q5_K
+        blk, gi = _block(row, colg, 256, 176)
         w = tb._q5_k(blk, gi, l)
-    elif QT == 14:
+    elif QT == 14:  # Q6_K
+        blk, gi = _block(row, colg, 256, 210)
         w = tb._q6_k(blk, gi, l)
-    elif QT == 23:
+    elif QT == 23:  # IQ4_XS
+        blk, gi = _block(row, colg, 256, 136)
         w = tb._iq4_xs(blk, gi, l, lut)
-    elif QT == 16:
+    elif QT == 16:  # IQ2_XXS
+        blk, gi = _block(row, colg, 256, 66)
         w = tg._iq2_xxs(blk, gi, l, lut)
-    elif QT == 17:
+    elif QT == 17:  # IQ2_XS
+        blk, gi = _block(row, colg, 256, 74)
         w = tg._iq2_xs(blk, gi, l, lut)
-    elif QT == 22:
+    elif QT == 22:  # IQ2_S
+        blk, gi = _block(row, colg, 256, 82)
         w = tg._iq2_s(blk, gi, l, lut)
-    elif QT == 18:
+    elif QT == 18:  # IQ3_XXS
+        blk, gi = _block(row, colg, 256, 98)
         w = tg._iq3_xxs(blk, gi, l, lut)
-    elif QT == 21:
+    elif QT == 21:  # IQ3_S
+        blk, gi = _block(row, colg, 256, 110)
         w = tg._iq3_s(blk, gi, l, lut)
-    elif QT == 19:
+    elif QT == 19:  # IQ1_S
+        blk, gi = _block(row, colg, 256, 50)
         w = tg._iq1_s(blk, gi, l, lut)
     else:  # IQ1_M (29): the host only launches types in KERNEL_TYPES
+        blk, gi = _block(row, colg, 256, 56)
         w = tg._iq1_m(blk, gi, l, lut)
     return w
 
@@ -179,8 +201,7 @@ def decode(mat, rows, k0, row_bytes, lut, QT: tl.constexpr, G: tl.constexpr):
     elif QT == 30:  # BF16
         w = tb._bf16(row + (colg + l) * 2)
     else:
-        blk, gi = _block(row, colg, QT)
-        w = _quant(blk, gi, l, lut, QT)
+        w = _quant(row, colg, l, lut, QT)
     return w
 
 
