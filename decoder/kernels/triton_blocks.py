@@ -71,9 +71,9 @@ def _nib16(qs, l):
 
 
 @triton.jit
-def _bit(p, e):
-    """Bit e % 8 of byte p[e // 8]: a packed bit array, least significant bit first."""
-    return (_u8(p + e // 8) >> (e % 8)) & 1
+def _by16(p, l):
+    """Byte p[0] for elements l < 16, p[1] for the rest: two loads per group, not one per element."""
+    return tl.where(l < 16, _u8(p), _u8(p + 1))
 
 
 # -- 32-element blocks -------------------------------------------------------------------------
@@ -94,13 +94,15 @@ def _q4_1(blk, gi, l):
 
 @triton.jit
 def _q5_0(blk, gi, l):
-    q = _nib16(blk + 6, l) | (_bit(blk + 2, l) << 4)
+    high = (_u32(blk + 2) >> l) & 1  # bit l of qh; loaded once per group
+    q = _nib16(blk + 6, l) | (high.to(tl.int32) << 4)
     return _f16(blk) * (q - 16).to(tl.float32)
 
 
 @triton.jit
 def _q5_1(blk, gi, l):
-    q = _nib16(blk + 8, l) | (_bit(blk + 4, l) << 4)
+    high = (_u32(blk + 4) >> l) & 1
+    q = _nib16(blk + 8, l) | (high.to(tl.int32) << 4)
     return (_f16(blk) * q.to(tl.float32)) + _f16(blk + 2)
 
 
@@ -129,17 +131,17 @@ def _ue4m3_half(x):
 
 @triton.jit
 def _nvfp4(blk, gi, l, lut):
-    s = 2 * gi + l // 16  # 16-element sub-block
-    j = l % 16
-    byte = _u8(blk + 4 + 8 * s + j % 8)
+    j = l % 16  # element of its 16-element sub-block 2 gi + l // 16
+    byte = _u8(blk + 4 + 16 * gi + 8 * (l // 16) + j % 8)
     nib = tl.where(j < 8, byte & 15, byte >> 4)
-    return _ue4m3_half(_u8(blk + s)) * tl.load(lut + nib)
+    return _ue4m3_half(_by16(blk + 2 * gi, l)) * tl.load(lut + nib)
 
 
 @triton.jit
 def _q1_0(blk, gi, l):
     d = _f16(blk)  # [BN, G, 1]
-    return tl.where(_bit(blk + 2 + 4 * gi, l) != 0, d, -d)
+    bits = _u32(blk + 2 + 4 * gi)  # [BN, G, 1]: the group's 32 bits, element l at bit l
+    return tl.where(((bits >> l) & 1) != 0, d, -d)
 
 
 # -- ternary -----------------------------------------------------------------------------------
@@ -169,7 +171,7 @@ def _tq2_0(blk, gi, l):
 # -- K-quants: 256-element super-blocks --------------------------------------------------------
 @triton.jit
 def _q2_k(blk, gi, l):
-    sc = _u8(blk + 2 * gi + l // 16)  # [BN, G, 32]: one scale byte per 16 elements
+    sc = _by16(blk + 2 * gi, l)  # [BN, G, 32]: one scale byte per 16 elements
     q = (_u8(blk + 16 + 32 * (gi // 4) + l) >> (2 * (gi % 4))) & 3
     dl = _f16(blk + 80) * (sc & 15).to(tl.float32)
     ml = _f16(blk + 82) * (sc >> 4).to(tl.float32)
@@ -186,7 +188,8 @@ def _q3_k_scale(sc, m):
 
 @triton.jit
 def _q3_k(blk, gi, l):
-    dl = _f16(blk + 108) * _q3_k_scale(blk + 96, 2 * gi + l // 16)  # [BN, G, 32]
+    scale = tl.where(l < 16, _q3_k_scale(blk + 96, 2 * gi), _q3_k_scale(blk + 96, 2 * gi + 1))  # per group
+    dl = _f16(blk + 108) * scale  # [BN, G, 32]
     low = (_u8(blk + 32 + 32 * (gi // 4) + l) >> (2 * (gi % 4))) & 3
     high = (_u8(blk + l) >> gi) & 1  # bit gi of hmask[l]; a clear bit subtracts 4
     return dl * (low - 4 * (1 - high)).to(tl.float32)

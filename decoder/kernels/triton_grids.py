@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_blocks import _f16, _f16_bits, _u8, _u16, _u32
+from .triton_blocks import _by16, _f16, _f16_bits, _u8, _u16, _u32
 
 IQ1_DELTA: tl.constexpr = tl.constexpr(0.125)  # ggml IQ1S_DELTA, IQ1M_DELTA
 
@@ -117,7 +117,7 @@ def _iq1_m(blk, gi, l, grid):
     half = l // 16
     s = (_u16(blk + 48 + 2 * (gi // 2)) >> (3 * (2 * (gi % 2) + half))) & 7  # [BN, G, 32]: 3 bits per 16
     dl = _iq1_m_d(blk + 48) * (2 * s + 1).to(tl.float32)
-    v = _u8(blk + 32 + 2 * gi + half) >> (4 * ((l // 8) % 2))  # high index bits and delta sign per 8
+    v = _by16(blk + 32 + 2 * gi, l) >> (4 * ((l // 8) % 2))  # high index bits and delta sign per 8
     delta = tl.where((v & 8) != 0, -IQ1_DELTA, IQ1_DELTA)
     idx = _u8(blk + 4 * gi + l // 8) | ((v & 7) << 8)
     return dl * (_grid8(grid, idx, l) + delta)
