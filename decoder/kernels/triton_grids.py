@@ -30,11 +30,11 @@ IQ1_DELTA: tl.constexpr = tl.constexpr(0.125)  # ggml IQ1S_DELTA, IQ1M_DELTA
 
 @triton.jit
 def _ksign(s7, b):
-    """Bit b (0..7) of ksigns_iq2xs[s7]: 1 means minus."""
-    p = s7 ^ (s7 >> 4)
-    p = p ^ (p >> 2)
-    p = p ^ (p >> 1)
-    return tl.where(b == 7, p, s7 >> b) & 1
+    """Bit b (0..7) of ksigns_iq2xs[s7], 1 meaning minus: for b < 7 sign bit b, for b = 7 the
+    parity of all seven; both are the parity of s7 & mask, mask depending on the lane only."""
+    x = s7 & tl.where(b == 7, 0x7F, 1 << b)
+    x = x ^ (x >> 4)
+    return (tl.full(x.shape, 0x6996, tl.int32) >> (x & 15)) & 1  # 0x6996: bit n is the parity of n
 
 
 @triton.jit
