@@ -1,6 +1,7 @@
 """Triton block decoders of the grid quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S):
 each code picks a row of 8 (IQ3: 4) values from a fixed grid, gguf-py's tables (`gguf.quants`),
-which reach the kernel as a small int8 device tensor (`grid`, rows back to back; `grid_table`).
+which reach the kernel as a small int8 device tensor (`grid`: rows back to back, made by
+`triton_quant.grid_table`).
 Conventions as in `triton_blocks` (blk [BN, G, 1], gi [1, G, 1], l [1, 1, 32] -> [BN, G, 32]).
 
 Block layouts (bytes, 256 elements; `d` float16; ggml-common.h's `block_iq*`):
