@@ -30,7 +30,8 @@ from moestream.decoder.kernels import triton_quant as tq
 from moestream.decoder.experts.slot_format import slot_layouts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-LISTED = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.IQ4_XS, Q.MXFP4)
+QUANTS = tuple(q for q in tq.KERNEL_TYPES if q not in (Q.F32, Q.F16, Q.BF16))
+NO_KERNEL = Q.Q8_1  # a ggml type without a Triton decoder (no weights ship in it)
 RTOL = 2e-5
 N_EXPERT, N_SLOTS = 6, 4  # experts 4 and 5 sit in the spare rows (served without a slot)
 
@@ -56,7 +57,7 @@ class Bank:
                 raw = tq.random_blocks(int(q), n_out, n_in, rng)
                 off, n = self.lay.ranges[name]
                 store[e, off:off + n] = raw
-                mats[name] = gguf_dequantize(raw.reshape(n_out, -1), q).astype(np.float64)  # [n_out, n_in]
+                mats[name] = reference_dequant(raw, q, n_out, n_in).astype(np.float64)  # [n_out, n_in]
             if fused:
                 mats["gate"], mats["up"] = np.split(mats.pop("gate_up"), 2)
             self.ref.append(mats)
@@ -77,6 +78,32 @@ class Bank:
                 g, u = m["gate"] @ x[t], m["up"] @ x[t]  # [ff]
                 out[t] += w[t, j] * (m["down"] @ (g / (1.0 + np.exp(-g)) * u))
         return out
+
+
+def q1_0_dequant(raw: np.ndarray) -> np.ndarray:
+    """Q1_0 from ggml's block layout (gguf-py has no Q1_0 dequantizer). llama.cpp
+    ggml/src/ggml-common.h `block_q1_0`: float16 d, then uint8 qs[16] for 128 weights;
+    ggml-quants.c `dequantize_row_q1_0`: weight j is +d if bit j % 8 of qs[j / 8] is set, else -d."""
+    blocks = raw.reshape(-1, 18)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # [n_blocks, 1]
+    bits = np.unpackbits(blocks[:, 2:], axis=1, bitorder="little")  # [n_blocks, 128]: bit j%8 of byte j//8
+    return np.where(bits == 1, d, -d).reshape(-1)
+
+
+def reference_dequant(raw: np.ndarray, q: Q, n_out: int, n_in: int) -> np.ndarray:
+    """float32 [n_out, n_in] by an independent decoder: gguf-py's numpy code, or `q1_0_dequant`."""
+    if q == Q.Q1_0:
+        return q1_0_dequant(raw).reshape(n_out, n_in)
+    return gguf_dequantize(raw.reshape(n_out, -1), q).reshape(n_out, n_in)
+
+
+def slot_layout(qtypes: tuple[Q, Q], d: int, ff: int):
+    """The device slot layout of one layer with gate/up of type qtypes[0], down of qtypes[1]."""
+    index = ExpertIndex(1, N_EXPERT)
+    shapes = [("gate", qtypes[0], (d, ff)), ("up", qtypes[0], (d, ff)), ("down", qtypes[1], (ff, d))]
+    index.tensors.append([(name, TensorInfo(name, q, (*shape, N_EXPERT), 0, nbytes(q, shape) * N_EXPERT))
+                          for name, q, shape in shapes])
+    return slot_layouts(index)[0]
 
 
 def nbytes(q: Q, shape: tuple[int, int]) -> int:
@@ -107,19 +134,37 @@ def run_mix(bank: Bank, n: int, k: int, seed: int = 0) -> None:
 
 
 def shape_for(q: Q) -> tuple[int, int]:
-    return (256, 256) if GGML_QUANT_SIZES[q][0] == 256 else (64, 96)
+    """(d, ff) of a small expert: rows of whole blocks (32: 64 x 96; 64, 128: 128 x 128; 256 x 256)."""
+    block = GGML_QUANT_SIZES[q][0]
+    return (64, 96) if block <= 32 else (max(block, 128),) * 2
 
 
 @pytest.mark.parametrize("qtype", tq.KERNEL_TYPES, ids=lambda q: q.name)
 def test_dequantize_is_bit_exact(qtype: Q) -> None:
-    n_in = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
+    block = GGML_QUANT_SIZES[qtype][0]
+    n_in = 96 if block <= 32 else 2 * block
     raw = tq.random_blocks(int(qtype), 19, n_in, np.random.default_rng(int(qtype)))  # 19 rows: a ragged tile
     got = tq.dequantize(torch.from_numpy(raw).to(DEVICE), int(qtype), 19, n_in).cpu().numpy()
-    want = gguf_dequantize(raw.reshape(19, -1), qtype).reshape(19, n_in)
-    assert np.array_equal(got, want)
+    want = reference_dequant(raw, qtype, 19, n_in)
+    assert np.abs(want).max() > 0 and np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("qtype", LISTED, ids=lambda q: q.name)
+def test_nvfp4_every_scale_byte_and_the_q1_0_reference() -> None:
+    """NVFP4: all 256 UE4M3 scale bytes (0 and 0x7F decode to 0, bit 7 is ignored) against gguf-py.
+    Q1_0: the reference itself on a hand-made block (d = 0.5, only bits 0 and 9 set)."""
+    raw = tq.random_blocks(int(Q.NVFP4), 64, 64, np.random.default_rng(7)).reshape(64, 36)  # 64 blocks
+    raw[:, :4] = np.arange(256, dtype=np.uint8).reshape(64, 4)
+    got = tq.dequantize(torch.from_numpy(raw.reshape(-1)).to(DEVICE), int(Q.NVFP4), 64, 64).cpu().numpy()
+    assert np.array_equal(got, gguf_dequantize(raw, Q.NVFP4))
+    block = np.zeros(18, np.uint8)
+    block[:2] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
+    block[2], block[3] = 0b1, 0b10
+    want = np.full(128, -0.5, np.float32)
+    want[[0, 9]] = 0.5
+    assert np.array_equal(q1_0_dequant(block), want)
+
+
+@pytest.mark.parametrize("qtype", QUANTS, ids=lambda q: q.name)
 def test_decode_mix_matches_reference(qtype: Q) -> None:
     d, ff = shape_for(qtype)
     bank = Bank((qtype, qtype), d, ff, seed=int(qtype))
@@ -127,8 +172,12 @@ def test_decode_mix_matches_reference(qtype: Q) -> None:
     run_mix(bank, n=3, k=3, seed=1)  # ragged: experts shared by 1-3 rows, some in spare rows
 
 
-def test_prefill_mix_and_mixed_types_and_fused_gate_up() -> None:
-    bank = Bank((Q.Q4_K, Q.Q6_K), 256, 256, fused=True)  # the usual Q4_K_M mix: Q6_K down
+@pytest.mark.parametrize("qtypes", [(Q.Q4_K, Q.Q6_K), (Q.IQ1_S, Q.Q2_K), (Q.Q1_0, Q.NVFP4)],
+                         ids=["Q4_K-Q6_K", "IQ1_S-Q2_K", "Q1_0-NVFP4"])
+def test_prefill_mix_and_mixed_types_and_fused_gate_up(qtypes: tuple[Q, Q]) -> None:
+    """The usual Q4_K_M mix (Q6_K down), a dynamic 1-bit quant's (IQ1_S gate/up, Q2_K down), and
+    two types of other block sizes (128, 64) in one layer; decode and prefill paths."""
+    bank = Bank(qtypes, 256, 256, fused=True)
     run_mix(bank, n=2, k=2)
     run_mix(bank, n=tx.DECODE_MAX_ROWS + 3, k=2, seed=2)  # prefill: dequantize + matmul
 
@@ -145,8 +194,8 @@ def test_bfloat16_order_independence_and_types_without_a_kernel() -> None:
     assert (bf.float() - f32).abs().max() <= 0.02 * f32.abs().max()
     swapped = kern.mix(0, bank.blobs, bank.spare, bank.slot_map, x, w.flip(1), ids.flip(1))
     assert torch.equal(swapped, f32)  # summed in ascending expert order, whatever order the router gave
-    other = Bank((Q.Q5_0, Q.Q8_0), 64, 96)  # Q5_0: no kernel, the caller falls back
-    assert not tx.SlotKernels([other.lay], torch.device(DEVICE)).supports(0)
+    other = slot_layout((NO_KERNEL, Q.Q8_0), 64, 96)  # no kernel: the caller falls back
+    assert not tx.SlotKernels([other], torch.device(DEVICE)).supports(0)
 
 
 COMPILE = """
@@ -162,23 +211,29 @@ target = GPUTarget("cuda", 90, 32)
 def build(kernel, sig, consts):
     triton.compile(ASTSource(kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts), target=target)
 
+def lut_sig(q):  # the table's pointer type: float32 values or an int8 grid
+    return "*i8" if tq.lut(int(q), "cpu").dtype.itemsize == 1 else "*fp32"
+
+def dequant(q):
+    build(tq._dequant_kernel, {"src": "*u8", "out": "*bf16", "lut": lut_sig(q), "n_out": "i32", "n_in": "i32",
+                               "row_bytes": "i32"}, {"QT": int(q), "BN": 16, "BK": 256})
+
 try:
-    build(tq._dequant_kernel, {"src": "*u8", "out": "*bf16", "lut": "*fp32", "n_out": "i32", "n_in": "i32",
-                               "row_bytes": "i32"}, {"QT": int(Q.Q8_0), "BN": 16, "BK": 256})
+    dequant(Q.Q8_0)
 except (ImportError, RuntimeError, TypeError) as e:  # no NVIDIA backend, or another compile API
     print("no CUDA compiler in this Triton:", e)
     sys.exit(3)
 ptrs = {"blobs": "*u8", "spare": "*u8", "ids": "*i64", "slot_map": "*i32", "h": "*fp32"}
 scalars = {"n_slots": "i32", "slot_bytes": "i32", "d": "i32", "ff": "i32"}
 for q in tq.KERNEL_TYPES:  # every type's decoding, through the dequantize kernel
-    build(tq._dequant_kernel, {"src": "*u8", "out": "*bf16", "lut": "*fp32", "n_out": "i32", "n_in": "i32",
-                               "row_bytes": "i32"}, {"QT": int(q), "BN": 16, "BK": 256})
-for q in (Q.Q4_K, Q.MXFP4):  # the expert kernels around it (a LUT type and a K-quant)
-    build(tx._gate_up_kernel, {**ptrs, "x": "*bf16", "lut_g": "*fp32", "lut_u": "*fp32",
+    dequant(q)
+# the expert kernels around it: a LUT type, a K-quant, a grid type with a K-quant down (as dynamic quants mix)
+for qa, qd in ((Q.MXFP4, Q.MXFP4), (Q.Q4_K, Q.Q4_K), (Q.IQ1_S, Q.Q2_K)):
+    build(tx._gate_up_kernel, {**ptrs, "x": "*bf16", "lut_g": lut_sig(qa), "lut_u": lut_sig(qa),
                                **scalars, "gate_off": "i32", "up_off": "i32", "g_row_bytes": "i32",
-                               "u_row_bytes": "i32"}, {"K": 8, "QG": int(q), "QU": int(q), "BN": 16, "BK": 256})
-    build(tx._down_kernel, {**ptrs, "weights": "*bf16", "y": "*fp32", "lut_d": "*fp32", **scalars,
-                            "down_off": "i32", "row_bytes": "i32"}, {"QD": int(q), "BN": 16, "BK": 256})
+                               "u_row_bytes": "i32"}, {"K": 8, "QG": int(qa), "QU": int(qa), "BN": 16, "BK": 256})
+    build(tx._down_kernel, {**ptrs, "weights": "*bf16", "y": "*fp32", "lut_d": lut_sig(qd), **scalars,
+                            "down_off": "i32", "row_bytes": "i32"}, {"QD": int(qd), "BN": 16, "BK": 256})
 build(tx._sum_kernel, {"y": "*fp32", "ids": "*i64", "out": "*bf16", "d": "i32"}, {"K": 6, "KP": 8, "BLOCK": 1024})
 print("compiled")
 """
@@ -246,7 +301,7 @@ def test_slot_kernels_choice_and_the_one_time_notice(capsys) -> None:
     path, said once per process."""
     from moestream.decoder.experts import slot_format
 
-    mixed = [Bank((Q.Q8_0, Q.Q8_0), 64, 96).lay, Bank((Q.Q5_0, Q.Q8_0), 64, 96).lay]
+    mixed = [slot_layout((Q.Q8_0, Q.Q8_0), 64, 96), slot_layout((NO_KERNEL, Q.Q8_0), 64, 96)]
     assert slot_format.slot_kernels(mixed, "cpu", None) is None
     assert slot_format.slot_kernels(mixed, DEVICE, False) is None
     slot_format._NOTICED.clear()
@@ -254,4 +309,4 @@ def test_slot_kernels_choice_and_the_one_time_notice(capsys) -> None:
         kern = slot_format.slot_kernels(mixed, DEVICE, True)
         assert kern.supports(0) and not kern.supports(1)
     err = capsys.readouterr().err
-    assert err.count("no fused kernel for 1 of 2 expert layers (Q5_0)") == 1, err
+    assert err.count(f"no fused kernel for 1 of 2 expert layers ({NO_KERNEL.name})") == 1, err
