@@ -96,7 +96,7 @@ def run(cfg: IodConfig) -> int:
             log.warning("removed /dev/shm/%s left by a daemon that died without cleaning up", name)
         arena = Arena.create(n_slots, slot_bytes, mode=cfg.socket_mode, group=cfg.socket_group)
         stack.callback(arena.close)
-        reader = open_reader(cfg.model, backend=cfg.backend, depth=cfg.queue_depth, direct=cfg.direct,
+        reader = open_reader([str(f.path) for f in layout.files], backend=cfg.backend,  # one descriptor per part depth=cfg.queue_depth, direct=cfg.direct,
                              ahead_depth=cfg.queue_depth - cfg.reserved(cfg.queue_depth))
         stack.callback(reader.close)
         if reader.note:
