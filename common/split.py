@@ -80,7 +80,8 @@ def part_paths(path: Path, reader: GGUFReader) -> list[Path]:
                          f"(the other parts are found by that name)")
     if (int(m["no"]), int(m["count"])) != (no + 1, count):
         raise SplitError(f"{path.name}: the name says part {int(m['no'])} of {int(m['count'])} but its metadata says "
-                         f"part {no + 1} of {count} (split.no={no}, split.count={count})")
+                         f"part {no + 1} of {count} (split.no={no}, split.count={count}): a part renamed or copied "
+                         f"over another")
     return [part_path(m["stem"], path.parent, i, count) for i in range(count)]
 
 
@@ -119,6 +120,9 @@ def _check_parts(files: list[ModelFile], readers: list[GGUFReader]) -> None:
         if keys is None:
             raise SplitError(f"{f.path.name}: not a part of a split model (no split.count > 1), "
                              f"but {first} names it as part {f.index + 1} of {count}")
+        if keys[1:] == (count, total) and keys[0] != f.index:
+            raise SplitError(f"{f.path.name}: the name says part {f.index + 1} of {count} but its metadata says "
+                             f"part {keys[0] + 1} (split.no={keys[0]}): a part renamed or copied over another")
         if keys != (f.index, count, total):
             raise SplitError(f"{f.path.name}: a part of another split: split.no={keys[0]}, split.count={keys[1]}, "
                              f"split.tensors.count={keys[2]}; expected {f.index}, {count}, {total} as {first} says")
