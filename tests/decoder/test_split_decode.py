@@ -89,3 +89,10 @@ def test_streamed_into_the_slot_cache_equals_resident(pair, start_daemon, slot_f
         got = split.run(src, Prefetcher(split.model, src, 1))
         src.close()
     assert same_run(got, want)
+
+
+def test_the_served_name_is_the_models_not_the_parts(pair):
+    from moestream.decoder.serve.config import ServeConfig
+
+    _, split = pair
+    assert ServeConfig(model=str(split.layout.files[2].path), resident=True).model_id == "m"
