@@ -79,10 +79,12 @@ def test_fingerprint_covers_every_part(models, tmp_path):
     assert ModelLayout(parts[0]).fingerprint.identity() != first.identity()
 
 
-def _gguf_py_split(src: Path, out: Path, max_size: int) -> list[Path]:
-    """gguf-py's own writer splitting `src` (metadata and tensors copied as stored)."""
+def _gguf_py_split(src: Path, out: Path, max_size: int, small_first_shard: bool = False) -> list[Path]:
+    """gguf-py's own writer splitting `src` (metadata and tensors copied as stored); with
+    `small_first_shard`, the first part holds metadata only (gguf-split's --no-tensor-first-split)."""
     r = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(out, str(r.get_field("general.architecture").contents()), split_max_size=max_size)
+    w = gguf.GGUFWriter(out, str(r.get_field("general.architecture").contents()), split_max_size=max_size,
+                        small_first_shard=small_first_shard)
     for key, f in r.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
@@ -109,6 +111,16 @@ def test_parts_equal_gguf_pys_own_split(models, tmp_path):
         assert a.read_bytes() == b.read_bytes(), a.name
     lay = ModelLayout(ref[1])  # and that split opens as the same model
     assert lay.fingerprint.identity() == ModelLayout(ours[0]).fingerprint.identity()
+
+
+def test_a_first_part_without_tensors_opens(models, tmp_path):
+    parts = _gguf_py_split(models["single"], tmp_path / "m.gguf", SPLIT, small_first_shard=True)
+    lay, one = ModelLayout(parts[-1]), ModelLayout(models["single"])
+    assert lay.files[0].n_tensors == 0 and len(lay.files) == len(parts_of(models["split"])) + 1
+    assert lay.hparams == one.hparams
+    for layer in lay.experts.moe_layers:
+        for p, q in zip(lay.experts.parts(layer, 1), one.experts.parts(layer, 1)):
+            assert p.file > 0 and np.array_equal(lay.bytes_of(p), one.bytes_of(q))
 
 
 def test_a_model_that_fits_one_part_is_one_file(tmp_path):
@@ -207,6 +219,20 @@ def test_inspect_lists_the_parts_and_refuses_a_missing_one(models, tmp_path):
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [f"moestream inspect: {broken[3].name}: missing part 4 of {len(broken)} "
                                                f"of the split model (looked beside {broken[0].name} in {broken[0].parent})"]
+
+
+@pytest.mark.parametrize("kind", ["other_split", "short_table", "other_model_tensors"])
+def test_the_commands_refuse_a_bad_part_in_one_line(models, tmp_path, kind):
+    parts = copy_parts(models, tmp_path / "m")
+    blame, text = _broken(kind, models, parts, tmp_path)
+    sock = f"ipc://{tmp_path}/iod"
+    for prog, cmd in (("moestream inspect", ["-m", "moestream", "inspect", str(parts[-1])]),
+                      ("moestream-iod: error", ["-m", "moestream.iod.main", "--model", str(parts[-1]),
+                                                "--endpoint", f"{sock}.sock", "--status-endpoint", f"{sock}-s.sock"])):
+        out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        (line,) = out.stderr.strip().splitlines()
+        assert line.startswith(f"{prog}: {blame.name}: ") and text in line, line
 
 
 def test_single_files_are_untouched(models):

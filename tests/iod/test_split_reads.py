@@ -63,6 +63,7 @@ def test_daemon_serves_a_split_models_bytes(split_model, start_daemon, extra):
     s = get_status(d.status_endpoint)
     assert s["reader"]["errors"] == 0 and s["reader"]["bytes"] >= lay.experts.total_bytes
     assert s["fingerprint"] == lay.fingerprint.as_dict()
+    assert f"serving {split_model.name} and {len(lay.files) - 1} more parts" in d.log_text()
 
 
 def test_daemon_refuses_a_missing_part_in_one_line(split_model, tmp_path):
