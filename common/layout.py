@@ -229,7 +229,7 @@ class ModelLayout:
 
     def __init__(self, path: str | os.PathLike[str]):
         try:
-            self.files, self.readers = open_parts(Path(path).resolve(), _open_reader)
+            self.files, self.readers = open_parts(Path(os.path.abspath(path)), _open_reader)
         except SplitError as e:
             raise ModelFormatError(str(e)) from None
         self.path = self.files[0].path

@@ -88,12 +88,17 @@ def part_paths(path: Path, reader: GGUFReader) -> list[Path]:
 def open_parts(path: Path, open_reader: Callable[[Path], GGUFReader]) -> tuple[list[ModelFile], list[GGUFReader]]:
     """The model's files and their readers (first part first), each checked to belong.
 
-    `open_reader` opens one GGUF (raising on a bad or truncated file, naming it)."""
+    `path` absolute, its links not resolved: the parts are found by the names they are given
+    (a Hugging Face cache links `NAME-0000k-of-0000n.gguf` to blobs named by hash). A single
+    file's path is resolved, as it always was. `open_reader` opens one GGUF (raising on a bad
+    or truncated file, naming it)."""
     given = open_reader(path)
     paths = part_paths(path, given)
+    if len(paths) == 1:
+        paths = [path.resolve()]
     readers = []
     for i, p in enumerate(paths):
-        if p == path:
+        if p == path or len(paths) == 1:
             readers.append(given)
             continue
         if not p.is_file():

@@ -235,6 +235,19 @@ def test_the_commands_refuse_a_bad_part_in_one_line(models, tmp_path, kind):
         assert line.startswith(f"{prog}: {blame.name}: ") and text in line, line
 
 
+def test_parts_linked_from_a_hub_cache_are_found_by_their_link_names(models, tmp_path):
+    """A Hugging Face cache: snapshots/REV/NAME-0000k-of-0000n.gguf are links to blobs/<hash>."""
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "snap").mkdir()
+    for i, p in enumerate(parts_of(models["split"])):
+        blob = Path(shutil.copy(p, tmp_path / "blobs" / f"{i:064x}"))
+        (tmp_path / "snap" / p.name).symlink_to(Path("..") / "blobs" / blob.name)
+    links = sorted((tmp_path / "snap").iterdir())
+    lay = ModelLayout(links[2])
+    assert [f.path for f in lay.files] == links
+    assert lay.fingerprint.identity() == ModelLayout(models["split"]).fingerprint.identity()
+
+
 def test_single_files_are_untouched(models):
     lay = ModelLayout(models["single"])
     assert len(lay.files) == 1 and lay.files[0].path == lay.path and lay.file_size == lay.path.stat().st_size
