@@ -59,7 +59,9 @@ def _field(reader: GGUFReader, key: str) -> Any:
 def _split_keys(name: str, reader: GGUFReader) -> tuple[int, int, int] | None:
     """(split.no, split.count, split.tensors.count), or None for a file that is not a part of a split."""
     count = _field(reader, SPLIT_COUNT)
-    if count is None or int(count) <= 1:
+    if count is not None and not isinstance(count, int):
+        raise SplitError(f"{name}: split.count is {count!r}, not a number")
+    if count is None or count <= 1:
         return None
     values = [_field(reader, k) for k in _OWN_KEYS]
     for key, value in zip(_OWN_KEYS, values):

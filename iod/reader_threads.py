@@ -15,7 +15,7 @@ from .readers import Chunk, ReadError, ReaderBase, Run, chunk_errors
 class ThreadsReader(ReaderBase):
     name = "threads"
 
-    def __init__(self, paths: Sequence[str], *, depth: int = 32, direct: bool = False, ahead_depth: int | None = None):
+    def __init__(self, paths: str | Sequence[str], *, depth: int = 32, direct: bool = False, ahead_depth: int | None = None):
         super().__init__(paths, depth, direct, ahead_depth)
         self._threads = [threading.Thread(target=self._worker, name=f"iod-read-{i}", daemon=True) for i in range(depth)]
         for t in self._threads:

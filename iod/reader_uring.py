@@ -45,7 +45,7 @@ class _Flight:
 class UringReader(ReaderBase):
     name = "uring"
 
-    def __init__(self, paths: Sequence[str], *, depth: int = 32, direct: bool = False, ahead_depth: int | None = None):
+    def __init__(self, paths: str | Sequence[str], *, depth: int = 32, direct: bool = False, ahead_depth: int | None = None):
         super().__init__(paths, depth, direct, ahead_depth)
         try:
             self.ring = Ring(_pow2(depth + 1))  # +1: the wake-up read
