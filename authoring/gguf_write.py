@@ -80,6 +80,7 @@ class WriteReport:
     nbytes: int
     seconds: float
     qtypes: dict[str, Q] = field(default_factory=dict)  # tensor name -> type written
+    parts: list[Path] = field(default_factory=list)  # the files written: [path], or a split's parts
     notes: list[str] = field(default_factory=list)
 
 
@@ -184,11 +185,16 @@ def write_moe_gguf(
     dense_quant: str | Q | None = None,
     progress: bool = False,
     name: str = "moestream-tiny",
+    split_max_size: int = 0,
 ) -> WriteReport:
     """Write `tensors` (numpy order, float32 or RandomTensor) as a llama.cpp-style GGUF MoE.
 
     `tokenizer` is a byte-level BPE `tokenizers.Tokenizer` or a SentencePiece `SpmVocab` (see
-    tokenizer_data), or None to omit the vocab."""
+    tokenizer_data), or None to omit the vocab. With `split_max_size` > 0, a split model as
+    `convert_hf_to_gguf.py --split-max-size` writes one (gguf-py's own split logic): parts
+    `STEM-0000k-of-0000n.gguf` beside `path`, each at most that many tensor bytes (a tensor
+    larger than that gets a part of its own); `report.path` is then the first part,
+    `report.parts` all of them. A model that fits in one part is written as one file."""
     t0, path = time.perf_counter(), Path(path)
     get_arch(arch)  # clear error for an unsupported family
     hpd = normalize_hparams(arch, hp)
@@ -197,7 +203,7 @@ def write_moe_gguf(
     for tname, t in tensors.items():
         _validate(tname, t)
         report.qtypes[tname] = tensor_qtype(tname, tuple(t.shape), eq, dq, report.notes)
-    w = gguf.GGUFWriter(path, arch)
+    w = gguf.GGUFWriter(path, arch, split_max_size=split_max_size)
     try:
         _add_metadata(w, arch, hpd, qtype_of(quant), name)
         if tokenizer is not None:
@@ -213,7 +219,9 @@ def write_moe_gguf(
         _write_data(w, tensors, report.qtypes, progress)
     finally:
         w.close()
-    report.nbytes, report.seconds = path.stat().st_size, time.perf_counter() - t0
+    report.parts = w.format_shard_names(path)
+    report.path = report.parts[0]
+    report.nbytes, report.seconds = sum(p.stat().st_size for p in report.parts), time.perf_counter() - t0
     return report
 
 
@@ -223,8 +231,9 @@ def tensor_nbytes(shape: tuple[int, ...], q: Q) -> int:
 
 
 def _write_data(w: gguf.GGUFWriter, tensors: dict[str, TensorLike], qtypes: dict[str, Q], progress: bool) -> None:
-    """Tensor data in table order, each padded to the writer's alignment (as its offsets assume)."""
-    fout = w.fout[0]
+    """Tensor data in table order, each into the part the writer's table put it in, padded to
+    the writer's alignment (as its offsets assume)."""
+    part_of = {tname: w.fout[i] for i, shard in enumerate(w.tensors) for tname in shard}
     total = sum(tensor_nbytes(tuple(t.shape), qtypes[n]) for n, t in tensors.items())
     bar = None
     if progress:
@@ -233,12 +242,14 @@ def _write_data(w: gguf.GGUFWriter, tensors: dict[str, TensorLike], qtypes: dict
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="writing")
     try:
         for tname, t in tensors.items():
+            fout = part_of[tname]
             w.write_padding(fout, fout.tell())
             for chunk in _chunks(tname, t, qtypes[tname]):
                 chunk.tofile(fout)
                 if bar is not None:
                     bar.update(chunk.nbytes)
-        w.write_padding(fout, fout.tell())
+        for fout in w.fout:
+            w.write_padding(fout, fout.tell())
     finally:
         if bar is not None:
             bar.close()

@@ -317,14 +317,16 @@ def make_model(path: str | Path, *, arch: str = "qwen3moe", quant: str = "Q8_0",
                head_dim: int | None = None, shared_ff: int | None = None, progress: bool = False,
                verbose: bool = False, tokenizer: str | None = None,
                mla: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None = None,
-               expert_quant: str | None = None) -> Path:
-    """Write a random `arch` MoE to `path` and return the path.
+               expert_quant: str | None = None, split_max_size: int | str | None = None) -> Path:
+    """Write a random `arch` MoE to `path` and return the path (the first part's for a split one).
 
     hidden / expert_ff default to 64 (256 for K-quants, whose blocks are 256 wide);
     kv_heads defaults to 2 (heads for olmoe, whose llama.cpp loader wants n_head_kv == n_head);
     tokenizer ("bpe" byte-level Qwen2 or "spm" SentencePiece) defaults to what `arch`'s real files use;
     `mla` overrides deepseek2's `MLA_DEFAULTS` (a mapping or (key, value) pairs);
-    `expert_quant` the experts' type (default: what `arch`'s real files use, MXFP4 for gpt-oss, else `quant`)."""
+    `expert_quant` the experts' type (default: what `arch`'s real files use, MXFP4 for gpt-oss, else `quant`);
+    `split_max_size` (bytes, or "2GiB") writes a split model, `STEM-0000k-of-0000n.gguf` beside `path`,
+    as `convert_hf_to_gguf.py --split-max-size` does (gguf-py's writer)."""
     tokenizer = tokenizer or DEFAULT_TOKENIZER.get(arch, "bpe")
     if tokenizer not in TOKENIZER_KINDS:
         raise ValueError(f"unknown tokenizer {tokenizer!r} (supported: {', '.join(TOKENIZER_KINDS)})")
@@ -336,14 +338,16 @@ def make_model(path: str | Path, *, arch: str = "qwen3moe", quant: str = "Q8_0",
     if target_size is not None:
         hp = fit_target(arch, hp, quant, parse_size(target_size), expert_quant)
     report = write_moe_gguf(path, arch, hp, build_tensors(arch, hp, seed), quant, get_vocab(tokenizer, vocab),
-                            progress=progress, expert_quant=expert_quant or DEFAULT_EXPERT_QUANT.get(arch))
+                            progress=progress, expert_quant=expert_quant or DEFAULT_EXPERT_QUANT.get(arch),
+                            split_max_size=parse_size(split_max_size) if split_max_size else 0)
     if verbose:
-        print(f"wrote {report.path} ({report.nbytes / 2**20:.1f} MiB, {report.seconds:.1f} s): {arch} {quant}, "
+        parts = f" in {len(report.parts)} parts" if len(report.parts) > 1 else ""
+        print(f"wrote {report.path}{parts} ({report.nbytes / 2**20:.1f} MiB, {report.seconds:.1f} s): {arch} {quant}, "
               f"{hp['n_layer']} layers x {hp['n_expert']} experts (top {hp['n_expert_used']}), "
               f"hidden {hp['n_embd']}, expert width {hp['n_ff_exp']}")
         for note in report.notes:
             print(f"note: {note}")
-    return Path(path)
+    return report.path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -367,6 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokenizer", choices=TOKENIZER_KINDS, default=None,
                     help="bpe (byte-level, Qwen2 split) | spm (SentencePiece, byte fallback); default spm for llama")
     ap.add_argument("--target-size", default=None, help="grow experts to approach this file size, e.g. 2GiB")
+    ap.add_argument("--split-max-size", default=None, metavar="SIZE",
+                    help="write a split model, OUT-0000k-of-0000n.gguf, parts of at most SIZE tensor bytes (e.g. 50M), "
+                         "as convert_hf_to_gguf.py --split-max-size does")
     return ap
 
 
@@ -377,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                    top_k=args.top_k, hidden=args.hidden, expert_ff=args.expert_ff, heads=args.heads,
                    kv_heads=args.kv_heads, vocab=args.vocab, seed=args.seed, target_size=args.target_size,
                    head_dim=args.head_dim, progress=sys.stderr.isatty(), verbose=True, tokenizer=args.tokenizer,
-                   expert_quant=args.expert_quant)
+                   expert_quant=args.expert_quant, split_max_size=args.split_max_size)
     except (ValueError, OSError) as e:
         print(f"moestream make-model: {e}", file=sys.stderr)
         return 1

@@ -22,6 +22,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from .arch import EXPERT_PARTS, ArchSpec, arch_key, dense_shapes, get_arch, layer_tensors, mla_dims
 from .protocol import MODEL_IDENTITY
+from .split import ModelFile, SplitError, open_parts
 
 PAGE = 4096
 
@@ -44,13 +45,14 @@ def round_up(n: int, multiple: int) -> int:
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """A tensor as stored: ggml shape order (ne0 first), absolute file offset."""
+    """A tensor as stored: ggml shape order (ne0 first), absolute offset in its file."""
 
     name: str
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    file: int = 0  # which of `ModelLayout.files` holds it (the part of a split model)
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,9 @@ class ExpertPart:
     name: str  # "gate" | "up" | "down" | "gate_up" | e.g. "down.bias"
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]
-    offset: int  # absolute offset in the file
+    offset: int  # absolute offset in its file
     nbytes: int
+    file: int = 0  # which of `ModelLayout.files` holds it: gate, up and down may lie in different parts
 
 
 def slot_offsets(parts: Sequence[ExpertPart], direct: bool) -> tuple[dict[str, int], int]:
@@ -187,7 +190,7 @@ class ExpertIndex:
         out = []
         for name, t in self.tensors[layer]:
             stride = t.nbytes // self.n_expert
-            out.append(ExpertPart(name, t.qtype, t.shape[:-1], t.offset + expert * stride, stride))
+            out.append(ExpertPart(name, t.qtype, t.shape[:-1], t.offset + expert * stride, stride, t.file))
         return out
 
     def blob_bytes(self, layer: int) -> int:
@@ -218,13 +221,20 @@ class ExpertIndex:
 
 
 class ModelLayout:
-    """Everything both processes need to know about a GGUF MoE file, parsed once."""
+    """Everything both processes need to know about a GGUF MoE file, parsed once.
+
+    A split model (`NAME-0000k-of-0000n.gguf`, see `split`) is opened from any of its parts:
+    `files` lists every part (one entry for a single file), `path` is the first part's,
+    `reader` the first part's (all metadata), `readers[i]` part i's (its tensors' bytes)."""
 
     def __init__(self, path: str | os.PathLike[str]):
-        self.path = Path(path).resolve()
-        self.reader = _open_reader(self.path)
-        self._stat = self.path.stat()  # size and mtime of the file as opened (the fingerprint's too)
-        self.file_size = self._stat.st_size
+        try:
+            self.files, self.readers = open_parts(Path(os.path.abspath(path)), _open_reader)
+        except SplitError as e:
+            raise ModelFormatError(str(e)) from None
+        self.path = self.files[0].path
+        self.reader = self.readers[0]
+        self.file_size = sum(f.size for f in self.files)  # all parts
         self.arch_name = str(self._kv("general.architecture"))
         try:
             self.spec: ArchSpec = get_arch(self.arch_name)
@@ -323,14 +333,23 @@ class ModelLayout:
     # -- tensors --------------------------------------------------------------------------
     def _tensor_table(self) -> dict[str, TensorInfo]:
         out: dict[str, TensorInfo] = {}
-        for t in self.reader.tensors:
-            qtype = GGMLQuantizationType(t.tensor_type)
-            info = TensorInfo(t.name, qtype, tuple(int(x) for x in t.shape), int(t.data_offset), int(t.n_bytes))
-            # (a table pointing past the end of the file was rejected by _CheckedReader already)
-            if qtype not in SUPPORTED_QTYPES:
-                raise ModelFormatError(f"{self.path.name}: tensor {t.name!r} has unsupported quant type {qtype.name}")
-            out[t.name] = info
+        for file, reader in enumerate(self.readers):
+            for t in reader.tensors:
+                qtype = GGMLQuantizationType(t.tensor_type)
+                info = TensorInfo(t.name, qtype, tuple(int(x) for x in t.shape), int(t.data_offset), int(t.n_bytes), file)
+                # (a table pointing past the end of the file was rejected by _CheckedReader already)
+                if qtype not in SUPPORTED_QTYPES:
+                    raise ModelFormatError(f"{self.files[file].path.name}: tensor {t.name!r} has unsupported quant "
+                                           f"type {qtype.name}")
+                if t.name in out:
+                    raise ModelFormatError(f"{self.files[file].path.name}: tensor {t.name!r} is also in "
+                                           f"{self.files[out[t.name].file].path.name} (a part of another split?)")
+                out[t.name] = info
         return out
+
+    def where(self, t: TensorInfo) -> str:
+        """The name of the file holding `t` (the part of a split model), for error messages."""
+        return self.files[t.file].path.name
 
     def _expert_index(self) -> ExpertIndex:
         hp = self.hparams
@@ -375,6 +394,7 @@ class ModelLayout:
         want = {"gate": (hp.n_embd, n_ff), "up": (hp.n_embd, n_ff), "gate_up": (hp.n_embd, n_ff), "down": (hp.n_ff_exp, hp.n_embd),
                 "gate.bias": (n_ff,), "up.bias": (n_ff,), "gate_up.bias": (n_ff,), "down.bias": (hp.n_embd,)}  # gpt-oss
         for part, t in parts.items():
+            name = self.where(t)  # the part of a split model that holds it
             if t.shape[-1] != hp.n_expert:
                 raise ModelFormatError(f"{name}: inconsistent expert count: tensor {t.name!r} has {t.shape[-1]} experts "
                                        f"but expert_count={hp.n_expert}")
@@ -416,7 +436,7 @@ class ModelLayout:
             t = self.dense.get(name)
             if t is not None and t.shape not in shapes:
                 want = " or ".join(str(list(s)) for s in shapes)
-                raise ModelFormatError(f"{self.path.name}: mis-shaped tensor {name!r}: shape {list(t.shape)}, "
+                raise ModelFormatError(f"{self.where(t)}: mis-shaped tensor {name!r}: shape {list(t.shape)}, "
                                        f"expected {want} (ggml order)")
 
     def _require(self, tensor: str) -> TensorInfo:
@@ -426,9 +446,16 @@ class ModelLayout:
 
     # -- views ----------------------------------------------------------------------------
     def tensor_bytes(self, name: str) -> np.ndarray:
-        """The raw bytes of a tensor (a read-only view of the file's memory map)."""
-        t = self.tensors[name]
-        return self.reader.data[t.offset : t.offset + t.nbytes]
+        """The raw bytes of a tensor (a read-only view of its file's memory map)."""
+        return self.bytes_of(self.tensors[name])
+
+    def bytes_of(self, t: TensorInfo | ExpertPart) -> np.ndarray:
+        """The raw bytes of a tensor or an expert's part (a read-only view of its file's memory map)."""
+        return self.readers[t.file].data[t.offset : t.offset + t.nbytes]
+
+    def data(self, file: int = 0) -> np.ndarray:
+        """The memory map of `files[file]`, uint8, read-only."""
+        return self.readers[file].data
 
     @property
     def dense_bytes(self) -> int:
@@ -436,18 +463,22 @@ class ModelLayout:
 
     @cached_property
     def fingerprint(self) -> Fingerprint:
-        data = self.reader.data
-        header = data[: self.reader.data_offset]  # metadata + tensor table (mapped already: parsed)
-        sample = hashlib.sha256()
-        ranges = sample_ranges(self.reader.data_offset, len(data))
+        """Every part counts: sizes summed, headers hashed in part order, the sample spread over
+        the parts' data sections as if they were one (a single file: exactly its own)."""
+        header = hashlib.sha256()
+        for r in self.readers:
+            header.update(r.data[: r.data_offset])  # metadata + tensor table (mapped already: parsed)
+        sample, nbytes = hashlib.sha256(), 0
         # The sample by pread, not through the map: touching it there maps whole page-cache folios
         # (measured: 126 MB of RSS for 4 MiB hashed), which a memory cap would charge to the process.
-        with open(self.path, "rb", buffering=0) as f:
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # no readahead around the chunks
-            for lo, hi in ranges:
-                sample.update(os.pread(f.fileno(), hi - lo, lo))
-        return Fingerprint(str(self.path), self._stat.st_size, self._stat.st_mtime_ns,
-                           hashlib.sha256(header).hexdigest(), sample.hexdigest(), sum(hi - lo for lo, hi in ranges))
+        for f, ranges in _sample_by_file(self.files):
+            with open(f.path, "rb", buffering=0) as fh:
+                os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # no readahead around the chunks
+                for lo, hi in ranges:
+                    sample.update(os.pread(fh.fileno(), hi - lo, lo))
+                    nbytes += hi - lo
+        return Fingerprint(str(self.path), self.file_size, max(f.mtime_ns for f in self.files),
+                           header.hexdigest(), sample.hexdigest(), nbytes)
 
     def quant_types(self) -> dict[str, int]:
         """Quant type name -> number of tensors of that type."""
@@ -455,6 +486,22 @@ class ModelLayout:
         for t in self.tensors.values():
             out[t.qtype.name] = out.get(t.qtype.name, 0) + 1
         return out
+
+
+def _sample_by_file(files: Sequence[ModelFile]) -> list[tuple[ModelFile, list[tuple[int, int]]]]:
+    """`sample_ranges` over the files' data sections laid end to end, cut back into per-file ranges."""
+    spans, pos = [], 0  # (file, start in the joined data, its data start)
+    for f in files:
+        spans.append((f, pos, f.data_offset))
+        pos += f.size - f.data_offset
+    out = []
+    joined = sample_ranges(0, pos)
+    for f, start, data_offset in spans:
+        end = start + f.size - data_offset
+        mine = [(max(lo, start) - start + data_offset, min(hi, end) - start + data_offset)
+                for lo, hi in joined if lo < end and hi > start]
+        out.append((f, mine))
+    return out
 
 
 class _CheckedReader(GGUFReader):

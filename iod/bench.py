@@ -74,17 +74,19 @@ def pick_keys(layout: ModelLayout, n: int | None, seed: int) -> list[Key]:
     return keys[: n or len(keys)]
 
 
-def expert_ranges(layout: ModelLayout, keys: list[Key]) -> list[tuple[int, int]]:
-    return [(p.offset, p.nbytes) for k in keys for p in layout.experts.parts(*k)]
+def expert_ranges(layout: ModelLayout, keys: list[Key]) -> list[tuple[int, int, int]]:
+    """(file, offset, nbytes) of each part of each key: the file is a part of a split model (else 0)."""
+    return [(p.file, p.offset, p.nbytes) for k in keys for p in layout.experts.parts(*k)]
 
 
-def evict(path: Path) -> None:
-    """Drop the file's clean pages from the page cache (no root needed)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+def evict(layout: ModelLayout) -> None:
+    """Drop the model's clean pages (every part's) from the page cache (no root needed)."""
+    for f in layout.files:
+        fd = os.open(f.path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def phase(name: str, nbytes: int, seconds: float, disk: int | None = None, **extra: object) -> dict:
@@ -109,7 +111,7 @@ def raw_cold_preadv(layout: ModelLayout, keys: list[Key], depth: int, direct: bo
             if not left[0]:
                 done.set()
 
-    with open_reader(layout.path, backend="threads", depth=depth, direct=direct) as reader:
+    with open_reader([str(f.path) for f in layout.files], backend="threads", depth=depth, direct=direct) as reader:
         io0, t0 = proc_read_bytes(), time.perf_counter()
         for i, k in enumerate(keys):  # slots reused round-robin: overlapping writes of discarded data are fine
             ops, _ = plan_reads(ex.parts(*k), memoryview(ring)[(i % ring_slots) * slot : (i % ring_slots + 1) * slot], direct=direct)
@@ -127,11 +129,12 @@ def raw_cold_preadv(layout: ModelLayout, keys: list[Key], depth: int, direct: bo
 def raw_cold_fio(layout: ModelLayout, keys: list[Key], depth: int, direct: bool, fio: str) -> dict:
     """fio replaying the exact ranges with io_uring at `depth` (aligned ranges when direct)."""
     ranges = _aligned(expert_ranges(layout, keys)) if direct else expert_ranges(layout, keys)
-    path = str(layout.path)
+    paths = [str(f.path) for f in layout.files]  # every part of a split model
     with tempfile.NamedTemporaryFile("w", suffix=".iolog", delete=False) as f:
-        f.write(f"fio version 2 iolog\n{path} add\n{path} open\n")
-        f.writelines(f"{path} read {off} {n}\n" for off, n in ranges)
-        f.write(f"{path} close\n")
+        f.write("fio version 2 iolog\n")
+        f.writelines(f"{p} add\n{p} open\n" for p in paths)
+        f.writelines(f"{paths[file]} read {off} {n}\n" for file, off, n in ranges)
+        f.writelines(f"{p} close\n" for p in paths)
     cmd = [fio, "--name=raw", "--ioengine=io_uring", f"--iodepth={depth}", f"--read_iolog={f.name}",
            "--replay_no_stall=1", "--fadvise_hint=random", f"--direct={int(direct)}", "--output-format=json"]
     try:
@@ -150,13 +153,13 @@ def raw_cold_fio(layout: ModelLayout, keys: list[Key], depth: int, direct: bool,
 
 def raw_warm_memcpy(layout: ModelLayout, keys: list[Key], dst: np.ndarray) -> dict:
     """memcpy of the same ranges from the page cache (the file's mmap); best of two passes."""
-    data = np.memmap(layout.path, dtype=np.uint8, mode="r")
+    data = [np.memmap(f.path, dtype=np.uint8, mode="r") for f in layout.files]
     ranges = expert_ranges(layout, keys)
     best = float("inf")
     for _ in range(2):  # the first pass also maps the pages
         t0 = time.perf_counter()
-        for off, n in ranges:
-            dst[:n] = data[off : off + n]
+        for file, off, n in ranges:
+            dst[:n] = data[file][off : off + n]
         best = min(best, time.perf_counter() - t0)
     del data
     return phase("warm raw", _useful(layout, keys), best, tool="memcpy from page cache")
@@ -328,11 +331,11 @@ def run(args: argparse.Namespace) -> dict:
     runs: dict[str, list[dict]] = {name: [] for name in RUNS}
     for i in range(args.repeat):  # alternate raw and delivered so drift hits both alike
         if fio:
-            evict(layout.path)
+            evict(layout)
             runs["cold_raw_fio"].append(raw_cold_fio(layout, keys, args.depth, args.direct, fio))
-        evict(layout.path)
+        evict(layout)
         runs["cold_raw_preadv"].append(raw_cold_preadv(layout, keys, args.depth, args.direct))
-        evict(layout.path)
+        evict(layout)
         runs["cold"].append(delivery_phase(args, "cold delivered", keys, dst, layout))
         runs["warm_raw"].append(raw_warm_memcpy(layout, keys, dst))
         runs["warm"].append(delivery_phase(args, "warm delivered", keys, dst, layout,
@@ -413,12 +416,12 @@ def main(argv: list[str] | None = None) -> int:
 
 # -- helpers --------------------------------------------------------------------------------
 def _useful(layout: ModelLayout, keys: list[Key]) -> int:
-    return sum(n for _, n in expert_ranges(layout, keys))
+    return sum(n for _, _, n in expert_ranges(layout, keys))
 
 
-def _aligned(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _aligned(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     """The enclosing page-aligned range of each, as O_DIRECT reads them."""
-    return [(off - off % PAGE, round_up(off % PAGE + n, PAGE)) for off, n in ranges]
+    return [(file, off - off % PAGE, round_up(off % PAGE + n, PAGE)) for file, off, n in ranges]
 
 
 def _map_arena(client) -> None:

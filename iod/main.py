@@ -96,7 +96,7 @@ def run(cfg: IodConfig) -> int:
             log.warning("removed /dev/shm/%s left by a daemon that died without cleaning up", name)
         arena = Arena.create(n_slots, slot_bytes, mode=cfg.socket_mode, group=cfg.socket_group)
         stack.callback(arena.close)
-        reader = open_reader(cfg.model, backend=cfg.backend, depth=cfg.queue_depth, direct=cfg.direct,
+        reader = open_reader([str(f.path) for f in layout.files], backend=cfg.backend,  # one descriptor per part depth=cfg.queue_depth, direct=cfg.direct,
                              ahead_depth=cfg.queue_depth - cfg.reserved(cfg.queue_depth))
         stack.callback(reader.close)
         if reader.note:
@@ -107,8 +107,9 @@ def run(cfg: IodConfig) -> int:
         _clear_stale_sockets(cfg)
         stack.callback(_remove_socket_files, cfg)  # only now: never delete another daemon's files
         _bind(server, cfg)
-        log.info("serving %s (%d layers x %d experts) on %s: arena %s, %d slots x %d bytes, reader %s",
-                 layout.path.name, layout.experts.n_layer, layout.experts.n_expert, cfg.endpoint,
+        log.info("serving %s%s (%d layers x %d experts) on %s: arena %s, %d slots x %d bytes, reader %s",
+                 layout.path.name, f" and {len(layout.files) - 1} more parts" if len(layout.files) > 1 else "",
+                 layout.experts.n_layer, layout.experts.n_expert, cfg.endpoint,
                  arena.name, n_slots, slot_bytes, reader.name)
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_serve(server))

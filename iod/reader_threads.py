@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 
 from .readers import Chunk, ReadError, ReaderBase, Run, chunk_errors
 
@@ -14,8 +15,8 @@ from .readers import Chunk, ReadError, ReaderBase, Run, chunk_errors
 class ThreadsReader(ReaderBase):
     name = "threads"
 
-    def __init__(self, path: str, *, depth: int = 32, direct: bool = False, ahead_depth: int | None = None):
-        super().__init__(path, depth, direct, ahead_depth)
+    def __init__(self, paths: str | Sequence[str], *, depth: int = 32, direct: bool = False, ahead_depth: int | None = None):
+        super().__init__(paths, depth, direct, ahead_depth)
         self._threads = [threading.Thread(target=self._worker, name=f"iod-read-{i}", daemon=True) for i in range(depth)]
         for t in self._threads:
             t.start()
@@ -37,18 +38,20 @@ class ThreadsReader(ReaderBase):
         self._finish_run(run, errors)
 
     def _read(self, run: list[Chunk]) -> list[ReadError | None]:
-        """One vectored read of adjacent chunks (retrying short reads); each chunk's error, if any."""
+        """One vectored read of adjacent chunks of one file (retrying short reads); each chunk's error, if any."""
         bufs = [c.dest for c in run]
+        file = run[0].file
+        fd, size, path = self.fds[file], self.sizes[file], self.paths[file]
         base, total, got = run[0].offset, sum(c.length for c in run), 0
         try:
-            while got < total and base + got < self.size:
-                n = os.preadv(self.fd, _skip(bufs, got), base + got)
+            while got < total and base + got < size:
+                n = os.preadv(fd, _skip(bufs, got), base + got)
                 if n == 0:
                     break
                 got += n
         except OSError as e:
-            return [ReadError(e.errno, f"reading bytes [{base}, {base + total}) of {self.path}: {e.strerror}")] * len(run)
-        return chunk_errors(run, got)
+            return [ReadError(e.errno, f"reading bytes [{base}, {base + total}) of {path}: {e.strerror}")] * len(run)
+        return chunk_errors(run, got, path)
 
     def close(self) -> None:
         """Stop the workers (after their current read), fail whatever never started, close the file."""
@@ -56,9 +59,7 @@ class ThreadsReader(ReaderBase):
         for t in self._threads:
             t.join()
         self._fail_unstarted(left)
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self._close_files()
 
 
 def _skip(bufs: list[memoryview], n: int) -> list[memoryview]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .readers import ReadError, ReaderBase, Run, chunk_errors
@@ -44,12 +45,12 @@ class _Flight:
 class UringReader(ReaderBase):
     name = "uring"
 
-    def __init__(self, path: str, *, depth: int = 32, direct: bool = False, ahead_depth: int | None = None):
-        super().__init__(path, depth, direct, ahead_depth)
+    def __init__(self, paths: str | Sequence[str], *, depth: int = 32, direct: bool = False, ahead_depth: int | None = None):
+        super().__init__(paths, depth, direct, ahead_depth)
         try:
             self.ring = Ring(_pow2(depth + 1))  # +1: the wake-up read
         except RingUnavailable as e:
-            os.close(self.fd)
+            self._close_files()
             raise UringUnavailable(str(e)) from None
         self.efd = os.eventfd(0, os.EFD_CLOEXEC)
         self._wake_buf = ctypes.create_string_buffer(8)
@@ -139,20 +140,20 @@ class UringReader(ReaderBase):
         f.iov = (_Iovec * len(iovs))(*iovs)
         uid, self._next_id = self._next_id, self._next_id + 1
         self._flights[uid] = f
-        self.ring.prep(OP_READV, self.fd, ctypes.addressof(f.iov), len(iovs), f.run[0].offset + f.got, uid)
+        self.ring.prep(OP_READV, self.fds[f.run[0].file], ctypes.addressof(f.iov), len(iovs), f.run[0].offset + f.got, uid)
         with self._lock:
             self._stats["preadv_calls"] += 1
 
     def _complete(self, uid: int, res: int) -> None:
         f = self._flights.pop(uid)
-        base = f.run[0].offset
+        base, file = f.run[0].offset, f.run[0].file
         if res < 0:
-            err = ReadError(-res, f"reading bytes [{base}, {base + f.total}) of {self.path}: {os.strerror(-res)}")
+            err = ReadError(-res, f"reading bytes [{base}, {base + f.total}) of {self.paths[file]}: {os.strerror(-res)}")
             return self._finish(f, err)
         f.got += res
-        if res > 0 and f.got < f.total and base + f.got < self.size:
+        if res > 0 and f.got < f.total and base + f.got < self.sizes[file]:
             return self._issue(f)  # short read inside the file: read the rest
-        self._finish(f, chunk_errors(f.run, f.got))
+        self._finish(f, chunk_errors(f.run, f.got, self.paths[file]))
 
     def _finish(self, f: _Flight, error: BaseException | None | list) -> None:
         """Complete the run's chunks with one error for all, or one per chunk (a list)."""
@@ -163,7 +164,7 @@ class UringReader(ReaderBase):
     # -- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:
         """Let in-flight reads finish, fail what never started, release the ring and files."""
-        if self.fd < 0:
+        if self.efd < 0:
             return
         left = self.queue.close()
         os.eventfd_write(self.efd, 1)
@@ -173,10 +174,10 @@ class UringReader(ReaderBase):
 
     def _teardown(self) -> None:
         self.ring.close()
-        for fd in (self.fd, self.efd):
-            if fd >= 0:
-                os.close(fd)
-        self.fd = self.efd = -1
+        self._close_files()
+        if self.efd >= 0:
+            os.close(self.efd)
+        self.efd = -1
 
 
 def _pow2(n: int) -> int:

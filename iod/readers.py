@@ -5,7 +5,11 @@ and `uring` (io_uring through raw syscalls, see `reader_uring.py`). Both read th
 own file descriptor, never the model's mmap, opened with `POSIX_FADV_RANDOM` (or `O_DIRECT`)
 so kernel readahead does not inflate what the disk reads.
 
-Ops submitted together, or pending at the same time, whose file ranges touch are coalesced
+A model split in parts (`NAME-0000k-of-0000n.gguf`) is read through one descriptor per part:
+every op names its `file` (an index into the reader's paths), so one blob's ranges may come
+from several files in one submit.
+
+Ops submitted together, or pending at the same time, whose ranges in one file touch are coalesced
 into one vectored read (one iovec per op), so a layer's worth of adjacent experts costs a
 few large reads instead of many small ones.
 
@@ -53,10 +57,13 @@ class ReadOp:
     length: int
     dest: memoryview
     required: int | None = None
+    file: int = 0  # which of the reader's paths (the part of a split model)
 
     def __post_init__(self) -> None:
         if self.offset < 0 or self.length <= 0:
             raise ValueError(f"ReadOp: bad range offset={self.offset} length={self.length}")
+        if self.file < 0:
+            raise ValueError(f"ReadOp: bad file index {self.file}")
         if len(self.dest) != self.length:
             raise ValueError(f"ReadOp: dest has {len(self.dest)} bytes but length={self.length}")
         if self.required is None:
@@ -90,21 +97,28 @@ def plan_reads(parts: Sequence[ExpertPart], slot: memoryview, *, direct: bool) -
         lead = p.offset % PAGE if direct else 0
         length = round_up(lead + p.nbytes, PAGE) if direct else p.nbytes
         at = first[p.name] - lead
-        ops.append(ReadOp(p.offset - lead, length, slot[at : at + length], required=lead + p.nbytes))
+        ops.append(ReadOp(p.offset - lead, length, slot[at : at + length], required=lead + p.nbytes, file=p.file))
     return ops, {p.name: (first[p.name], p.nbytes) for p in parts}
 
 
 # -- shared machinery -----------------------------------------------------------------------
 class ReaderBase:
-    """What both backends share: the file, the pending queue, `submit`, counters, closing."""
+    """What both backends share: the files, the pending queue, `submit`, counters, closing."""
 
     name = "?"
 
-    def __init__(self, path: str, depth: int, direct: bool, ahead_depth: int | None = None):
+    def __init__(self, paths: str | Sequence[str], depth: int, direct: bool, ahead_depth: int | None = None):
         self.note = ""
-        self.path, self.depth, self.direct = path, depth, direct
-        self.fd = open_fd(path, direct)
-        self.size = os.fstat(self.fd).st_size
+        one = isinstance(paths, (str, os.PathLike))
+        self.paths, self.depth, self.direct = [os.fspath(paths)] if one else [os.fspath(p) for p in paths], depth, direct
+        self.fds: list[int] = []
+        try:
+            for p in self.paths:
+                self.fds.append(open_fd(p, direct))
+        except BaseException:
+            self._close_files()
+            raise
+        self.sizes = [os.fstat(fd).st_size for fd in self.fds]
         self.queue = PendingQueue(depth, ahead_depth)
         self._lock = threading.Lock()
         self._stats = {"ops": 0, "bytes": 0, "preadv_calls": 0, "errors": 0}
@@ -115,6 +129,9 @@ class ReaderBase:
         thread, after the last one. Returns the batch, the handle `promote` takes."""
         if not ops:
             raise ValueError("submit: no ops")
+        bad = next((op.file for op in ops if op.file >= len(self.paths)), None)
+        if bad is not None:
+            raise ValueError(f"submit: file index {bad} but the reader has {len(self.paths)} file(s)")
         batch = Batch(len(ops), on_done, ahead)
         self.queue.put([Chunk(op, batch) for op in ops])
         self._wake()
@@ -161,6 +178,11 @@ class ReaderBase:
     def close(self) -> None:
         raise NotImplementedError
 
+    def _close_files(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+
     def __enter__(self) -> ReaderBase:
         return self
 
@@ -194,19 +216,24 @@ class Batch:
 
 
 class Chunk:
-    __slots__ = ("offset", "length", "dest", "required", "batch", "taken")
+    __slots__ = ("offset", "length", "dest", "required", "file", "batch", "taken")
 
     def __init__(self, op: ReadOp, batch: Batch):
         self.offset, self.length, self.dest, self.required = op.offset, op.length, op.dest, op.required
-        self.batch, self.taken = batch, False
+        self.file, self.batch, self.taken = op.file, batch, False
 
     @property
-    def end(self) -> int:
-        return self.offset + self.length
+    def start_key(self) -> tuple[int, int]:
+        return self.file, self.offset
+
+    @property
+    def end_key(self) -> tuple[int, int]:
+        """Where the chunk ends, in its file: a neighbour's `start_key` if they touch."""
+        return self.file, self.offset + self.length
 
 
 class Run(list):
-    """Adjacent chunks read as one vectored read; `ahead` if it holds one of the prefetch places."""
+    """Adjacent chunks of one file read as one vectored read; `ahead` if it holds one of the prefetch places."""
 
     ahead = False
 
@@ -225,8 +252,8 @@ class PendingQueue:
         self.ahead_depth = depth if ahead_depth is None else max(1, min(ahead_depth, depth))
         self.cond = threading.Condition()
         self.fifos: dict[bool, deque[Chunk]] = {False: deque(), True: deque()}  # by `ahead`
-        self.by_start: dict[int, Chunk] = {}
-        self.by_end: dict[int, Chunk] = {}
+        self.by_start: dict[tuple[int, int], Chunk] = {}  # (file, offset)
+        self.by_end: dict[tuple[int, int], Chunk] = {}
         self.flying = {False: 0, True: 0}  # runs in flight, by `ahead`
         self.gauge = DepthGauge()
         self.closed = False
@@ -237,8 +264,8 @@ class PendingQueue:
                 raise RuntimeError("reader is closed")
             for c in chunks:
                 self.fifos[c.batch.ahead].append(c)
-                self.by_start.setdefault(c.offset, c)
-                self.by_end.setdefault(c.end, c)
+                self.by_start.setdefault(c.start_key, c)
+                self.by_end.setdefault(c.end_key, c)
             self.cond.notify(len(chunks))
 
     def take(self, block: bool = True) -> Run | None:
@@ -297,7 +324,7 @@ class PendingQueue:
         run, size = deque([first]), first.length
         for forward in (True, False):
             while len(run) < MAX_RUN_IOVECS:
-                nxt = self.by_start.get(run[-1].end) if forward else self.by_end.get(run[0].offset)
+                nxt = self.by_start.get(run[-1].end_key) if forward else self.by_end.get(run[0].start_key)
                 if nxt is None or size + nxt.length > MAX_RUN_BYTES:
                     break
                 self._unindex(nxt)
@@ -307,10 +334,10 @@ class PendingQueue:
 
     def _unindex(self, c: Chunk) -> None:
         c.taken = True
-        if self.by_start.get(c.offset) is c:
-            del self.by_start[c.offset]
-        if self.by_end.get(c.end) is c:
-            del self.by_end[c.end]
+        if self.by_start.get(c.start_key) is c:
+            del self.by_start[c.start_key]
+        if self.by_end.get(c.end_key) is c:
+            del self.by_end[c.end_key]
 
     def flight_stats(self) -> dict:
         with self.cond:
@@ -342,25 +369,28 @@ def open_fd(path: str, direct: bool) -> int:
     return fd
 
 
-def chunk_errors(run: list[Chunk], got: int) -> list[ReadError | None]:
+def chunk_errors(run: list[Chunk], got: int, path: str = "the file") -> list[ReadError | None]:
     """Per chunk of a run whose vectored read stopped after `got` bytes: None if it has what it needs."""
     base = run[0].offset
     return [None if got >= c.offset - base + c.required else
-            ReadError(5, f"short read: wanted bytes [{c.offset}, {c.offset + c.required}) of the file "
+            ReadError(5, f"short read: wanted bytes [{c.offset}, {c.offset + c.required}) of {path} "
                          f"but the read stopped at byte {base + got} (end of file?)")
             for c in run]
 
 
 # -- factory --------------------------------------------------------------------------------
-def open_reader(path: str | os.PathLike[str], *, backend: str = "auto", depth: int = 32, direct: bool = False,
-                ahead_depth: int | None = None) -> Reader:
-    """A reader over `path`: `uring`, `threads`, or `auto` (uring if it works here, else threads with a
-    note). Prefetch reads hold at most `ahead_depth` (default: all) of the `depth` places in flight."""
+def open_reader(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *, backend: str = "auto",
+                depth: int = 32, direct: bool = False, ahead_depth: int | None = None) -> Reader:
+    """A reader over `path` (or a list of paths, the parts of a split model: `ReadOp.file` indexes
+    it): `uring`, `threads`, or `auto` (uring if it works here, else threads with a note).
+    Prefetch reads hold at most `ahead_depth` (default: all) of the `depth` places in flight."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown reader backend {backend!r} (choose from {', '.join(BACKENDS)})")
     if not 1 <= depth <= MAX_DEPTH:
         raise ValueError(f"reader depth must be in [1, {MAX_DEPTH}], got {depth}")
-    path = os.fspath(path)
+    path = [os.fspath(p) for p in path] if isinstance(path, (list, tuple)) else [os.fspath(path)]
+    if not path:
+        raise ValueError("open_reader: no files")
     from .reader_threads import ThreadsReader
 
     if backend == "threads":

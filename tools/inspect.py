@@ -1,6 +1,6 @@
 """`moestream inspect MODEL.gguf [--json]`: what a GGUF MoE holds, as moestream sees it.
 
-Prints the architecture, hyper-parameters, dense bytes, the expert index (experts per layer,
+Prints the files (every part of a split model, with its size), the architecture, hyper-parameters, dense bytes, the expert index (experts per layer,
 largest blob, arena slot size, total expert bytes), quant types, the file fingerprint, and
 sizing: the arena (and `moestream-iod --memory`) that caches a quarter, half or all experts.
 """
@@ -27,7 +27,8 @@ def describe(layout: ModelLayout) -> dict[str, Any]:
     ex = layout.experts
     return {
         "path": str(layout.path),
-        "file_bytes": layout.file_size,
+        "file_bytes": layout.file_size,  # all parts of a split model
+        "files": [{"path": str(f.path), "bytes": f.size, "tensors": f.n_tensors} for f in layout.files],
         "architecture": layout.arch_name,
         "hparams": dataclasses.asdict(layout.hparams),
         "dense_bytes": layout.dense_bytes,
@@ -58,6 +59,7 @@ def format_text(d: dict[str, Any]) -> str:
     hp, ex = d["hparams"], d["experts"]
     lines = [
         f"{d['path']}  ({_mib(d['file_bytes'])})",
+        *_parts_lines(d["files"]),
         f"architecture     {d['architecture']}",
         "hyper-parameters " + ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
                                         for k, v in hp.items() if k != "arch" and _shown(v)),
@@ -73,6 +75,15 @@ def format_text(d: dict[str, Any]) -> str:
         *_sizing_lines(d["sizing"]),
     ]
     return "\n".join(lines)
+
+
+def _parts_lines(files: list[dict[str, Any]]) -> list[str]:
+    """A split model's parts, one line each (nothing for a single file)."""
+    if len(files) < 2:
+        return []
+    width = max(len(f["path"]) for f in files)
+    return [f"split            {len(files)} parts (sizes above are of all of them)"] + [
+        f"  {f['path']:<{width}}  {_mib(f['bytes'])}, {f['tensors']} tensors" for f in files]
 
 
 def _fingerprint_lines(fp: dict[str, Any]) -> list[str]:

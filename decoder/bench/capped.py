@@ -158,7 +158,7 @@ def make_plan(args: argparse.Namespace, layout: Any, workdir: Path) -> Plan:
         raise UsageError(f"this moestream's `generate` lacks {', '.join(missing)}, which this bench needs")
     rng = random.Random(args.seed)
     dev = block_device(args.model)
-    return Plan(model=str(Path(args.model).resolve()),
+    return Plan(model=str(layout.path),  # the first part of a split model: what llama.cpp must be given
                 prompt=[rng.randrange(layout.hparams.n_vocab) for _ in range(args.prompt_tokens)],
                 tokens=args.tokens, threads=args.threads, prefetch=args.prefetch,
                 temperature=args.temperature if args.sampling == "sample" else 0.0, seed=args.seed,
@@ -171,8 +171,9 @@ def make_plan(args: argparse.Namespace, layout: Any, workdir: Path) -> Plan:
 class Cold:
     """Drops the page cache before a run (cold), saying once if it cannot."""
 
-    def __init__(self, cold: bool, model: str, notes: list[str]):
-        self.cold, self.model, self.notes, self._warned = cold, model, notes, False
+    def __init__(self, cold: bool, model: str | list[str], notes: list[str]):
+        self.files = [model] if isinstance(model, str) else list(model)  # every part of a split model
+        self.cold, self.notes, self._warned = cold, notes, False
 
     def __call__(self) -> None:
         if not self.cold:
@@ -180,7 +181,8 @@ class Cold:
         why = drop_caches()
         if why is None:
             return
-        evict_file(self.model)
+        for path in self.files:
+            evict_file(path)
         if not self._warned:
             self._warned = True
             self.notes.append(f"warm: could not drop caches ({why}); only the model file's pages are evicted "
@@ -251,7 +253,7 @@ def measure(args: argparse.Namespace, layout: Any, caps: list[tuple[str, int]], 
     MemoryCgroup(parent, None, "probe").remove()  # can we create one at all? (clear error before any run)
     plan = make_plan(args, layout, workdir)
     notes: list[str] = []
-    cold = Cold(args.cold, plan.model, notes)
+    cold = Cold(args.cold, [str(f.path) for f in layout.files], notes)
     out = _setup(plan, layout, parent, args, notes)
     out["warmup"] = warm = warm_up(plan, layout, parent, args)
     out["sampling"] = warm["sampling"]

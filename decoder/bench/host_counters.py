@@ -192,39 +192,42 @@ def disk_figures(block: dict[str, int | None], own: dict[str, int], decode_token
 def disk_bandwidth(layout: Any, seed: int, max_bytes: int = 256 << 20, depth: int = 32) -> dict[str, Any]:
     """Cold batched preads of random experts' exact ranges, `depth` in flight: bytes/s."""
     ranges = _random_expert_ranges(layout.experts, seed, max_bytes)
-    evict_file(layout.path)
-    fd = os.open(layout.path, os.O_RDONLY)
+    fds = []
     local = threading.local()
-    largest = max(n for _, n in ranges)
+    largest = max(n for _, _, n in ranges)
 
-    def read(r: tuple[int, int]) -> int:
+    def read(r: tuple[int, int, int]) -> int:
         buf = getattr(local, "buf", None)
         if buf is None:
             buf = local.buf = bytearray(largest)
-        return os.preadv(fd, [memoryview(buf)[: r[1]]], r[0])
+        return os.preadv(fds[r[0]], [memoryview(buf)[: r[2]]], r[1])
 
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # exact ranges, no readahead
+        for f in layout.files:  # one descriptor per part of a split model
+            evict_file(f.path)
+            fds.append(os.open(f.path, os.O_RDONLY))
+            os.posix_fadvise(fds[-1], 0, 0, os.POSIX_FADV_RANDOM)  # exact ranges, no readahead
         with cf.ThreadPoolExecutor(depth) as pool:
             t0 = time.perf_counter()
             nbytes = sum(pool.map(read, ranges))
             seconds = time.perf_counter() - t0
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
     return {"bytes": nbytes, "seconds": seconds, "bytes_per_s": nbytes / seconds, "ranges": len(ranges),
             "depth": depth}
 
 
-def _random_expert_ranges(ex: Any, seed: int, max_bytes: int) -> list[tuple[int, int]]:
-    """(offset, nbytes) of the parts of random experts, until at least `max_bytes` (or all)."""
+def _random_expert_ranges(ex: Any, seed: int, max_bytes: int) -> list[tuple[int, int, int]]:
+    """(file, offset, nbytes) of the parts of random experts, until at least `max_bytes` (or all)."""
     keys = [(layer, e) for layer in ex.moe_layers for e in range(ex.n_expert)]
     random.Random(seed).shuffle(keys)
-    ranges: list[tuple[int, int]] = []
+    ranges: list[tuple[int, int, int]] = []
     total = 0
     for key in keys:
         if total >= max_bytes:
             break
-        parts = [(p.offset, p.nbytes) for p in ex.parts(*key)]
+        parts = [(p.file, p.offset, p.nbytes) for p in ex.parts(*key)]
         ranges += parts
-        total += sum(n for _, n in parts)
+        total += sum(n for _, _, n in parts)
     return ranges

@@ -84,9 +84,9 @@ def _bias(biases: dict[str, np.ndarray], names: list[str]) -> Bias:
 
 
 def run_experts(x: torch.Tensor, groups: Mapping[int, tuple[torch.Tensor, torch.Tensor]], weights: torch.Tensor,
-                base: np.ndarray, mats: Mapping[int, Mats],
+                base: np.ndarray | tuple[np.ndarray, ...], mats: Mapping[int, Mats],
                 act: str = "swiglu") -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """The experts of `mats`, whose bytes all lie inside `base`, in one kernel call (two parallel
+    """The experts of `mats`, whose bytes all lie inside `base` (or gate's, up's, down's), in one kernel call (two parallel
     regions in all): {e: (rows [n_e], weights * swiglu_e(x[rows]) [n_e, d])}. Each expert's
     output is the same bits whichever experts share the call, so arrival batches do not matter."""
     es = sorted(mats)
@@ -103,14 +103,15 @@ class QuantResidentExperts(ExpertSource):
     """Every expert resident as the file's own quantized bytes (a read-only memory map).
 
     The reference the streamed CPU source must match bit for bit; memory is the file's
-    expert bytes, in the page cache, as llama.cpp's mmap has them.
+    expert bytes, in the page cache, as llama.cpp's mmap has them. A split model's layer may keep
+    its gate, up and down tensors in three parts: the kernels then get each one's own map.
     """
 
     def __init__(self, layout: ModelLayout):
-        if layout.reader.data is None:
+        if any(r.data is None for r in layout.readers):
             raise ValueError(f"{layout.path}: no memory map of the file")
         self.layout = layout
-        self._data: np.ndarray = layout.reader.data  # [file bytes] uint8, read-only map
+        self._bases = {layer: self._layer_bases(layer) for layer in layout.experts.moe_layers}
         self._mats: dict[tuple[int, int], Mats] = {}
         self.c = {"acquired": 0, "compute_s": 0.0}
 
@@ -119,18 +120,27 @@ class QuantResidentExperts(ExpertSource):
         got = self._mats.get(key)
         if got is None:
             parts = self.layout.experts.parts(layer, expert)
-            views = {p.name: self._data[p.offset:p.offset + p.nbytes] for p in parts}  # views, no copy
+            views = {p.name: self.layout.bytes_of(p) for p in parts}  # views, no copy
             got = self._mats[key] = expert_mats(parts, views)
         return got
 
     def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         groups = group_by_expert(ids)
-        outputs = run_experts(x, groups, weights, self._data, {e: self.mats(layer, e) for e in groups},
+        outputs = run_experts(x, groups, weights, self._bases[layer], {e: self.mats(layer, e) for e in groups},
                               self.layout.spec.expert_act)
         self.c["acquired"] += len(groups)
         self.c["compute_s"] += time.perf_counter() - t0
         return combine(x, outputs)
+
+    def _layer_bases(self, layer: int) -> np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The memory map(s) `layer`'s experts lie in: the file's, or (gate's, up's, down's) parts'."""
+        files = {p.name: p.file for p in self.layout.experts.parts(layer, 0)}
+        gate, up = (files["gate_up"],) * 2 if "gate_up" in files else (files["gate"], files["up"])
+        which = (gate, up, files["down"])
+        if len(set(which)) == 1:
+            return self.layout.data(which[0])
+        return tuple(self.layout.data(f) for f in which)
 
     def stats(self) -> dict[str, Any]:
         ex = self.layout.experts

@@ -204,15 +204,14 @@ def expert_ffn(x: torch.Tensor, w: ExpertWeights, act: str = "swiglu") -> torch.
 
 def read_blob(layout: ModelLayout, layer: int,
               expert: int) -> tuple[list[ExpertPart], np.ndarray, dict[str, tuple[int, int]]]:
-    """An expert's parts read straight from the file's memory map, packed back to back
+    """An expert's parts read straight from their files' memory maps, packed back to back
     into one new uint8 array (the only host copy)."""
     parts = layout.experts.parts(layer, expert)
-    data = layout.reader.data  # np.memmap of the whole file, uint8
     ranges, off = {}, 0
     for p in parts:
         ranges[p.name] = (off, p.nbytes)
         off += p.nbytes
-    blob = np.concatenate([data[p.offset:p.offset + p.nbytes] for p in parts])  # [blob bytes]
+    blob = np.concatenate([layout.bytes_of(p) for p in parts])  # [blob bytes]
     return parts, blob, ranges
 
 
@@ -267,9 +266,8 @@ class ResidentExperts(AcquireSource):
         self.blobs = torch.zeros(hp.n_layer * hp.n_expert, slot_bytes, dtype=torch.uint8,
                                  device=self.device)  # [n_layer * n_expert, slot_bytes]
         row = torch.zeros(slot_bytes, dtype=torch.uint8)  # [slot_bytes] host staging
-        data = self.layout.reader.data
         for layer, e in self._keys(progress):
-            parts = {p.name: data[p.offset:p.offset + p.nbytes] for p in self.layout.experts.parts(layer, e)}
+            parts = {p.name: self.layout.bytes_of(p) for p in self.layout.experts.parts(layer, e)}
             pack_parts(row.numpy(), self.layouts[layer], parts)
             self.blobs[layer * hp.n_expert + e].copy_(row)
         self.slot_map = torch.arange(hp.n_layer * hp.n_expert, dtype=torch.int32,

@@ -128,6 +128,14 @@ def record(cfg: TraceConfig) -> dict:
     return write(cfg, layout, real, pred, segments, texts)
 
 
+def _sha256(paths) -> str:
+    """Of the files' bytes one after another (a split model's parts in order; one file: its own)."""
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
 def write(cfg: TraceConfig, layout, real: np.ndarray, pred: np.ndarray, segments: list[dict],
           texts: list[str]) -> dict:
     cfg.out.mkdir(parents=True, exist_ok=True)
@@ -136,7 +144,7 @@ def write(cfg: TraceConfig, layout, real: np.ndarray, pred: np.ndarray, segments
     np.save(cfg.out / "decode.npy", real[decode_rows])
     np.save(cfg.out / "predicted.npy", pred)
     hp = layout.hparams
-    meta = {"model": layout.path.name, "model_sha256": hashlib.sha256(layout.path.read_bytes()).hexdigest(),
+    meta = {"model": layout.path.name, "model_sha256": _sha256(f.path for f in layout.files),
             "n_layer": hp.n_layer, "n_expert": hp.n_expert, "top_k": hp.n_expert_used, "tokens": int(len(real)),
             "decode_tokens": int(decode_rows.sum()), "config": {k: str(v) for k, v in asdict(cfg).items()},
             "segments": segments, "samples": texts[:3]}

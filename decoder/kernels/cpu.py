@@ -174,11 +174,11 @@ def _check_bias(bias: Bias | None, d: int, ff: int) -> Bias | None:
 
 @dataclass(frozen=True)
 class ExpertTable:
-    """Experts' gate/up/down bytes as byte offsets into one base array: what one
-    `swiglu_experts` call reads. Built (and checked) once by `expert_table`."""
+    """Experts' gate/up/down bytes as byte offsets into base arrays (one for all three, or one
+    each): what one `swiglu_experts` call reads. Built (and checked) once by `expert_table`."""
 
-    base: np.ndarray  # [bytes] uint8, read-only view
-    offsets: np.ndarray  # [E, 3] int64: byte offsets of gate, up, down in base
+    bases: tuple[np.ndarray, np.ndarray, np.ndarray]  # gate's, up's, down's: [bytes] uint8, read-only views
+    offsets: np.ndarray  # [E, 3] int64: byte offsets of gate, up, down in their bases
     qtypes: np.ndarray  # [E, 3] int64
     mats: tuple[Mats, ...]  # the experts as given (the dense path and fallback types use them)
     native: np.ndarray  # [E] bool: all three parts have a native kernel
@@ -199,18 +199,21 @@ def view_offset(base: np.ndarray, view: np.ndarray | QMatrix) -> int:
     return off
 
 
-def expert_table(base: np.ndarray, experts: Sequence[Mats]) -> ExpertTable:
+def expert_table(base: np.ndarray | Sequence[np.ndarray], experts: Sequence[Mats]) -> ExpertTable:
     """The experts (gate, up, down) whose bytes all lie inside `base` (1-D uint8: a file's memory
-    map, an arena mapping), as offsets. All experts must share d and ff.
+    map, an arena mapping), as offsets. All experts must share d and ff. `base` may be three
+    arrays, (gate's, up's, down's): a split model's layer can keep them in three files.
 
     One pass of plain Python over the experts: it runs once per layer, right after kernels that
     have streamed megabytes through the caches, where each numpy call costs several microseconds.
     """
-    if not isinstance(base, np.ndarray) or base.dtype != np.uint8 or base.ndim != 1 or not base.flags.c_contiguous:
-        raise ValueError("base must be a contiguous 1-D uint8 array")
+    bases = (base,) * 3 if isinstance(base, np.ndarray) else tuple(base)
+    if len(bases) != 3 or not all(isinstance(b, np.ndarray) and b.dtype == np.uint8 and b.ndim == 1
+                                  and b.flags.c_contiguous for b in bases):
+        raise ValueError("base must be a contiguous 1-D uint8 array, or three (gate's, up's, down's)")
     if not experts:
         raise ValueError("no experts")
-    start, size = base.__array_interface__["data"][0], base.nbytes
+    starts, sizes = [b.__array_interface__["data"][0] for b in bases], [b.nbytes for b in bases]
     d, ff = experts[0][0].n_in, experts[0][0].n_out
     offsets, qtypes, native = [], [], []
     biases = [_check_bias(bias_of(m), d, ff) for m in experts]
@@ -222,9 +225,9 @@ def expert_table(base: np.ndarray, experts: Sequence[Mats]) -> ExpertTable:
         if mats[0].n_in != d or mats[0].n_out != ff:
             raise ValueError(f"experts of one table must share d and ff: expert 0 has d={d}, ff={ff}, "
                              f"expert {e} d={mats[0].n_in}, ff={mats[0].n_out}")
-        offs = [m.addr - start for m in mats]
-        if min(offs) < 0 or any(o + m.nbytes > size for o, m in zip(offs, mats)):
-            raise ValueError(f"expert {e}'s bytes (offsets {offs}) are not all inside the base array of {size} bytes")
+        offs = [m.addr - start for m, start in zip(mats, starts)]
+        if min(offs) < 0 or any(o + m.nbytes > size for o, m, size in zip(offs, mats, sizes)):
+            raise ValueError(f"expert {e}'s bytes (offsets {offs}) are not all inside the base arrays of {sizes} bytes")
         offsets.append(offs)
         qtypes.append([m.qtype for m in mats])
         native.append(all(m.qtype in _NATIVE_INTS for m in mats))
@@ -233,7 +236,7 @@ def expert_table(base: np.ndarray, experts: Sequence[Mats]) -> ExpertTable:
     if has_bias:
         bias_gu = _readonly(np.stack([np.stack(b[:2]) for b in biases]).astype(np.float32))  # [E, 2, ff]
         bias_d = _readonly(np.stack([b[2] for b in biases]).astype(np.float32))  # [E, d]
-    return ExpertTable(_readonly(base), np.array(offsets, np.int64), np.array(qtypes, np.int64),
+    return ExpertTable(tuple(_readonly(b) for b in bases), np.array(offsets, np.int64), np.array(qtypes, np.int64),
                        tuple(tuple(m) for m in experts), np.array(native), int(d), int(ff), bias_gu, bias_d, has_bias)
 
 
@@ -276,11 +279,11 @@ def _run_fused(x: np.ndarray, table: ExpertTable, row_ptr: np.ndarray, row_idx: 
     n_rows = int(row_ptr[-1])
     y = np.empty((n_rows, table.d), np.float32)  # [R, d]
     if n_rows:
-        base, offs, qts, threads = table.base, table.offsets, table.qtypes, numba.get_num_threads()
+        (gbase, ubase, dbase), offs, qts, threads = table.bases, table.offsets, table.qtypes, numba.get_num_threads()
         h = np.empty((n_rows, table.ff), np.float32)  # [R, ff]
-        gate_up_kernel(base, base, offs, qts, _readonly(x), row_ptr, row_idx, table.ff, table.d, h, threads,
+        gate_up_kernel(gbase, ubase, offs, qts, _readonly(x), row_ptr, row_idx, table.ff, table.d, h, threads,
                        table.bias_gu, table.has_bias, act)
-        down_kernel(base, offs, qts, _readonly(h), row_ptr, table.d, table.ff, y, threads, table.bias_d,
+        down_kernel(dbase, offs, qts, _readonly(h), row_ptr, table.d, table.ff, y, threads, table.bias_d,
                     table.has_bias)
     return y
 

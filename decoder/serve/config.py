@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...common.split import SPLIT_NAME
 from ..cli import add_threads_arg
 from ..config import ConfigError, DecoderConfig
 
@@ -51,7 +52,10 @@ class ServeConfig:
 
     @property
     def model_id(self) -> str:
-        return self.served_model_name or Path(self.model).stem
+        if self.served_model_name:
+            return self.served_model_name
+        m = SPLIT_NAME.match(Path(self.model).name)  # a part of a split model: the model's name, not the part's
+        return m["stem"] if m else Path(self.model).stem
 
     def decoder_config(self) -> DecoderConfig:
         """The expert-source options in `generate`'s terms, to open the source the same way

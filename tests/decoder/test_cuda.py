@@ -167,3 +167,20 @@ def test_every_kernel_type_end_to_end(make_tiny_model, start_daemon, qtype):
     daemon = start_daemon(path, arena_slots=8)
     with open_streamed(layout, daemon.endpoint, device="cuda", dtype=torch.float32, slots=4, slot_format="raw") as src:
         assert torch.equal(forward(layout, model, src, False), gpu)
+
+
+@pytest.mark.parametrize("fmt", ["raw", "dequant"])
+@torch.inference_mode()
+def test_a_split_model_on_cuda_is_its_single_file(make_tiny_model, start_daemon, fmt, device="cuda"):
+    """A split model (an expert's gate, up and down in three parts): resident on CUDA gives the
+    single file's logits, and streamed through a daemon that reads the parts gives the same bits."""
+    kw = dict(arch="qwen3moe", quant="Q8_0", layers=2, experts=8, top_k=2)
+    one, path = ModelLayout(make_tiny_model(**kw)), make_tiny_model(**kw, split_max_size=40_000)
+    split = ModelLayout(path)
+    assert len({p.file for p in split.experts.parts(0, 0)}) == 3
+    want = forward(one, *resident(one, device, torch.float32, fmt), True)
+    model, res = resident(split, device, torch.float32, fmt)
+    assert torch.equal(forward(split, model, res, True), want)
+    daemon = start_daemon(path, arena_slots=8)
+    with open_streamed(split, daemon.endpoint, device=device, dtype=torch.float32, slots=4, slot_format=fmt) as src:
+        assert torch.equal(forward(split, model, src, True), want)

@@ -12,7 +12,15 @@ from moestream.common.layout import ModelLayout
 from moestream.iod import bench
 
 
-def test_bench_io_tiny_model(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture(params=["single", "split"])
+def tiny_or_split(request: pytest.FixtureRequest, tiny_model: Path, make_tiny_model) -> Path:
+    """The tiny model, and the same model split in parts (each read through its own descriptor)."""
+    return tiny_model if request.param == "single" else make_tiny_model(arch="qwen3moe", quant="Q8_0",
+                                                                        split_max_size=40_000)
+
+
+def test_bench_io_tiny_model(tiny_or_split: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tiny_model = tiny_or_split
     layout = ModelLayout(tiny_model)
     n = 6
     assert dispatcher.main(["io", "--model", str(tiny_model), "--experts", str(n), "--hits", "50", "--json"]) == 0
@@ -31,13 +39,14 @@ def test_bench_io_tiny_model(tiny_model: Path, capsys: pytest.CaptureFixture[str
     assert hit["p50_vs_echo"] == pytest.approx(hit["p50_us"] / hit["echo_p50_us"], rel=1e-2)
 
 
-def test_raw_preadv_reads_the_ranges(tiny_model: Path) -> None:
+def test_raw_preadv_reads_the_ranges(tiny_or_split: Path) -> None:
+    tiny_model = tiny_or_split
     layout = ModelLayout(tiny_model)
     keys = bench.pick_keys(layout, None, 1)
     ph = bench.raw_cold_preadv(layout, keys, depth=4, direct=False)
     assert ph["read_bytes"] == layout.experts.total_bytes and ph["tool"] == "preadv x4"
     direct = bench.raw_cold_preadv(layout, keys, depth=4, direct=True)  # whole pages around each part
-    assert direct["read_bytes"] == sum(n for _, n in bench._aligned(bench.expert_ranges(layout, keys)))
+    assert direct["read_bytes"] == sum(n for _, _, n in bench._aligned(bench.expert_ranges(layout, keys)))
 
 
 def test_bench_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -153,11 +153,11 @@ def test_errors_reach_on_done(tmp_path: Path, backend: str) -> None:
         r.submit([ReadOp(0, PAGE, memoryview(buf)[:PAGE]), ReadOp(3 * PAGE, PAGE, memoryview(buf)[PAGE : 2 * PAGE])], done)
         (err,) = done.wait()
         assert isinstance(err, ReadError) and "short read" in str(err)
-        good_fd, r.fd = r.fd, 1 << 20  # a descriptor that is not open
+        good_fd, r.fds[0] = r.fds[0], 1 << 20  # a descriptor that is not open
         done = Waiter(1)
         r.submit([ReadOp(0, PAGE, memoryview(buf)[:PAGE])], done)
         (err,) = done.wait()
-        r.fd = good_fd
+        r.fds[0] = good_fd
         assert isinstance(err, OSError) and err.errno == 9  # EBADF
         # A callback that raises does not kill the reader; the next batch still works.
         r.submit([ReadOp(0, PAGE, memoryview(buf)[:PAGE])], lambda e: 1 / 0)
