@@ -41,7 +41,8 @@ def default_width(quant: str) -> int:
 
 def model_hparams(arch: str, *, layers: int, experts: int, top_k: int, hidden: int, expert_ff: int,
                   heads: int, kv_heads: int, vocab: int, head_dim: int | None = None,
-                  shared_ff: int | None = None, mla: Mapping[str, Any] | None = None) -> dict:
+                  shared_ff: int | None = None, mla: Mapping[str, Any] | None = None,
+                  arch_opts: Mapping[str, Any] | None = None) -> dict:
     """Validated HParams-style dict for `make_model`."""
     spec = get_arch(arch)
     if min(layers, experts, top_k, hidden, expert_ff, heads, kv_heads) <= 0:
@@ -67,7 +68,97 @@ def model_hparams(arch: str, *, layers: int, experts: int, top_k: int, hidden: i
         raise ValueError(f"MLA options are for deepseek2, not {arch}")
     if arch in GPT_OSS_HPARAMS:
         hp.update({k: (dict(v) if isinstance(v, dict) else v) for k, v in GPT_OSS_HPARAMS[arch].items()})
+    if arch in ARCH_OPTIONS:
+        hp.update(_family_hparams(arch, hp, dict(arch_opts or {})))
+    elif arch_opts:
+        raise ValueError(f"{arch} takes no architecture options (those are for {', '.join(ARCH_OPTIONS)})")
     return normalize_hparams(arch, hp)
+
+
+# Per-family options (`make_model(arch_opts=...)` overrides any of them), tiny versions of the real
+# models: GLM-4.5 (first layer dense, one shared expert, one NextN/MTP block after the stack, half of
+# each head roped, q/k norm as the 355B model; qk_norm=False is GLM-4.5-Air), MiniMax-M2 (half of
+# each head roped), Llama 4 (MoE on every `moe_step`-th layer as Maverick; 1 is Scout).
+ARCH_OPTIONS: dict[str, dict[str, Any]] = {
+    "glm4moe": dict(dense_layers=1, shared_experts=1, nextn=1, qk_norm=True, weights_scale=2.5),
+    "minimax-m2": dict(weights_scale=0.0),
+    "llama4": dict(moe_step=2),
+}
+
+
+def _family_hparams(arch: str, hp: dict, opts: dict[str, Any]) -> dict[str, Any]:
+    """glm4moe / minimax-m2 / llama4 metadata as llama.cpp's converter writes it (`extra`: keys
+    after "<arch>.") and the fields `tensor_shapes` reads."""
+    unknown = set(opts) - set(ARCH_OPTIONS[arch])
+    if unknown:
+        raise ValueError(f"unknown {arch} option(s) {sorted(unknown)} (have: {', '.join(ARCH_OPTIONS[arch])})")
+    o, n, e = {**ARCH_OPTIONS[arch], **opts}, hp["n_layer"], hp["n_embd"]
+    if arch == "llama4":
+        if not 1 <= o["moe_step"] <= n:
+            raise ValueError(f"moe_step={o['moe_step']} must be in [1, {n}] (layers)")
+        return dict(extra={"interleave_moe_layer_step": o["moe_step"]}, moe_step=o["moe_step"], n_ff=2 * e,
+                    n_ff_shexp=hp["n_ff_exp"], rope_base=500000.0, rms_eps=1e-5)
+    extra: dict[str, Any] = {"rope.dimension_count": hp["head_dim"] // 2, "expert_gating_func": 2}
+    if o["weights_scale"]:
+        extra["expert_weights_scale"] = float(o["weights_scale"])
+    if arch == "minimax-m2":
+        return dict(extra=extra)
+    if not 0 <= o["dense_layers"] < n or o["shared_experts"] < 1 or o["nextn"] < 0:
+        raise ValueError(f"glm4moe: dense_layers={o['dense_layers']} must leave a MoE layer of {n}, "
+                         f"shared_experts={o['shared_experts']} >= 1, nextn={o['nextn']} >= 0")
+    extra.update({"leading_dense_block_count": o["dense_layers"], "expert_shared_count": o["shared_experts"]})
+    if o["nextn"]:  # block_count counts the MTP blocks; HParams.n_layer will not
+        extra.update({"nextn_predict_layers": o["nextn"], "block_count": n + o["nextn"]})
+    return dict(extra=extra, n_dense_lead=o["dense_layers"], n_ff=2 * e, n_ff_shexp=hp["n_ff_exp"] * o["shared_experts"],
+                norm_topk_prob=True, glm_qk_norm=bool(o["qk_norm"]), n_nextn=o["nextn"])
+
+
+def _glm4moe_layer_shapes(hp: dict, i: int) -> dict[str, tuple[int, ...]]:
+    """One GLM-4.5 layer, numpy order: biased attention (+ per-head q/k norm), `post_attention_norm`,
+    then a dense FFN (the first `n_dense_lead` layers) or router + selection bias, experts and shared
+    experts; a NextN block (i >= n_layer) adds eh_proj, enorm, hnorm and shared_head_norm."""
+    p, e, ne, ff, hd = f"blk.{i}.", hp["n_embd"], hp["n_expert"], hp["n_ff_exp"], hp["head_dim"]
+    q_dim, kv_dim = hp["n_head"] * hd, hp["n_head_kv"] * hd
+    out: dict[str, tuple[int, ...]] = {p + "attn_norm.weight": (e,)}
+    for t, rows in (("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)):
+        out.update({p + t + ".weight": (rows, e), p + t + ".bias": (rows,)})
+    out[p + "attn_output.weight"] = (e, q_dim)
+    if hp["glm_qk_norm"]:
+        out.update({p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)})
+    out[p + "post_attention_norm.weight"] = (e,)
+    if i < hp["n_dense_lead"]:
+        return {**out, **_dense_ffn_shapes(p, e, hp["n_ff"])}
+    sff = ff * hp["extra"]["expert_shared_count"]
+    out.update({p + "ffn_gate_inp.weight": (ne, e), p + "exp_probs_b.bias": (ne,), **_expert_shapes(p, ne, ff, e),
+                p + "ffn_gate_shexp.weight": (sff, e), p + "ffn_up_shexp.weight": (sff, e),
+                p + "ffn_down_shexp.weight": (e, sff)})
+    if i >= hp["n_layer"]:  # the MTP block: not run, written as the converter writes it
+        out.update({p + "nextn.eh_proj.weight": (e, 2 * e), p + "nextn.enorm.weight": (e,),
+                    p + "nextn.hnorm.weight": (e,), p + "nextn.shared_head_norm.weight": (e,)})
+    return out
+
+
+def _llama4_layer_shapes(hp: dict, i: int) -> dict[str, tuple[int, ...]]:
+    """One Llama 4 layer, numpy order: plain attention, `ffn_norm`, then a dense FFN or (every
+    `moe_step`-th layer) router, experts and a shared expert as wide as one expert."""
+    p, e, ne, ff, hd = f"blk.{i}.", hp["n_embd"], hp["n_expert"], hp["n_ff_exp"], hp["head_dim"]
+    q_dim, kv_dim = hp["n_head"] * hd, hp["n_head_kv"] * hd
+    out: dict[str, tuple[int, ...]] = {p + "attn_norm.weight": (e,), p + "attn_q.weight": (q_dim, e),
+                                       p + "attn_k.weight": (kv_dim, e), p + "attn_v.weight": (kv_dim, e),
+                                       p + "attn_output.weight": (e, q_dim), p + "ffn_norm.weight": (e,)}
+    if (i + 1) % hp["moe_step"]:
+        return {**out, **_dense_ffn_shapes(p, e, hp["n_ff"])}
+    return {**out, p + "ffn_gate_inp.weight": (ne, e), **_expert_shapes(p, ne, ff, e),
+            p + "ffn_gate_shexp.weight": (ff, e), p + "ffn_up_shexp.weight": (ff, e), p + "ffn_down_shexp.weight": (e, ff)}
+
+
+def _dense_ffn_shapes(p: str, e: int, ff: int) -> dict[str, tuple[int, ...]]:
+    return {p + "ffn_gate.weight": (ff, e), p + "ffn_up.weight": (ff, e), p + "ffn_down.weight": (e, ff)}
+
+
+def _expert_shapes(p: str, ne: int, ff: int, e: int) -> dict[str, tuple[int, ...]]:
+    return {p + "ffn_gate_exps.weight": (ne, ff, e), p + "ffn_up_exps.weight": (ne, ff, e),
+            p + "ffn_down_exps.weight": (ne, e, ff)}
 
 
 # gpt-oss as its converter writes it (rope base, eps, YaRN factor and original context of the real
@@ -207,7 +298,13 @@ def tensor_shapes(arch: str, hp: dict) -> dict[str, tuple[int, ...]]:
     e, v, ne, ff, hd = hp["n_embd"], hp["n_vocab"], hp["n_expert"], hp["n_ff_exp"], hp["head_dim"]
     q_dim, kv_dim = hp["n_head"] * hd, hp["n_head_kv"] * hd
     out: dict[str, tuple[int, ...]] = {"token_embd.weight": (v, e)}
-    for i in range(hp["n_layer"]):
+    for i in range(hp["n_layer"] + hp.get("n_nextn", 0)):
+        if arch == "glm4moe":
+            out.update(_glm4moe_layer_shapes(hp, i))
+            continue
+        if arch == "llama4":
+            out.update(_llama4_layer_shapes(hp, i))
+            continue
         if spec.linear_attn != "none":
             out.update(_hybrid_layer_shapes(arch, hp, i))
             continue
@@ -227,9 +324,10 @@ def tensor_shapes(arch: str, hp: dict) -> dict[str, tuple[int, ...]]:
             out.update({p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)})
         elif spec.qk_norm == "full":  # over all heads
             out.update({p + "attn_q_norm.weight": (q_dim,), p + "attn_k_norm.weight": (kv_dim,)})
-        out.update({p + "ffn_norm.weight": (e,), p + "ffn_gate_inp.weight": (ne, e),
-                    p + "ffn_gate_exps.weight": (ne, ff, e),  # separate gate and up, as llama.cpp
-                    p + "ffn_up_exps.weight": (ne, ff, e), p + "ffn_down_exps.weight": (ne, e, ff)})
+        out.update({p + "ffn_norm.weight": (e,), p + "ffn_gate_inp.weight": (ne, e)})
+        if spec.router_bias:  # MiniMax-M2's selection bias
+            out[p + "exp_probs_b.bias"] = (ne,)
+        out.update(_expert_shapes(p, ne, ff, e))  # separate gate and up, as llama.cpp
         if spec.shared_expert:
             sff = hp["n_ff_shexp"]
             out.update({p + "ffn_gate_inp_shexp.weight": (e,), p + "ffn_gate_shexp.weight": (sff, e),
@@ -317,13 +415,15 @@ def make_model(path: str | Path, *, arch: str = "qwen3moe", quant: str = "Q8_0",
                head_dim: int | None = None, shared_ff: int | None = None, progress: bool = False,
                verbose: bool = False, tokenizer: str | None = None,
                mla: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None = None,
-               expert_quant: str | None = None) -> Path:
+               expert_quant: str | None = None,
+               arch_opts: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None = None) -> Path:
     """Write a random `arch` MoE to `path` and return the path.
 
     hidden / expert_ff default to 64 (256 for K-quants, whose blocks are 256 wide);
     kv_heads defaults to 2 (heads for olmoe, whose llama.cpp loader wants n_head_kv == n_head);
     tokenizer ("bpe" byte-level Qwen2 or "spm" SentencePiece) defaults to what `arch`'s real files use;
-    `mla` overrides deepseek2's `MLA_DEFAULTS` (a mapping or (key, value) pairs);
+    `mla` overrides deepseek2's `MLA_DEFAULTS` (a mapping or (key, value) pairs), `arch_opts` the
+    `ARCH_OPTIONS` of glm4moe / minimax-m2 / llama4 (the same way);
     `expert_quant` the experts' type (default: what `arch`'s real files use, MXFP4 for gpt-oss, else `quant`)."""
     tokenizer = tokenizer or DEFAULT_TOKENIZER.get(arch, "bpe")
     if tokenizer not in TOKENIZER_KINDS:
@@ -332,7 +432,7 @@ def make_model(path: str | Path, *, arch: str = "qwen3moe", quant: str = "Q8_0",
     kv_heads = kv_heads if kv_heads is not None else (heads if get_arch(arch).kv_heads_equal_heads else min(2, heads))
     hp = model_hparams(arch, layers=layers, experts=experts, top_k=top_k, hidden=hidden or width,
                        expert_ff=expert_ff or width, heads=heads, kv_heads=kv_heads, vocab=vocab,
-                       head_dim=head_dim, shared_ff=shared_ff, mla=dict(mla or {}))
+                       head_dim=head_dim, shared_ff=shared_ff, mla=dict(mla or {}), arch_opts=dict(arch_opts or {}))
     if target_size is not None:
         hp = fit_target(arch, hp, quant, parse_size(target_size), expert_quant)
     report = write_moe_gguf(path, arch, hp, build_tensors(arch, hp, seed), quant, get_vocab(tokenizer, vocab),
@@ -350,7 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="moestream make-model", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", metavar="OUT.gguf", help="file to write")
-    ap.add_argument("--arch", default="qwen3moe", help="qwen3moe | qwen2moe | llama (Mixtral) | olmoe | qwen3next | qwen35moe | gpt-oss | deepseek2")
+    ap.add_argument("--arch", default="qwen3moe", help="qwen3moe | qwen2moe | llama (Mixtral) | olmoe | qwen3next | qwen35moe | gpt-oss | deepseek2 | "
+                    "glm4moe | minimax-m2 | llama4")
     ap.add_argument("--quant", default="Q8_0", help="F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q6_K")
     ap.add_argument("--expert-quant", default=None, help="the experts' type (MXFP4 too); default MXFP4 for "
                     "gpt-oss (as its real files), else --quant")
