@@ -421,7 +421,7 @@ def make_model(path: str | Path, *, arch: str = "qwen3moe", quant: str = "Q8_0",
 
     hidden / expert_ff default to 64 (256 for K-quants, whose blocks are 256 wide);
     kv_heads defaults to 2 (heads for olmoe, whose llama.cpp loader wants n_head_kv == n_head);
-    tokenizer ("bpe" byte-level Qwen2 or "spm" SentencePiece) defaults to what `arch`'s real files use;
+    tokenizer ("bpe" byte-level Qwen2, "kimi" byte-level Kimi-K2 or "spm" SentencePiece) defaults to what `arch`'s real files use;
     `mla` overrides deepseek2's `MLA_DEFAULTS` (a mapping or (key, value) pairs), `arch_opts` the
     `ARCH_OPTIONS` of glm4moe / minimax-m2 / llama4 (the same way);
     `expert_quant` the experts' type (default: what `arch`'s real files use, MXFP4 for gpt-oss, else `quant`)."""
@@ -466,7 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", choices=TOKENIZER_KINDS, default=None,
-                    help="bpe (byte-level, Qwen2 split) | spm (SentencePiece, byte fallback); default spm for llama")
+                    help="bpe (byte-level, Qwen2 split) | kimi (byte-level, Kimi-K2 split) | spm (SentencePiece, "
+                    "byte fallback); default spm for llama")
     ap.add_argument("--target-size", default=None, help="grow experts to approach this file size, e.g. 2GiB")
     return ap
 
