@@ -87,6 +87,9 @@ class ArchSpec:
     extra_keys: tuple[tuple[str, type, object], ...] = ()
     expert_act: str = "swiglu"  # EXPERT_ACTS: how an expert combines gate and up (every expert source honours it)
     router_bias: bool = False  # a per-expert selection bias `exp_probs_b.bias` on every MoE layer (required)
+    # the router weight scales the expert's input, not its output (Llama 4): each (token, expert) pair is
+    # a row of its own in `ExpertSource.mix` (n x k rows, weights 1)
+    weight_on_input: bool = False
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -140,7 +143,8 @@ ARCHS: dict[str, ArchSpec] = {
         # attention and NoPE layers, normal rope on unpermuted q/k (decoder/models/llama4.py)
         ArchSpec("llama4", ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm"),
                  shared_expert=True, shared_expert_gate=False, shared_ff_key="expert_feed_forward_length",
-                 head_dim_key=True, norm_topk_prob=False, rope="norm", routing="topk_sigmoid", extra_keys=_LLAMA4_KEYS),
+                 head_dim_key=True, norm_topk_prob=False, rope="norm", routing="topk_sigmoid", weight_on_input=True,
+                 extra_keys=_LLAMA4_KEYS),
     )
 }
 

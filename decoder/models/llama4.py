@@ -6,7 +6,7 @@ Next to the generic MoE transformer, as llama.cpp's loader reads the converter's
   1 for Scout, 2 for Maverick); the others have a dense SwiGLU `feed_forward_length` wide.
 - **Routing**: top-k of the router logits, each weighted by sigmoid(logit), not renormalized; the
   weight scales the expert's *input* (HF: `routed_in = hidden * score`), not its output, so a
-  (token, expert) pair is one row of its own; plus an un-gated shared expert as wide as one expert.
+  (token, expert) pair is one row of its own (`ArchSpec.weight_on_input`); plus an un-gated shared expert as wide as one expert.
 - **Attention**: normal (interleaved-pair) rope on unpermuted q/k; every 4th layer
   (`attention.sliding_window_pattern`) is NoPE with global attention, the others rope with attention
   chunked to `CHUNK` tokens (a query sees the keys of its own chunk only) and, unless the model has
