@@ -173,6 +173,31 @@ def test_streamed_equals_resident_bit_for_bit(make_tiny_model, start_daemon, cas
     assert st["acquired"] > 0 and st["bytes_fetched"] > 0
 
 
+@pytest.mark.parametrize("case", ["glm4moe-q8", "llama4-q8"])
+def test_streamed_slot_cache_equals_resident_bit_for_bit(make_tiny_model, start_daemon, case):
+    """The device slot cache's path (here on the CPU, dequantized slots) with evictions: GLM's dense
+    layer and Llama 4's dense layers never fetch, Llama 4's (token, expert) rows come through whole."""
+    from moestream.common.client import IodClient
+    from moestream.decoder.experts.slot_cache import DeviceSlotCache
+    from moestream.decoder.experts.source import ResidentExperts
+    from moestream.decoder.experts.streamed import StreamedExperts
+
+    path = make_tiny_model(**CASES[case])
+    layout = ModelLayout(path)
+    model = load_model(layout)
+    slots = max(layout.hparams.n_expert_used, layout.experts.n_blobs // 4)
+    with ResidentExperts(layout) as resident:
+        want = generate(model, resident, PROMPTS, 6, keep_logits=True)
+    daemon = start_daemon(path)
+    cache = DeviceSlotCache(layout.experts, slots, slot_format="dequant")
+    client = IodClient(daemon.endpoint, expect_fingerprint=layout.fingerprint.as_dict())
+    with StreamedExperts(client, layout, cache, owns_client=True) as src:
+        got = generate(model, src, PROMPTS, 6, keep_logits=True, observer=Prefetcher(model, src, 1))
+        st = src.stats()
+    assert got.tokens == want.tokens and all(torch.equal(x, y) for x, y in zip(got.logits, want.logits))
+    assert st["misses"] > slots and st["cache"]["evictions"] > 0
+
+
 # -- bad input -------------------------------------------------------------------------------
 def test_bad_metadata_is_one_clear_error(tmp_path):
     from moestream.authoring.gguf_write import write_moe_gguf

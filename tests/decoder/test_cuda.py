@@ -19,7 +19,7 @@ from moestream.decoder.experts.streamed import open_streamed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-ARCHS = ["qwen3moe", "qwen2moe", "llama", "olmoe"]
+ARCHS = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "minimax-m2", "llama4"]
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 128, 9]
 MARGIN = 0.05  # logits units, against float32's top-2 gap
 
