@@ -7,13 +7,14 @@ Next to the generic MoE transformer, as llama.cpp's loader reads the converter's
 - **Routing**: top-k of the router logits, each weighted by sigmoid(logit), not renormalized; the
   weight scales the expert's *input* (HF: `routed_in = hidden * score`), not its output, so a
   (token, expert) pair is one row of its own (`ArchSpec.weight_on_input`); plus an un-gated shared expert as wide as one expert.
-- **Attention**: normal (interleaved-pair) rope on unpermuted q/k; every 4th layer
-  (`attention.sliding_window_pattern`) is NoPE with global attention, the others rope with attention
+- **Attention**: normal (interleaved-pair) rope on unpermuted q/k; every 4th layer is NoPE with
+  global attention (`attention.sliding_window_pattern`, default 4), the others rope with attention
   chunked to `CHUNK` tokens (a query sees the keys of its own chunk only) and, unless the model has
   128 experts (llama.cpp's test for Maverick, which has none), an L2 norm of q and k after the rope.
   NoPE layers scale q by log(floor((pos + 1) / 8192) + 1) * 0.1 + 1 (temperature tuning).
   The converter writes no chunk size: llama.cpp fixes it at 8192 (Scout's attention_chunk_size),
-  and `attention.sliding_window` = 0 (MobileLLM-style files) turns chunking and NoPE off.
+  and `attention.sliding_window` = 0 (all layers full attention) turns chunking off and leaves only the
+  last layer NoPE (llama.cpp's n_no_rope_layer_step = n_layer).
 - Optional `rope_freqs.weight` (llama3 rope scaling) divides each rope frequency.
 """
 
@@ -84,9 +85,13 @@ class Model(MoETransformer):
         super().__init__(hparams, dense)
         hp, x = hparams, hparams.extra
         self.chunk: int | None = None if x["attention.sliding_window"] == 0 else CHUNK
-        period = x["attention.sliding_window_pattern"] if self.chunk else 0
-        self.chunked = [bool(period) and i % period < period - 1 for i in range(hp.n_layer)]
-        self.roped = [not period or i % period < period - 1 for i in range(hp.n_layer)]  # NoPE: every period-th
+        period = x["attention.sliding_window_pattern"]
+        self.chunked = [self.chunk is not None and (period <= 0 or i % period < period - 1)  # (0: all, as llama.cpp)
+                        for i in range(hp.n_layer)]
+        # NoPE every 4th layer (llama.cpp's n_no_rope_layer_step); with chunking off, llama.cpp sets the
+        # step to n_layer: only the last layer is NoPE
+        nope = 4 if self.chunk else hp.n_layer
+        self.roped = [(i + 1) % nope != 0 for i in range(hp.n_layer)]
         self.kq_norm = hp.n_expert != NO_KQ_NORM_EXPERTS
         self.freq_factors = dense.get("rope_freqs.weight")  # [hd/2] or None
         self.base_swa = x["rope.freq_base_swa"] or hp.rope_base

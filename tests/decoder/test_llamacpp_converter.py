@@ -71,10 +71,14 @@ CASES = {
     "minimax-m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
         head_dim=16, intermediate_size=48, rotary_dim=8, bos_token_id=None, eos_token_id=None, **MOE), "minimax-m2", ()),
     # Llama 4 Maverick-like: MoE on every 2nd layer, top-1; NoPE on layer 3 (HF's attention_chunk_size
-    # is llama.cpp's fixed 8192, longer than these prompts)
+    # is llama.cpp's fixed 8192, longer than these prompts); llama3 rope scaling as the real configs
+    # (the converter writes it as rope_freqs.weight), its original context short enough that every
+    # branch of the ramp is taken at head dim 16
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
         num_hidden_layers=4, head_dim=16, intermediate_size=48, intermediate_size_mlp=96, num_local_experts=8,
-        num_experts_per_tok=1, interleave_moe_layer_step=2), "llama4", ()),
+        num_experts_per_tok=1, interleave_moe_layer_step=2, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), "llama4", ()),
 }
 
 WRAPPER = '''import runpy, sys
@@ -208,6 +212,9 @@ def test_converter_written_file_matches_transformers(converted, arch):
     if arch == "glm4moe":  # the converter kept the NextN block: in the file, not in the stack
         assert layout.kv("glm4moe.block_count") == 4 and layout.hparams.n_layer == 3
         assert "blk.3.nextn.eh_proj.weight" in layout.dense and "blk.3.ffn_gate_exps.weight" in layout.tensors
+    if arch == "llama4":  # llama3 rope scaling: per-frequency factors, some of them not 1
+        factors = layout.tensor_bytes("rope_freqs.weight").view("float32")
+        assert layout.experts.moe_layers == [1, 3] and factors.min() == 1.0 and factors.max() == 8.0
 
     def build_hf(_path):
         return getattr(T, CASES[arch][1]).from_pretrained(hf_dir, dtype=torch.float32).eval()
