@@ -12,7 +12,7 @@ Next to the generic MoE transformer:
   expert `expert_shared_count` experts wide.
 - **NextN / MTP**: the converter appends `nextn_predict_layers` blocks after the stack (with
   eh_proj, enorm, hnorm, their own experts). They only serve speculative decoding: `HParams.n_layer`
-  excludes them, their experts are not indexed or served, their dense tensors load but never run.
+  excludes them, their experts are not indexed or served, their dense tensors are not loaded.
 
 llama.cpp's converter stores q/k unpermuted (NEOX rope), so the GGUF tensors are HF's with the
 ggml shape order reversed.

@@ -153,6 +153,10 @@ def test_the_files_are_what_llama_cpp_reads(make_tiny_model):
     glm = ModelLayout(make_tiny_model(quant="F32", **CASES["glm4moe"]))
     assert glm.hparams.n_layer == 3 and glm.kv("glm4moe.block_count") == 4  # the NextN block: not run
     assert glm.experts.moe_layers == [1, 2] and "blk.3.nextn.eh_proj.weight" in glm.dense
+    from moestream.decoder.models.weights import load_dense
+
+    loaded = load_dense(glm, "cpu", progress=False)  # the NextN block is skipped, the stack is whole
+    assert not any(n.startswith("blk.3.") for n in loaded) and "blk.2.ffn_gate_inp.weight" in loaded
     l4 = ModelLayout(make_tiny_model(quant="F32", **CASES["llama4"]))
     assert l4.experts.moe_layers == [1, 3] and "blk.0.ffn_gate.weight" in l4.dense
 
