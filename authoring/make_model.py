@@ -19,6 +19,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 
 from ..common.arch import get_arch
+from .arch_families import ARCH_OPTIONS, FAMILY_LAYERS, family_hparams
 from .gguf_write import RandomTensor, TensorLike, normalize_hparams, tensor_nbytes, tensor_qtype, write_moe_gguf
 from .quantize import qtype_of
 from .tokenizer_data import TOKENIZER_KINDS, get_vocab
@@ -41,7 +42,8 @@ def default_width(quant: str) -> int:
 
 def model_hparams(arch: str, *, layers: int, experts: int, top_k: int, hidden: int, expert_ff: int,
                   heads: int, kv_heads: int, vocab: int, head_dim: int | None = None,
-                  shared_ff: int | None = None, mla: Mapping[str, Any] | None = None) -> dict:
+                  shared_ff: int | None = None, mla: Mapping[str, Any] | None = None,
+                  arch_opts: Mapping[str, Any] | None = None) -> dict:
     """Validated HParams-style dict for `make_model`."""
     spec = get_arch(arch)
     if min(layers, experts, top_k, hidden, expert_ff, heads, kv_heads) <= 0:
@@ -67,6 +69,10 @@ def model_hparams(arch: str, *, layers: int, experts: int, top_k: int, hidden: i
         raise ValueError(f"MLA options are for deepseek2, not {arch}")
     if arch in GPT_OSS_HPARAMS:
         hp.update({k: (dict(v) if isinstance(v, dict) else v) for k, v in GPT_OSS_HPARAMS[arch].items()})
+    if arch in ARCH_OPTIONS:
+        hp.update(family_hparams(arch, hp, dict(arch_opts or {})))
+    elif arch_opts:
+        raise ValueError(f"{arch} takes no architecture options (those are for {', '.join(ARCH_OPTIONS)})")
     return normalize_hparams(arch, hp)
 
 
@@ -207,7 +213,10 @@ def tensor_shapes(arch: str, hp: dict) -> dict[str, tuple[int, ...]]:
     e, v, ne, ff, hd = hp["n_embd"], hp["n_vocab"], hp["n_expert"], hp["n_ff_exp"], hp["head_dim"]
     q_dim, kv_dim = hp["n_head"] * hd, hp["n_head_kv"] * hd
     out: dict[str, tuple[int, ...]] = {"token_embd.weight": (v, e)}
-    for i in range(hp["n_layer"]):
+    for i in range(hp["n_layer"] + hp.get("n_nextn", 0)):
+        if arch in FAMILY_LAYERS:
+            out.update(FAMILY_LAYERS[arch](hp, i))
+            continue
         if spec.linear_attn != "none":
             out.update(_hybrid_layer_shapes(arch, hp, i))
             continue
@@ -227,8 +236,10 @@ def tensor_shapes(arch: str, hp: dict) -> dict[str, tuple[int, ...]]:
             out.update({p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)})
         elif spec.qk_norm == "full":  # over all heads
             out.update({p + "attn_q_norm.weight": (q_dim,), p + "attn_k_norm.weight": (kv_dim,)})
-        out.update({p + "ffn_norm.weight": (e,), p + "ffn_gate_inp.weight": (ne, e),
-                    p + "ffn_gate_exps.weight": (ne, ff, e),  # separate gate and up, as llama.cpp
+        out.update({p + "ffn_norm.weight": (e,), p + "ffn_gate_inp.weight": (ne, e)})
+        if spec.router_bias:  # MiniMax-M2's selection bias
+            out[p + "exp_probs_b.bias"] = (ne,)
+        out.update({p + "ffn_gate_exps.weight": (ne, ff, e),  # separate gate and up, as llama.cpp
                     p + "ffn_up_exps.weight": (ne, ff, e), p + "ffn_down_exps.weight": (ne, e, ff)})
         if spec.shared_expert:
             sff = hp["n_ff_shexp"]
@@ -317,13 +328,15 @@ def make_model(path: str | Path, *, arch: str = "qwen3moe", quant: str = "Q8_0",
                head_dim: int | None = None, shared_ff: int | None = None, progress: bool = False,
                verbose: bool = False, tokenizer: str | None = None,
                mla: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None = None,
-               expert_quant: str | None = None, split_max_size: int | str | None = None) -> Path:
+               expert_quant: str | None = None, split_max_size: int | str | None = None,
+               arch_opts: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None = None) -> Path:
     """Write a random `arch` MoE to `path` and return the path (the first part's for a split one).
 
     hidden / expert_ff default to 64 (256 for K-quants, whose blocks are 256 wide);
     kv_heads defaults to 2 (heads for olmoe, whose llama.cpp loader wants n_head_kv == n_head);
-    tokenizer ("bpe" byte-level Qwen2 or "spm" SentencePiece) defaults to what `arch`'s real files use;
-    `mla` overrides deepseek2's `MLA_DEFAULTS` (a mapping or (key, value) pairs);
+    tokenizer ("bpe" byte-level Qwen2, "kimi" byte-level Kimi-K2 or "spm" SentencePiece) defaults to what `arch`'s real files use;
+    `mla` overrides deepseek2's `MLA_DEFAULTS` (a mapping or (key, value) pairs), `arch_opts` the
+    `ARCH_OPTIONS` of glm4moe / minimax-m2 / llama4 (the same way);
     `expert_quant` the experts' type (default: what `arch`'s real files use, MXFP4 for gpt-oss, else `quant`);
     `split_max_size` (bytes, or "2GiB") writes a split model, `STEM-0000k-of-0000n.gguf` beside `path`,
     as `convert_hf_to_gguf.py --split-max-size` does (gguf-py's writer)."""
@@ -334,7 +347,7 @@ def make_model(path: str | Path, *, arch: str = "qwen3moe", quant: str = "Q8_0",
     kv_heads = kv_heads if kv_heads is not None else (heads if get_arch(arch).kv_heads_equal_heads else min(2, heads))
     hp = model_hparams(arch, layers=layers, experts=experts, top_k=top_k, hidden=hidden or width,
                        expert_ff=expert_ff or width, heads=heads, kv_heads=kv_heads, vocab=vocab,
-                       head_dim=head_dim, shared_ff=shared_ff, mla=dict(mla or {}))
+                       head_dim=head_dim, shared_ff=shared_ff, mla=dict(mla or {}), arch_opts=dict(arch_opts or {}))
     if target_size is not None:
         hp = fit_target(arch, hp, quant, parse_size(target_size), expert_quant)
     report = write_moe_gguf(path, arch, hp, build_tensors(arch, hp, seed), quant, get_vocab(tokenizer, vocab),
@@ -354,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="moestream make-model", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", metavar="OUT.gguf", help="file to write")
-    ap.add_argument("--arch", default="qwen3moe", help="qwen3moe | qwen2moe | llama (Mixtral) | olmoe | qwen3next | qwen35moe | gpt-oss | deepseek2")
+    ap.add_argument("--arch", default="qwen3moe", help="qwen3moe | qwen2moe | llama (Mixtral) | olmoe | qwen3next | qwen35moe | gpt-oss | deepseek2 | "
+                    "glm4moe | minimax-m2 | llama4")
     ap.add_argument("--quant", default="Q8_0", help="F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q6_K")
     ap.add_argument("--expert-quant", default=None, help="the experts' type (MXFP4 too); default MXFP4 for "
                     "gpt-oss (as its real files), else --quant")
@@ -369,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", choices=TOKENIZER_KINDS, default=None,
-                    help="bpe (byte-level, Qwen2 split) | spm (SentencePiece, byte fallback); default spm for llama")
+                    help="bpe (byte-level, Qwen2 split) | kimi (byte-level, Kimi-K2 split) | spm (SentencePiece, "
+                    "byte fallback); default spm for llama")
     ap.add_argument("--target-size", default=None, help="grow experts to approach this file size, e.g. 2GiB")
     ap.add_argument("--split-max-size", default=None, metavar="SIZE",
                     help="write a split model, OUT-0000k-of-0000n.gguf, parts of at most SIZE tensor bytes (e.g. 50M), "

@@ -8,6 +8,8 @@ and `TOKENIZER_VERSION`.
 
 - "bpe": byte-level BPE with Qwen2's split; `add_tokenizer_metadata` writes what llama.cpp's
   gpt2-style vocab loader reads (`tokenizer.ggml.model = "gpt2"`, tokens, types, "a b" merges).
+- "kimi": the same byte-level BPE trained with Kimi-K2's split (`tokenizer.ggml.pre = "kimi-k2"`),
+  for tiny Kimi-K2-style files (deepseek2 weights); written as a `ByteLevelVocab` naming its split.
 - "spm": a SentencePiece-style BPE with byte fallback, as Mistral/Mixtral ship;
   `add_spm_metadata` writes it as convert_hf_to_gguf.py writes a SentencePiece model
   (`tokenizer.ggml.model = "llama"`: `<unk> <s> </s>`, the 256 `<0xNN>` byte tokens, pieces with
@@ -29,13 +31,14 @@ from gguf import TokenType
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 # Qwen2's split (`tokenizer.ggml.pre = "qwen2"`): single digits, letter runs, punctuation runs, newline and space runs
-from ..decoder.generation.tokenizer import QWEN2_SPLIT_REGEX, SPACE
+from ..decoder.generation.tokenizer import PRE_TOKENIZERS, QWEN2_SPLIT_REGEX, SPACE
 
 TOKENIZER_VERSION = 2
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CORPUS_MAX_BYTES = 2 << 20  # 2 MiB of stdlib source: a few seconds of training
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS) + 1  # byte alphabet + specials + at least one merge
-TOKENIZER_KINDS = ("bpe", "spm")
+TOKENIZER_KINDS = ("bpe", "spm", "kimi")
+BPE_SPLITS = {"bpe": "qwen2", "kimi": "kimi-k2"}  # byte-level kind -> the tokenizer.ggml.pre it is trained with
 SPM_SPECIALS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2 as in Llama/Mistral
 SPM_BYTES = tuple(f"<0x{b:02X}>" for b in range(256))
 SPM_MAX_CHARS = 96  # most frequent characters kept as tokens; the rest fall back to bytes
@@ -56,6 +59,14 @@ MISTRAL_CHAT_TEMPLATE = (
     "{% else %}{{ raise_exception('only user and assistant roles are supported') }}{% endif %}"
     "{% endfor %}"
 )
+
+
+@dataclass(frozen=True)
+class ByteLevelVocab:
+    """A byte-level BPE and the `tokenizer.ggml.pre` whose split it was trained with."""
+
+    tokenizer: Tokenizer
+    pre: str
 
 
 @dataclass(frozen=True)
@@ -93,8 +104,10 @@ def _iter_texts(files: list[Path]) -> Iterator[str]:
 
 
 def train_tokenizer(vocab: int, texts: Iterable[str] | None = None, *,
-                    normalizer: normalizers.Normalizer | None = None, pad: bool = True) -> Tokenizer:
-    """Train a byte-level BPE (Qwen2 split) with exactly `vocab` tokens, specials included, uncached.
+                    normalizer: normalizers.Normalizer | None = None, pad: bool = True,
+                    pre: str = "qwen2") -> Tokenizer:
+    """Train a byte-level BPE (the split of `tokenizer.ggml.pre` `pre`, Qwen2's by default) with exactly
+    `vocab` tokens, specials included, uncached.
 
     `texts` default to the stdlib sample of `corpus_files()`. A corpus that runs out of merges
     before `vocab` gets reserved special tokens when `pad`, else raises RuntimeError."""
@@ -104,8 +117,9 @@ def train_tokenizer(vocab: int, texts: Iterable[str] | None = None, *,
     tok = Tokenizer(models.BPE())
     if normalizer is not None:
         tok.normalizer = normalizer
+    splits = (QWEN2_SPLIT_REGEX,) if pre == "qwen2" else PRE_TOKENIZERS[pre].splits
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated"),
+        *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
@@ -129,16 +143,17 @@ def _pad_vocab(tok: Tokenizer, vocab: int, pad: bool) -> None:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size(with_added_tokens=True)} tokens, wanted {vocab}")
 
 
-def get_tokenizer(vocab: int) -> Tokenizer:
-    """The trained tokenizer for `vocab`, from the cache when it is there."""
+def get_tokenizer(vocab: int, pre: str = "qwen2") -> Tokenizer:
+    """The trained tokenizer for `vocab` (and split `pre`), from the cache when it is there."""
     py = f"{sys.version_info[0]}{sys.version_info[1]}"
-    path = cache_dir() / f"bpe-v{TOKENIZER_VERSION}-py{py}-{vocab}.json"
+    split = "" if pre == "qwen2" else f"-{pre}"
+    path = cache_dir() / f"bpe{split}-v{TOKENIZER_VERSION}-py{py}-{vocab}.json"
     if path.is_file():
         try:
             return Tokenizer.from_file(str(path))
         except Exception:  # a corrupt cache entry: retrain below
             pass
-    tok = train_tokenizer(vocab)
+    tok = train_tokenizer(vocab, pre=pre)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tok.save(str(tmp))
@@ -165,16 +180,19 @@ def merges_list(tok: Tokenizer) -> list[str]:
     return [m if isinstance(m, str) else f"{m[0]} {m[1]}" for m in merges]
 
 
-def add_tokenizer_metadata(writer: gguf.GGUFWriter, tok: Tokenizer | SpmVocab) -> None:
-    """Write the tokenizer keys llama.cpp and transformers read: gpt2-style (Qwen) for a
-    `Tokenizer`, SentencePiece-style (Mistral) for an `SpmVocab`."""
+def add_tokenizer_metadata(writer: gguf.GGUFWriter, tok: Tokenizer | ByteLevelVocab | SpmVocab) -> None:
+    """Write the tokenizer keys llama.cpp and transformers read: gpt2-style (Qwen's split for a
+    `Tokenizer`, its own for a `ByteLevelVocab`), SentencePiece-style (Mistral) for an `SpmVocab`."""
     if isinstance(tok, SpmVocab):
         add_spm_metadata(writer, tok)
         return
+    pre = "qwen2"
+    if isinstance(tok, ByteLevelVocab):
+        tok, pre = tok.tokenizer, tok.pre
     tokens = vocab_list(tok)
     special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens])
     writer.add_token_merges(merges_list(tok))
@@ -186,10 +204,12 @@ def add_tokenizer_metadata(writer: gguf.GGUFWriter, tok: Tokenizer | SpmVocab) -
     writer.add_chat_template(QWEN_CHAT_TEMPLATE)
 
 
-def get_vocab(kind: str, vocab: int) -> Tokenizer | SpmVocab:
-    """The factory's tokenizer of `kind` ("bpe" or "spm") with `vocab` tokens."""
+def get_vocab(kind: str, vocab: int) -> Tokenizer | ByteLevelVocab | SpmVocab:
+    """The factory's tokenizer of `kind` ("bpe", "kimi" or "spm") with `vocab` tokens."""
     if kind == "bpe":
         return get_tokenizer(vocab)
+    if kind in BPE_SPLITS:
+        return ByteLevelVocab(get_tokenizer(vocab, BPE_SPLITS[kind]), BPE_SPLITS[kind])
     if kind == "spm":
         return get_spm_vocab(vocab)
     raise ValueError(f"unknown tokenizer kind {kind!r} (supported: {', '.join(TOKENIZER_KINDS)})")

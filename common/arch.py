@@ -36,6 +36,19 @@ _MLA_KEYS: tuple[tuple[str, type, object], ...] = (
     ("rope.scaling.yarn_beta_fast", float, 32.0), ("rope.scaling.yarn_beta_slow", float, 1.0),
 )
 
+# GLM-4.5/4.6/4.7 and MiniMax-M2: sigmoid router with a selection bias (exp_probs_b), partial rope
+# (rope.dimension_count of the head), GLM's NextN/MTP blocks after the stack (not run).
+_SIGMOID_MOE_KEYS: tuple[tuple[str, type, object], ...] = (
+    ("rope.dimension_count", int, 0), ("expert_weights_scale", float, 0.0), ("expert_gating_func", int, 2),
+    ("expert_shared_count", int, 0), ("nextn_predict_layers", int, 0),
+)
+# Llama 4: chunked attention on 3 of every 4 layers (llama.cpp fixes the chunk at 8192 and reads
+# only whether attention.sliding_window is written as 0: no chunking), NoPE on the others.
+_LLAMA4_KEYS: tuple[tuple[str, type, object], ...] = (
+    ("attention.sliding_window", int, -1), ("attention.sliding_window_pattern", int, 4),
+    ("rope.freq_base_swa", float, 0.0), ("expert_weights_scale", float, 0.0),
+)
+
 # gpt-oss metadata as llama.cpp's converter writes it (rope scaling: YaRN; beta_fast/slow are not
 # written by it, so the defaults are YaRN's 32 and 1).
 _GPT_OSS_KEYS: tuple[tuple[str, type, object], ...] = (
@@ -73,6 +86,10 @@ class ArchSpec:
     # ... = required)
     extra_keys: tuple[tuple[str, type, object], ...] = ()
     expert_act: str = "swiglu"  # EXPERT_ACTS: how an expert combines gate and up (every expert source honours it)
+    router_bias: bool = False  # a per-expert selection bias `exp_probs_b.bias` on every MoE layer (required)
+    # the router weight scales the expert's input, not its output (Llama 4): each (token, expert) pair is
+    # a row of its own in `ExpertSource.mix` (n x k rows, weights 1)
+    weight_on_input: bool = False
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -110,6 +127,24 @@ ARCHS: dict[str, ArchSpec] = {
                              "post_attention_norm", "ffn_gate_inp"),
                  layer_biases=("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp"), head_dim_key=True,
                  routing="topk_softmax", expert_act="swiglu_oai_clamped", extra_keys=_GPT_OSS_KEYS),
+        # GLM-4.5/4.6/4.7: q/k/v biases, optional per-head q/k norm, NEOX rope on half of each head,
+        # leading dense layers, sigmoid routing with the selection bias, an un-gated shared expert;
+        # the pre-FFN norm is `post_attention_norm` (decoder/models/glm4moe.py)
+        ArchSpec("glm4moe", ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "post_attention_norm"),
+                 layer_biases=("attn_q", "attn_k", "attn_v"), shared_expert=True, shared_expert_gate=False,
+                 shared_ff_key=None, qk_norm="head", head_dim_key=True, norm_topk_prob=False, router_bias=True,
+                 extra_keys=_SIGMOID_MOE_KEYS),
+        # MiniMax-M2: q/k RMSNorm over all heads, NEOX rope on part of each head, sigmoid routing with
+        # the selection bias, renormalized (llama.cpp hardcodes it)
+        ArchSpec("minimax-m2", _ATTN + ("attn_q_norm", "attn_k_norm"), qk_norm="full", head_dim_key=True,
+                 router_bias=True, extra_keys=_SIGMOID_MOE_KEYS),
+        # Llama 4: dense and MoE layers interleaved (interleave_moe_layer_step), top-k then sigmoid with the
+        # weight applied to the expert's input, an un-gated shared expert as wide as the experts, chunked
+        # attention and NoPE layers, normal rope on unpermuted q/k (decoder/models/llama4.py)
+        ArchSpec("llama4", ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm"),
+                 shared_expert=True, shared_expert_gate=False, shared_ff_key="expert_feed_forward_length",
+                 head_dim_key=True, norm_topk_prob=False, rope="norm", routing="topk_sigmoid", weight_on_input=True,
+                 extra_keys=_LLAMA4_KEYS),
     )
 }
 
@@ -154,6 +189,7 @@ def dense_shapes(spec: ArchSpec, hp) -> dict[str, tuple[Shape, ...]]:
         "attn_q.weight": ((d, q),), "attn_k.weight": ((d, kv),), "attn_v.weight": ((d, kv),),
         "attn_output.weight": ((q, d),), "ffn_gate_inp.weight": ((d, E),),
         "attn_q.bias": ((q,),), "attn_k.bias": ((kv,),), "attn_v.bias": ((kv,),),
+        "post_attention_norm.weight": ((d,),), "exp_probs_b.bias": ((E,),),
     }
     if spec.qk_norm != "none":
         full = spec.qk_norm == "full"
@@ -168,13 +204,13 @@ def dense_shapes(spec: ArchSpec, hp) -> dict[str, tuple[Shape, ...]]:
                           "post_attention_norm.weight": ((d,),)})
     if spec.attention == "mla":
         per_layer.update(mla_shapes(hp))
-    if hp.n_dense_lead:  # leading dense layers' FFN (feed_forward_length wide)
+    if not all(hp.is_moe_layer(i) for i in range(hp.n_layer)):  # dense layers' FFN (feed_forward_length wide)
         per_layer.update({"ffn_gate.weight": ((d, hp.n_ff),), "ffn_up.weight": ((d, hp.n_ff),),
                           "ffn_down.weight": ((hp.n_ff, d),)})
     if spec.linear_attn != "none":
         per_layer.update(_hybrid_shapes(spec, hp))
     out: dict[str, tuple[Shape, ...]] = {"token_embd.weight": ((d, V),), "output.weight": ((d, V),),
-                                         "output_norm.weight": ((d,),)}
+                                         "output_norm.weight": ((d,),), "rope_freqs.weight": ((hd // 2,),)}
     for layer in range(hp.n_layer):
         out.update({f"blk.{layer}.{name}": shapes for name, shapes in per_layer.items()})
     return out
@@ -250,6 +286,8 @@ def layer_tensors(spec: ArchSpec, hp, layer: int, has) -> list[str]:
         names += [f"{t}.weight" for t in SHARED_EXPERT_TENSORS if spec.shared_expert_gate or t != "ffn_gate_inp_shexp"]
     if moe and "ffn_gate_inp" not in spec.layer_tensors:
         names.append("ffn_gate_inp.weight")
+    if moe and spec.router_bias:
+        names.append("exp_probs_b.bias")
     if not moe:
         names += ["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
     if spec.attention == "mla":

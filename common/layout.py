@@ -102,6 +102,7 @@ class HParams:
     norm_topk_prob: bool
     n_dense_lead: int = 0  # leading layers with a dense FFN instead of experts (leading_dense_block_count)
     n_ff: int = 0  # those layers' FFN width (feed_forward_length)
+    moe_step: int = 1  # interleave_moe_layer_step (Llama 4): only every moe_step-th layer is MoE, the others dense
     # family-specific metadata (`ArchSpec.extra_keys`), keyed by the name without "<arch>."
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     # Hybrid linear-attention families (ArchSpec.linear_attn != "none"); zero / empty elsewhere.
@@ -115,7 +116,7 @@ class HParams:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether `layer`'s FFN is routed experts (else a dense FFN: no expert to fetch)."""
-        return layer >= self.n_dense_lead
+        return layer >= self.n_dense_lead and (layer + 1) % self.moe_step == 0
 
 
 SAMPLE_CHUNKS = 64  # data chunks hashed into a fingerprint, spread evenly over the tensor data
@@ -273,7 +274,8 @@ class ModelLayout:
         hybrid = self._hybrid_hparams() if spec.linear_attn != "none" else {}
         return HParams(
             arch=self.arch_name,
-            n_layer=hybrid.pop("n_layer", int(self._akv("block_count"))),
+            # MTP (nextn_predict_layers) blocks after the stack are not part of the forward pass
+            n_layer=hybrid.pop("n_layer", int(self._akv("block_count")) - int(self._akv("nextn_predict_layers", 0))),
             n_embd=n_embd,
             n_head=n_head,
             n_head_kv=int(self._akv("attention.head_count_kv", n_head)),
@@ -290,6 +292,7 @@ class ModelLayout:
             rope_dim=int(self._akv("rope.dimension_count", 0)) if spec.linear_attn != "none" else 0,
             n_dense_lead=int(self._akv("leading_dense_block_count", 0)),
             n_ff=int(self._akv("feed_forward_length", 0)),
+            moe_step=max(1, int(self._akv("interleave_moe_layer_step", 1))),
             extra=self._extra(),
             **hybrid,
         )
@@ -377,8 +380,9 @@ class ModelLayout:
             if hp.is_moe_layer(layer):
                 index.tensors.append(self._layer_parts(layer, parts))
             elif parts:
-                raise ModelFormatError(f"{self.path.name}: layer {layer} is one of the leading_dense_block_count="
-                                       f"{hp.n_dense_lead} dense layers but has expert tensors ({', '.join(parts)})")
+                raise ModelFormatError(f"{self.path.name}: layer {layer} is a dense layer (leading_dense_block_count="
+                                       f"{hp.n_dense_lead}, interleave_moe_layer_step={hp.moe_step}) but has expert "
+                                       f"tensors ({', '.join(parts)})")
             else:
                 index.tensors.append([])  # a dense FFN: no experts
         return index

@@ -2,7 +2,7 @@
 
 Two tokenizer models, as llama.cpp's vocab loader reads them:
 
-- `gpt2`: byte-level BPE (Qwen, Llama 3, DeepSeek-V3, gpt-oss, GLM-4, OLMoE). The split before
+- `gpt2`: byte-level BPE (Qwen, Llama 3, DeepSeek-V3, Kimi-K2, gpt-oss, GLM-4, OLMoE). The split before
   the merges is chosen by `tokenizer.ggml.pre` from `PRE_TOKENIZERS`, written as the model's own
   `tokenizer.json` writes it (llama.cpp re-spells some of them for its regex engine).
 - `llama`: SentencePiece BPE (Mistral, Mixtral, Llama 1/2): tokens with scores, `<0xNN>` byte
@@ -46,6 +46,13 @@ _TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_CASED[0]}*{_CASED[1]}+|[^\r\n\p{{L}}\p{{N}
 _DEEPSEEK3 = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
               (r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
                r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"))
+# Kimi-K2's tiktoken `pat_str` (tokenization_kimi.py): o200k-like, but Han runs are pieces of their own and
+# the letter classes exclude Han (class intersection, which Oniguruma reads as tiktoken's engine does);
+# llama.cpp runs the same split in a hand-written handler (unicode.cpp) behind a `\p{Han}+` trigger.
+_NOT_HAN_UPPER, _NOT_HAN_LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_KIMI_K2 = (rf"[\p{{Han}}]+|[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}*{_NOT_HAN_LOWER}+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+            rf"|[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}+{_NOT_HAN_LOWER}*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+            r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]")  # llama.cpp's fallback
 
 
@@ -75,6 +82,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "qwen35": PreTokenizer((_QWEN35,), nfc=True),
     **dict.fromkeys(("deepseek-v3", "hunyuan-dense"), _P_DEEPSEEK3),
     **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), _P_GPT4O),
+    "kimi-k2": PreTokenizer((_KIMI_K2,)),  # Kimi-K2 (deepseek2 weights): no normalizer, merges by rank
     **dict.fromkeys(("glm4", "chatglm-bpe"), PreTokenizer((_LLAMA3,))),  # GLM-4's split is Llama 3's
     "tekken": PreTokenizer((_TEKKEN,), ignore_merges=True, add_bos=True),
     **dict.fromkeys(("starcoder", "refact", "smollm", "codeshell", "command-r"), _P_STARCODER),

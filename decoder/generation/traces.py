@@ -52,9 +52,11 @@ class Recorder(LayerObserver):
     """Collects real and predicted routing of every real token a forward pass processes."""
 
     def __init__(self, model: MoEModel):
-        if model.hparams.n_dense_lead:
-            raise ValueError(f"routing traces need experts in every layer; this {model.hparams.arch} model's first "
-                             f"{model.hparams.n_dense_lead} layers are dense")
+        hp = model.hparams
+        dense = [i for i in range(hp.n_layer) if not hp.is_moe_layer(i)]
+        if dense:  # (DeepSeek's and GLM's leading layers, Llama 4's interleaved ones)
+            raise ValueError(f"routing traces need experts in every layer; this {hp.arch} model's layers "
+                             f"{', '.join(map(str, dense))} are dense")
         self.model = model
         self.real: list[list[torch.Tensor]] = []  # per forward: per layer [n, k]
         self.pred: list[list[list[torch.Tensor | None]]] = []  # per forward: [depth][layer]

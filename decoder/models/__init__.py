@@ -26,6 +26,9 @@ _REGISTRY: dict[str, str] = {
     "deepseek2": "deepseek2",
     "qwen3next": "qwen3next",
     "qwen35moe": "qwen35moe",
+    "glm4moe": "glm4moe",
+    "minimax-m2": "minimax_m2",
+    "llama4": "llama4",
 }
 
 

@@ -79,6 +79,15 @@ def apply_rope_norm(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 _APPLY_ROPE = {"neox": apply_rope_neox, "norm": apply_rope_norm}
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    """Rope of `style` on the first cos.shape[-1] dims of each head, the rest as is (partial rotary:
+    GLM-4.5, MiniMax-M2): x [B, H, T, hd], cos/sin [B, T, rope_dim]."""
+    rd, rope = cos.shape[-1], _APPLY_ROPE[style]
+    if rd == x.shape[-1]:
+        return rope(x, cos, sin)
+    return torch.cat((rope(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)  # [B, H, T, hd]
+
+
 # -- KV cache ------------------------------------------------------------------------------
 @dataclass
 class KVCache:
@@ -142,6 +151,7 @@ class AttnShape:
     eps: float
     qk_norm: str = "none"  # "none" | "head" (per-head RMSNorm) | "full" (over all heads)
     rope: str = "neox"  # "neox" | "norm" (interleaved pairs, llama.cpp's LLAMA_ROPE_TYPE_NORM)
+    rope_dim: int = 0  # dims of each head that are roped (the first ones); 0 = all of head_dim
 
     def __post_init__(self) -> None:
         if self.rope not in _APPLY_ROPE:
@@ -178,7 +188,7 @@ class StepAttn:
 def step_attn(a: AttnShape, cache: KVCache, positions: torch.Tensor, start: int) -> StepAttn:
     """Rope tables and mask of one step (they depend on positions and the cache, not the layer)."""
     B, T = positions.shape
-    cos, sin = rope_cos_sin(positions, a.head_dim, a.rope_base, a.rope)  # [B, T, hd]
+    cos, sin = rope_cos_sin(positions, a.rope_dim or a.head_dim, a.rope_base, a.rope)  # [B, T, rope_dim]
     mask = attention_mask(cache, start, T)  # [B, 1, T, S]
     rep = a.n_head // a.n_head_kv
     if rep > 1:  # query rows of one kv head: rep heads x T tokens, head-major (see `attention`)
@@ -194,8 +204,7 @@ def attention(x: torch.Tensor, w: Weights, a: AttnShape, layer: int, cache: KVCa
     """
     B, T, start = x.shape[0] // st.T, st.T, st.start
     q, k, v = _qkv(x, w, a, B, T)
-    rope = _APPLY_ROPE[a.rope]
-    q, k = rope(q, st.cos, st.sin), rope(k, st.cos, st.sin)  # [B, H, T, hd], [B, Hkv, T, hd]
+    q, k = apply_rope(q, st.cos, st.sin, a.rope), apply_rope(k, st.cos, st.sin, a.rope)  # [B, H(kv), T, hd]
     cache.k[layer][:, :, start:start + T] = k
     cache.v[layer][:, :, start:start + T] = v
     keys = cache.k[layer][:, :, :start + T]  # [B, Hkv, S, hd]
@@ -229,9 +238,25 @@ def route_topk_softmax(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -
     return torch.softmax(top, dim=-1, dtype=torch.float32).to(logits.dtype), ids
 
 
+def route_topk_sigmoid(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of the logits, each weighted by its own sigmoid (Llama 4; not renormalized):
+    weights [N, k] (in logits' dtype) and expert ids [N, k]."""
+    top, ids = torch.topk(logits, top_k, dim=-1)  # [N, k], [N, k]
+    weights = torch.sigmoid(top.float())  # [N, k]
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
 Router = Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
 # `ArchSpec.routing` -> the routing function of that family
-ROUTING: dict[str, Router] = {"softmax": route_softmax, "topk_softmax": route_topk_softmax}
+ROUTING: dict[str, Router] = {"softmax": route_softmax, "topk_softmax": route_topk_softmax,
+                              "topk_sigmoid": route_topk_sigmoid}
+
+
+def dense_ffn(x: torch.Tensor, w: Weights) -> torch.Tensor:
+    """A dense layer's SwiGLU FFN (ffn_gate/up/down): x [N, d] -> [N, d]; no expert to fetch."""
+    return linear(F.silu(linear(x, w["ffn_gate"])) * linear(x, w["ffn_up"]), w["ffn_down"])  # [N, d]
 
 
 def shared_expert(x: torch.Tensor, w: Weights) -> torch.Tensor:

@@ -86,7 +86,9 @@ def load_dense(layout: ModelLayout, device: torch.device | str, dtype: torch.dty
         raise ValueError(f"quantized dense weights are computed by CPU kernels, not on {device}")
     from tqdm import tqdm
 
-    names = sorted(layout.dense)
+    # blocks after the stack (GLM's NextN/MTP, for speculative decoding) are never run: not loaded
+    n_layer = layout.hparams.n_layer
+    names = sorted(n for n in layout.dense if not n.startswith("blk.") or int(n.split(".")[1]) < n_layer)
     total = sum(layout.dense[n].nbytes for n in names)
     out: dict[str, torch.Tensor] = {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="dense weights", disable=not progress, leave=False) as bar:

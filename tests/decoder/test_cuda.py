@@ -24,7 +24,7 @@ except ImportError:  # no Triton: the fused-kernel tests below fail to find kern
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-ARCHS = ["qwen3moe", "qwen2moe", "llama", "olmoe"]
+ARCHS = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "minimax-m2", "llama4"]
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 128, 9]
 MARGIN = 0.05  # logits units, against float32's top-2 gap
 

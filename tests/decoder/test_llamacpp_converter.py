@@ -62,6 +62,23 @@ CASES = {
         intermediate_size=96, full_attention_interval=4, **DELTANET), "qwen2", ("--no-mtp",)),
     "qwen35moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
         layer_types=["linear_attention"] * 3 + ["full_attention"], **DELTANET), "qwen35", ("--no-mtp",)),
+    # GLM-4.5 with its NextN/MTP block (written by `_add_mtp_block`, kept by the converter, not run by us)
+    "glm4moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        num_hidden_layers=3, head_dim=16, intermediate_size=96, moe_intermediate_size=48, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True, use_qk_norm=True,
+        num_nextn_predict_layers=1), "glm4", ()),
+    "minimax-m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
+        head_dim=16, intermediate_size=48, rotary_dim=8, bos_token_id=None, eos_token_id=None, **MOE), "minimax-m2", ()),
+    # Llama 4 Maverick-like: MoE on every 2nd layer, top-1; NoPE on layer 3 (HF's attention_chunk_size
+    # is llama.cpp's fixed 8192, longer than these prompts); llama3 rope scaling as the real configs
+    # (the converter writes it as rope_freqs.weight), its original context short enough that every
+    # branch of the ramp is taken at head dim 16
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        num_hidden_layers=4, head_dim=16, intermediate_size=48, intermediate_size_mlp=96, num_local_experts=8,
+        num_experts_per_tok=1, interleave_moe_layer_step=2, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), "llama4", ()),
 }
 
 WRAPPER = '''import runpy, sys
@@ -106,14 +123,18 @@ def _corpus() -> str:
     return Path(textwrap.__file__).read_text() + Path(os.__file__).read_text()
 
 
-def _bpe_tokenizer(out: Path) -> int:
+# the special tokens a family's converter looks up by name (GLM's `_set_vocab_glm`)
+SPECIALS = {"glm4moe": ["[gMASK]", "<sop>", "<|user|>", "<|observation|>"]}
+
+
+def _bpe_tokenizer(out: Path, specials: tuple[str, ...] = ()) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator([_corpus()], trainers.BpeTrainer(
-        vocab_size=480, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        vocab_size=480, special_tokens=["<|endoftext|>", *specials], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = T.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
     fast.save_pretrained(out)
     return tok.get_vocab_size()
@@ -135,7 +156,7 @@ def _spm_tokenizer(out: Path) -> int:
 def _checkpoint(arch: str, out: Path) -> None:
     cfg_cls, model_cls, kw, pre, _ = CASES[arch]
     out.mkdir(parents=True)
-    vocab = _spm_tokenizer(out) if pre is None else _bpe_tokenizer(out)
+    vocab = _spm_tokenizer(out) if pre is None else _bpe_tokenizer(out, tuple(SPECIALS.get(arch, ())))
     torch.manual_seed(0)
     model = getattr(T, model_cls)(getattr(T, cfg_cls)(**{**COMMON, "vocab_size": vocab, **kw})).eval()
     with torch.no_grad():
@@ -143,6 +164,27 @@ def _checkpoint(arch: str, out: Path) -> None:
             if p.dim() >= 2:
                 p.normal_(0, 0.08)  # big enough that routing and attention matter
     model.save_pretrained(out, safe_serialization=True)
+    if kw.get("num_nextn_predict_layers"):
+        _add_mtp_block(out, getattr(T, cfg_cls), model_cls, {**COMMON, "vocab_size": vocab, **kw})
+
+
+def _add_mtp_block(out: Path, cfg_cls, model_cls: str, kw: dict) -> None:
+    """GLM-4.5's NextN block as its checkpoints ship it: one more decoder layer after the stack, plus
+    eh_proj / enorm / hnorm / shared_head.norm, in a second weights file (HF's model never loads it)."""
+    from safetensors.torch import load_file, save_file
+
+    n = kw["num_hidden_layers"]
+    longer = getattr(T, model_cls)(cfg_cls(**{**kw, "num_hidden_layers": n + 1}))
+    longer.save_pretrained(out / "longer", safe_serialization=True)  # the checkpoint's own per-expert names
+    block = {k: v for k, v in load_file(out / "longer" / "model.safetensors").items()
+             if k.startswith(f"model.layers.{n}.")}
+    d = kw["hidden_size"]
+    block.update({f"model.layers.{n}.eh_proj.weight": torch.randn(d, 2 * d) * 0.08,
+                  **{f"model.layers.{n}.{t}.weight": torch.ones(d) for t in ("enorm", "hnorm", "shared_head.norm")}})
+    save_file(block, out / "model-mtp.safetensors")
+    import shutil
+
+    shutil.rmtree(out / "longer")
 
 
 @pytest.fixture(scope="session")
@@ -165,7 +207,14 @@ def converted(converter, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 @pytest.mark.parametrize("arch", list(CASES))
 def test_converter_written_file_matches_transformers(converted, arch):
     hf_dir, gguf = converted[arch]
-    assert ModelLayout(gguf).hparams.arch == arch
+    layout = ModelLayout(gguf)
+    assert layout.hparams.arch == arch
+    if arch == "glm4moe":  # the converter kept the NextN block: in the file, not in the stack
+        assert layout.kv("glm4moe.block_count") == 4 and layout.hparams.n_layer == 3
+        assert "blk.3.nextn.eh_proj.weight" in layout.dense and "blk.3.ffn_gate_exps.weight" in layout.tensors
+    if arch == "llama4":  # llama3 rope scaling: per-frequency factors, some of them not 1
+        factors = layout.tensor_bytes("rope_freqs.weight").view("float32")
+        assert layout.experts.moe_layers == [1, 3] and factors.min() == 1.0 and factors.max() == 8.0
 
     def build_hf(_path):
         return getattr(T, CASES[arch][1]).from_pretrained(hf_dir, dtype=torch.float32).eval()

@@ -41,6 +41,11 @@ def arch_model(request, make_tiny_model):
     return layout, load_model(layout), ResidentExperts(layout)
 
 
+def rows_per_token(layout) -> int:
+    """Rows a token is in a `mix`: one, or one per routed expert where the weight scales the input (Llama 4)."""
+    return layout.hparams.n_expert_used if layout.spec.weight_on_input else 1
+
+
 def tokens(layout, batch, length, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, layout.hparams.n_vocab, (batch, length), generator=g)  # [B, T]
@@ -58,7 +63,7 @@ def test_shape_dtype_and_source_contract(arch_model):
     assert seen == [(i, (2 * T, hp.n_embd)) for i in range(hp.n_layer)]
     mixes = [c for c in rec.calls if c[0] == "mix"]
     moe_layers = [i for i in range(hp.n_layer) if hp.is_moe_layer(i)]  # (DeepSeek's leading layers are dense)
-    assert [c[1] for c in mixes] == moe_layers and all(c[3] == 2 * T for c in mixes)
+    assert [c[1] for c in mixes] == moe_layers and all(c[3] == 2 * T * rows_per_token(layout) for c in mixes)
     assert rec.calls[0] == ("step",)
     h = torch.randn(3, hp.n_embd)
     assert model.router_logits(moe_layers[0], h).shape == (3, hp.n_expert)
@@ -91,7 +96,7 @@ def test_padded_batch_matches_each_sequence_alone(arch_model):
     alone_b = model.forward(b, model.new_cache(1, 5), experts)
     assert (out[0] - alone_a[0]).abs().max().item() < 1e-4
     assert (out[1, T - 5:] - alone_b[0]).abs().max().item() < 1e-4
-    assert all(c[3] == T + 5 for c in rec.calls if c[0] == "mix")  # pad rows never reach the experts
+    assert all(c[3] == (T + 5) * rows_per_token(layout) for c in rec.calls if c[0] == "mix")  # pads never reach experts
 
 
 @torch.inference_mode()
@@ -104,7 +109,7 @@ def test_pads_are_not_routed(arch_model):
     model.forward(tokens(layout, 1, 4), model.new_cache(1, 4), rec, valid=valid)
     mixes = [c for c in rec.calls if c[0] == "mix"]
     n_moe = sum(hp.is_moe_layer(i) for i in range(hp.n_layer))
-    assert len(mixes) == n_moe and all(len(c[2]) == hp.n_expert_used and c[3] == 1 for c in mixes)
+    assert len(mixes) == n_moe and all(len(c[2]) == hp.n_expert_used and c[3] == rows_per_token(layout) for c in mixes)
 
 
 @torch.inference_mode()

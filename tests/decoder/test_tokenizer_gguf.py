@@ -220,6 +220,15 @@ _TEKKEN_JSON = ("[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p
 _DEEPSEEK3_JSON = ["\\p{N}{1,3}", "[一-龥\u3040-ゟ゠-ヿ]+",
                    ("[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+|"
                     " ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+")]
+# Kimi-K2 ships a tiktoken tokenizer: its `pat_str` as tokenization_kimi.py writes it (class intersection)
+_KIMI_PAT = "|".join([
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+",
+])
 _LLAMACPP_DEFAULT = ["[\\p{P}\\$\\+<=>\\^~\\|]+",
                      "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
                      "\\p{N}+", "[0-9][0-9][0-9]"]  # llama.cpp's regex_exprs; no hub model uses it
@@ -246,6 +255,7 @@ REFERENCES = {
     "gpt-4o": lambda: (None, {"type": "Sequence", "pretokenizers": [_split(_O200K_JSON), _BYTE_LEVEL]}, False),
     "tekken": lambda: (None, {"type": "Sequence", "pretokenizers": [_split(_TEKKEN_JSON), _BYTE_LEVEL]}, True),
     "glm4": lambda: (None, {"type": "Sequence", "pretokenizers": [_split(_LLAMA3_JSON), _BYTE_LEVEL]}, False),
+    "kimi-k2": lambda: (None, {"type": "Sequence", "pretokenizers": [_split(_KIMI_PAT), _BYTE_LEVEL]}, False),
     "starcoder": lambda: (None, {"type": "Sequence", "pretokenizers": [
         {"type": "Digits", "individual_digits": True},
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}, False),
@@ -333,6 +343,51 @@ def test_byte_level_special_tokens(byte_level):
     assert pad not in ours.encode(ours.token_text(pad))
 
 
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (what byte-level BPE vocabularies are spelled in)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
+
+
+def tiktoken_encode(text: str, ranks: dict[bytes, int], specials: dict[str, int]) -> list[int]:
+    """Kimi's own algorithm, written out: special tokens whole, the rest split by `pat_str` with the
+    `regex` module (another engine than ours, class intersection in its V1 mode), then each piece's
+    bytes merged pair by pair, lowest-ranked concatenation first, as tiktoken does."""
+    regex = pytest.importorskip("regex")
+    out: list[int] = []
+    for part in regex.split("(" + "|".join(map(regex.escape, specials)) + ")", text):
+        if part in specials:
+            out.append(specials[part])
+            continue
+        for piece in regex.findall(_KIMI_PAT, part, flags=regex.V1):
+            parts = [bytes([b]) for b in piece.encode()]
+            while len(parts) > 1:
+                best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], 1 << 60))
+                if parts[best] + parts[best + 1] not in ranks:
+                    break
+                parts[best:best + 2] = [parts[best] + parts[best + 1]]
+            out.extend(ranks[p] for p in parts)
+    return out
+
+
+def test_kimi_k2_matches_a_tiktoken_style_reference(tmp_path):
+    """Kimi-K2's tokenizer is tiktoken: ranks = the trained vocabulary's ids (merged tokens get their
+    ids in merge order), the split its pat_str run by the `regex` module, not by Oniguruma."""
+    ref = _reference_tokenizer("kimi-k2")
+    ours = from_file(_write_gpt2(ref, "kimi-k2", tmp_path / "kimi.gguf"))
+    to_byte = {c: b for b, c in _byte_chars().items()}
+    vocab = ref.get_vocab(with_added_tokens=False)
+    ranks = {bytes(to_byte[c] for c in tok): i for tok, i in vocab.items() if tok not in SPECIALS}
+    specials = {t: ref.token_to_id(t) for t in SPECIALS}
+    regex, split, spell = pytest.importorskip("regex"), ours.tokenizer.pre_tokenizer, _byte_chars()
+    for text in TEXTS + ["<|im_start|>user\n东京Tokyo<|im_end|>\n", "ABCdefGHI 漢字かなカナ한국어 ÀÉÎ"]:
+        assert ours.encode(text) == tiktoken_encode(text, ranks, specials), text
+        if "<|" not in text:  # the split alone, piece for piece (in GPT-2's byte spelling)
+            want = ["".join(spell[b] for b in p.encode()) for p in regex.findall(_KIMI_PAT, text, flags=regex.V1)]
+            assert [p for p, _ in split.pre_tokenize_str(text)] == want, text
+
+
 # -- errors ----------------------------------------------------------------------------------------
 def _meta(**kv):
     return lambda key, default=None: kv.get(key, default)
@@ -345,8 +400,8 @@ def test_unsupported_model_lists_supported():
 
 def test_unsupported_pre_lists_supported():
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.merges": [],
-            "tokenizer.ggml.pre": "kimi-k2"}
-    with pytest.raises(TokenizerError, match=r"'kimi-k2'.*supported: .*deepseek-v3.*gpt-4o.*llama-bpe.*qwen2"):
+            "tokenizer.ggml.pre": "bailingmoe"}
+    with pytest.raises(TokenizerError, match=r"'bailingmoe'.*supported: .*deepseek-v3.*gpt-4o.*kimi-k2.*llama-bpe.*qwen2"):
         GGUFTokenizer.from_metadata(_meta(**meta))
 
 
@@ -378,10 +433,37 @@ def test_make_model_writes_the_vocabulary_kind(make_tiny_model, arch, kind, mode
         assert ours.encode(text)[1:] == hf_gguf(path).encode(text, add_special_tokens=False)
 
 
+def test_kimi_k2_file_tokenizes_as_kimi_and_generates(make_tiny_model, capsys):
+    """A Kimi-K2-style file (deepseek2 weights, `tokenizer.ggml.pre = "kimi-k2"`, as llama.cpp's converter
+    writes Kimi-K2): ids equal the tiktoken-style reference on the file's own vocabulary, and
+    `generate` prints the decode of the ids it made."""
+    from moestream.common.layout import ModelLayout
+    from moestream.decoder import cli
+
+    path = make_tiny_model(arch="deepseek2", tokenizer="kimi")
+    layout = ModelLayout(path)
+    assert layout.kv("tokenizer.ggml.pre") == "kimi-k2"
+    ours = GGUFTokenizer.from_layout(layout)
+    to_byte = {c: b for b, c in _byte_chars().items()}
+    ranks, specials = {}, {}
+    for i in range(ours.vocab_size):
+        tok = ours.token_text(i)
+        if tok.startswith("<|"):
+            specials[tok] = i
+        else:
+            ranks[bytes(to_byte[c] for c in tok)] = i
+    for text in TEXTS[:12]:
+        assert ours.encode(text) == tiktoken_encode(text, ranks, {"<|im_end|>": specials["<|im_end|>"]}), text
+    assert cli.main(["--model", str(path), "--prompt", "东京Tokyo 你好", "-n", "6", "--no-progress", "--resident",
+                     "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"][0] == ours.decode(out["tokens"][0])
+
+
 def test_make_model_rejects_unknown_tokenizer(tmp_path):
     from moestream.authoring.make_model import make_model
 
-    with pytest.raises(ValueError, match=r"unknown tokenizer 'wordpiece' \(supported: bpe, spm\)"):
+    with pytest.raises(ValueError, match=r"unknown tokenizer 'wordpiece' \(supported: bpe, spm, kimi\)"):
         make_model(tmp_path / "x.gguf", tokenizer="wordpiece")
 
 
