@@ -32,14 +32,18 @@ def qtype_of(name: str | Q) -> Q:
     try:
         return Q[name.upper()]
     except KeyError:
-        known = ", ".join(t.name for t in sorted(ENCODABLE))
-        raise ValueError(f"unknown quant type {name!r} (writable: {known})") from None
+        raise ValueError(f"unknown quant type {name!r} (writable: {writable()})") from None
+
+
+def writable() -> str:
+    """The names of the types encode() writes, for messages and --help."""
+    return " ".join(t.name for t in sorted(ENCODABLE, key=lambda q: q.name))
 
 
 def check_row(name: str, row_len: int, qtype: Q) -> None:
     """Raise a ValueError naming the tensor when its rows cannot be split into blocks."""
     if qtype not in ENCODABLE:
-        raise ValueError(f"tensor {name!r}: cannot write quant type {qtype.name}")
+        raise ValueError(f"tensor {name!r}: cannot write quant type {qtype.name} (writable: {writable()})")
     block = GGML_QUANT_SIZES[qtype][0]
     if row_len % block:
         raise ValueError(f"tensor {name!r}: row length {row_len} is not a multiple of the "

@@ -133,8 +133,9 @@ def _rand_q2_k(raw: np.ndarray, a: float) -> None:
 
 
 def _rand_q3_k(raw: np.ndarray, a: float) -> None:
-    raw[:, 96:104], raw[:, 104:108] = 0x00, 0xFF  # every 6-bit scale 48: sc - 32 = 16
-    _fill(raw, 108, a / 64)  # q in -4..3
+    # 6-bit scales 48, 16 (sc - 32 = +-16) by fours: q in -4..3 averages -0.5, so the signs cancel it
+    raw[:, 96:104], raw[:, 104:108] = 0x00, 0x77
+    _fill(raw, 108, a / 64)
 
 
 def _rand_iq4_xs(raw: np.ndarray, a: float) -> None:
@@ -143,13 +144,20 @@ def _rand_iq4_xs(raw: np.ndarray, a: float) -> None:
 
 
 def _rand_nvfp4(raw: np.ndarray, a: float) -> None:
-    raw[:, :4] = gq.NVFP4.fp32_to_ue4m3(np.array([a / 6.0], np.float32))[0]
+    # uniform codes: rms of the doubled E2M1 values is 5.85, so the (halved) scale is a / (sqrt(3) 5.85)
+    raw[:, :4] = gq.NVFP4.fp32_to_ue4m3(np.array([a / 5.07], np.float32))[0]
+
+
+def _rand_tq2_0(raw: np.ndarray, a: float) -> None:
+    both = (raw[:, :64] >> 1) & raw[:, :64] & 0x55  # low bit of every 2-bit code 3
+    raw[:, :64] &= ~(both << 1)  # 3 -> 1 (zero): codes -1, 0, 0, +1, std d / sqrt(2), mean 0
+    _fill(raw, 64, a * np.sqrt(2.0 / 3.0))
 
 
 RANDOM = {
     Q.Q2_K: _rand_q2_k, Q.Q3_K: _rand_q3_k, Q.IQ4_XS: _rand_iq4_xs, Q.NVFP4: _rand_nvfp4,
     Q.IQ4_NL: lambda raw, a: _fill(raw, 0, a / 127),
     Q.TQ1_0: lambda raw, a: _fill(raw, 52, a / np.sqrt(2.0)),  # any byte holds five digits 0..2
-    Q.TQ2_0: lambda raw, a: _fill(raw, 64, a / 2),  # codes -1..2
+    Q.TQ2_0: _rand_tq2_0,
     Q.Q1_0: lambda raw, a: _fill(raw, 0, a / np.sqrt(3.0)),  # +-d: the same std as U(-a, a)
 }
