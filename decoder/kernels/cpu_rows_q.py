@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .cpu_rows_base import _JIT_EXACT, _U, _as_f32, _f16, _fi, _opaque
+from .cpu_rows_base import _JIT_EXACT, _U, _as_f32, _f16, _f32_bits, _fi, _opaque
 
 # IQ4_NL / IQ4_XS code book (ggml's kvalues_iq4nl)
 _KV_IQ4NL = np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), np.float32)
@@ -184,9 +184,11 @@ def _row_iq4_xs(data, off, n_in, w):
 
 
 @njit(**_JIT_EXACT)
-def _trit(b, pow3):
-    """Base-3 digit of a TQ1_0 byte b: (b * 3^p mod 256) * 3 >> 8, then minus 1."""
-    return _fi((((np.int32(b) * pow3) & 0xFF) * 3 >> 8) - 1)
+def _trit(x):
+    """(digit - 1 as float32, x for the next digit) for x = b * 3^p mod 256 of a TQ1_0 byte b:
+    its digit p is (x * 3) >> 8 (gguf-py's formula, stepped: no vector multiply, 8 % faster)."""
+    t = x * 3
+    return _fi((t >> 8) - 1), t & 0xFF
 
 
 @njit(**_JIT_EXACT)
@@ -195,16 +197,29 @@ def _row_tq1_0(data, off, n_in, w):
     (l < 16) at 160 + 16p + l; 240-255: digit p of qh[l] (l < 4, p < 4) at 240 + 4p + l."""
     o, e = _U(off), _U(0)
     for _ in range(n_in // 256):
-        d, p3 = _f16_at(data, o + _U(52)), 1
-        for p in range(5):
-            for k in range(_opaque(_U(32))):
-                w[e + _U(32 * p) + k] = d * _trit(data[o + k], p3)
-            for k in range(_opaque(_U(16))):
-                w[e + _U(160 + 16 * p) + k] = d * _trit(data[o + _U(32) + k], p3)
-            if p < 4:
-                for k in range(4):
-                    w[e + _U(240 + 4 * p + k)] = d * _trit(data[o + _U(48 + k)], p3)
-            p3 *= 3
+        d = _f16_at(data, o + _U(52))
+        for k in range(_opaque(_U(32))):
+            v0, x = _trit(np.int32(data[o + k]))
+            v1, x = _trit(x)
+            v2, x = _trit(x)
+            v3, x = _trit(x)
+            v4, x = _trit(x)
+            w[e + k], w[e + _U(32) + k], w[e + _U(64) + k] = d * v0, d * v1, d * v2
+            w[e + _U(96) + k], w[e + _U(128) + k] = d * v3, d * v4
+        y = e + _U(160)
+        for k in range(_opaque(_U(16))):
+            v0, x = _trit(np.int32(data[o + _U(32) + k]))
+            v1, x = _trit(x)
+            v2, x = _trit(x)
+            v3, x = _trit(x)
+            v4, x = _trit(x)
+            w[y + k], w[y + _U(16) + k], w[y + _U(32) + k] = d * v0, d * v1, d * v2
+            w[y + _U(48) + k], w[y + _U(64) + k] = d * v3, d * v4
+        for k in range(4):
+            x = np.int32(data[o + _U(48 + k)])
+            for p in range(4):
+                v, x = _trit(x)
+                w[e + _U(240 + 4 * p + k)] = d * v
         o += _U(54)
         e += _U(256)
 
@@ -229,15 +244,18 @@ def _row_tq2_0(data, off, n_in, w):
 
 @njit(**_JIT_EXACT)
 def _row_q1_0(data, off, n_in, w):
-    """ggml's dequantize_row_q1_0 (ggml/src/ggml-quants.c): a set bit is +d, a clear one -d."""
-    lanes = _opaque(_U(128))
+    """ggml's dequantize_row_q1_0 (ggml/src/ggml-quants.c): a set bit is +d, a clear one -d.
+    The 128 bits are read as four little-endian 32-bit words and a clear bit flips d's sign bit
+    (integer lanes only: selecting per bit from byte loads ran at half of Q4_K's speed)."""
+    lanes = _opaque(_U(32))
     o, e = _U(off), _U(0)
     for _ in range(n_in // 128):
-        d = _f16_at(data, o)
-        nd = -d
-        for j in range(lanes):
-            bit = (np.int32(data[o + _U(2) + (j >> _U(3))]) >> np.int32(j & _U(7))) & 1
-            w[e + j] = d if bit else nd
+        dbits = _f32_bits(_f16_at(data, o))
+        for i in range(4):
+            word = np.int32(_u32_at(data, o + _U(2 + 4 * i)))  # bit j: weight 32i + j
+            y = e + _U(32 * i)
+            for j in range(lanes):
+                w[y + j] = _as_f32(dbits ^ ((~(word >> np.int32(j)) & 1) << 31))
         o += _U(18)
         e += _U(128)
 

@@ -215,6 +215,15 @@ def test_bench_json(capsys: pytest.CaptureFixture[str]) -> None:
     report = json.loads(capsys.readouterr().out)
     assert {(r["type"], r["rows"]) for r in report["results"]} == {("Q8_0", 1), ("Q8_0", 24), ("Q5_1", 1), ("Q5_1", 24)}
     assert all(r["kernel_ms"] > 0 and r["reference_ms"] > 0 for r in report["results"])
+    assert all(r["vs_q8_0"] > 0 and r["ns_per_weight"] > 0 for r in report["results"])
+    assert [r["vs_q8_0"] for r in report["results"] if r["type"] == "Q8_0"] == [1.0, 1.0]
+
+
+def test_bench_default_types_are_every_native_type() -> None:
+    from moestream.decoder.bench.kernels import default_types
+
+    types = default_types()
+    assert types[0] == "Q8_0" and sorted(types) == sorted(q.name for q in qk.NATIVE)
 
 
 # -- several experts per call -------------------------------------------------------------------
