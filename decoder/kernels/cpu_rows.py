@@ -467,9 +467,10 @@ def _drop_stale_caches() -> None:
 
     newest = max(p.stat().st_mtime for p in Path(__file__).parent.glob("cpu_rows*.py"))
     for kernel in (decode_row, gate_up_kernel, down_kernel, dequant_kernel):
-        index = Path(kernel._cache._cache_file._index_path)
-        if index.exists() and index.stat().st_mtime < newest:
-            kernel._cache.flush()
+        cache = getattr(kernel, "_cache", None)  # numba internals: skipped if they ever change
+        index = getattr(getattr(cache, "_cache_file", None), "_index_path", None)
+        if index and Path(index).exists() and Path(index).stat().st_mtime < newest:
+            cache.flush()
 
 
 _drop_stale_caches()
