@@ -6,7 +6,8 @@ array (its values are quantized) or a `RandomTensor` (random codes generated blo
 while writing, so multi-GiB files never sit in memory as floats).
 
 Quant choice per tensor, as llama.cpp does: norms, routers (`ffn_gate_inp*`) and biases stay
-F32; `*_exps` get `expert_quant`; other matrices get `dense_quant`. An expert tensor whose
+F32; `*_exps` get `expert_quant`, or what a `QuantMix` says for that layer and part (each
+tensor is written in its own type); other matrices get `dense_quant`. An expert tensor whose
 rows do not fit its quant's block raises ValueError; a dense matrix falls back to Q8_0, then
 F16, and the fallback is reported in `WriteReport.notes` (llama.cpp falls back likewise).
 """
@@ -25,6 +26,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from ..common.arch import ArchSpec, arch_key, get_arch
+from .quant_mix import QuantMix
 from .quantize import check_row, encode, qtype_of, random_blocks, row_bytes
 
 CHUNK_BYTES = 64 << 20  # bytes generated/quantized per write call
@@ -36,7 +38,13 @@ FILE_TYPES: dict[Q, gguf.LlamaFileType] = {
     Q.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0, Q.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
     Q.Q5_0: gguf.LlamaFileType.MOSTLY_Q5_0, Q.Q5_1: gguf.LlamaFileType.MOSTLY_Q5_1,
     Q.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_M, Q.Q6_K: gguf.LlamaFileType.MOSTLY_Q6_K,
-}
+    Q.Q2_K: gguf.LlamaFileType.MOSTLY_Q2_K, Q.Q3_K: gguf.LlamaFileType.MOSTLY_Q3_K_M,
+    Q.Q5_K: gguf.LlamaFileType.MOSTLY_Q5_K_M, Q.MXFP4: gguf.LlamaFileType.MOSTLY_MXFP4_MOE,
+}  # any other type T: MOSTLY_T (IQ4_NL, IQ4_XS, TQ1_0, TQ2_0, Q1_0, NVFP4, ...)
+
+
+def file_type(q: Q) -> int:
+    return int(FILE_TYPES[q] if q in FILE_TYPES else gguf.LlamaFileType[f"MOSTLY_{q.name}"])
 
 # Metadata keys every architecture gets: key -> hparam field (see `_arch_keys` for the rest).
 _COMMON_KEYS = {
@@ -100,13 +108,15 @@ def normalize_hparams(arch: str, hp: Any) -> dict[str, Any]:
     return d
 
 
-def tensor_qtype(name: str, shape: tuple[int, ...], expert_q: Q, dense_q: Q, notes: list[str]) -> Q:
+def tensor_qtype(name: str, shape: tuple[int, ...], expert_q: Q, dense_q: Q, notes: list[str],
+                 mix: QuantMix | None = None) -> Q:
     """The type a tensor is stored as (see the module docstring)."""
     if len(shape) == 1 or name.endswith(".bias") or "norm" in name or ".ffn_gate_inp" in name or ".ssm_conv1d" in name:
         return Q.F32  # (llama.cpp keeps the short conv kernels F32 too)
     if "_exps." in name:
-        check_row(name, shape[-1], expert_q)
-        return expert_q
+        q = mix.expert_qtype(name, expert_q) if mix else expert_q
+        check_row(name, shape[-1], q)
+        return q
     for q in (dense_q, Q.Q8_0, Q.F16):
         try:
             check_row(name, shape[-1], q)
@@ -144,7 +154,7 @@ def _validate(name: str, t: TensorLike) -> None:
 def _add_metadata(w: gguf.GGUFWriter, arch: str, hp: dict[str, Any], file_q: Q, name: str) -> None:
     spec = get_arch(arch)
     w.add_name(name)
-    w.add_file_type(int(FILE_TYPES[file_q]))
+    w.add_file_type(file_type(file_q))
     extra = hp.get("extra", {})  # family-specific keys (ArchSpec.extra_keys), written as given
     for key, hkey in {**_COMMON_KEYS, **_arch_keys(spec)}.items():
         if key not in extra:
@@ -183,6 +193,7 @@ def write_moe_gguf(
     *,
     expert_quant: str | Q | None = None,
     dense_quant: str | Q | None = None,
+    mix: QuantMix | None = None,
     progress: bool = False,
     name: str = "moestream-tiny",
     split_max_size: int = 0,
@@ -202,7 +213,7 @@ def write_moe_gguf(
     report = WriteReport(path, 0, 0.0)
     for tname, t in tensors.items():
         _validate(tname, t)
-        report.qtypes[tname] = tensor_qtype(tname, tuple(t.shape), eq, dq, report.notes)
+        report.qtypes[tname] = tensor_qtype(tname, tuple(t.shape), eq, dq, report.notes, mix)
     w = gguf.GGUFWriter(path, arch, split_max_size=split_max_size)
     try:
         _add_metadata(w, arch, hpd, qtype_of(quant), name)

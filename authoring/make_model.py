@@ -21,7 +21,8 @@ from gguf import GGML_QUANT_SIZES
 from ..common.arch import get_arch
 from .arch_families import ARCH_OPTIONS, FAMILY_LAYERS, family_hparams
 from .gguf_write import RandomTensor, TensorLike, normalize_hparams, tensor_nbytes, tensor_qtype, write_moe_gguf
-from .quantize import qtype_of
+from .quant_mix import KEYS_HELP, QuantMix, parse_mix
+from .quantize import qtype_of, writable
 from .tokenizer_data import TOKENIZER_KINDS, get_vocab
 from ..common.units import parse_size
 
@@ -293,32 +294,34 @@ def _init(name: str, shape: tuple[int, ...], seed: int, rng: np.random.Generator
     return RandomTensor(shape, std, seed)
 
 
-def estimate_bytes(arch: str, hp: dict, quant: str, expert_quant: str | None = None) -> int:
+def estimate_bytes(arch: str, hp: dict, quant: str, expert_quant: str | None = None, mix: QuantMix | None = None) -> int:
     """Tensor data bytes a `make_model` file would hold (the header adds a few KiB + the vocab)."""
     q, eq, notes = qtype_of(quant), qtype_of(expert_quant or DEFAULT_EXPERT_QUANT.get(arch, quant)), []
     shapes = tensor_shapes(arch, hp)
-    return sum(tensor_nbytes(shape, tensor_qtype(n, shape, eq, q, notes)) for n, shape in shapes.items())
+    return sum(tensor_nbytes(shape, tensor_qtype(n, shape, eq, q, notes, mix)) for n, shape in shapes.items())
 
 
-def fit_target(arch: str, hp: dict, quant: str, target: int, expert_quant: str | None = None) -> dict:
+def fit_target(arch: str, hp: dict, quant: str, target: int, expert_quant: str | None = None,
+               mix: QuantMix | None = None) -> dict:
     """Grow experts (to ~MAX_TARGET_EXPERTS), then expert width, so the file approaches `target` bytes."""
-    base = estimate_bytes(arch, hp, quant, expert_quant)
+    base = estimate_bytes(arch, hp, quant, expert_quant, mix)
     if target < base:
         raise ValueError(f"target size {target} B is smaller than the requested model ({base} B)")
-    dense, per_expert = _split_bytes(arch, hp, quant, expert_quant)
+    dense, per_expert = _split_bytes(arch, hp, quant, expert_quant, mix)
     n_exp = int(min(MAX_TARGET_EXPERTS, max(hp["n_expert"], (target - dense) // per_expert)))
-    step = max(32, _block(quant))  # expert width must stay a whole number of blocks
+    step = max(32, _block(quant), *(GGML_QUANT_SIZES[q][0] for q in (mix.qtypes() if mix else ())))
     per_ff = per_expert * n_exp / hp["n_ff_exp"]  # bytes per unit of expert width, all experts and layers
     ff = max(hp["n_ff_exp"], int((target - dense) // per_ff) // step * step)
     # n_ff is derived again: it follows the expert width unless a shared expert sets it
     hp = normalize_hparams(arch, {**{k: v for k, v in hp.items() if k != "n_ff"}, "n_ff_exp": ff})
-    dense, per_expert = _split_bytes(arch, hp, quant, expert_quant)  # width was rounded down: top up with experts
+    dense, per_expert = _split_bytes(arch, hp, quant, expert_quant, mix)  # width was rounded down: top up
     return {**hp, "n_expert": max(n_exp, int((target - dense) // per_expert))}
 
 
-def _split_bytes(arch: str, hp: dict, quant: str, expert_quant: str | None = None) -> tuple[int, int]:
+def _split_bytes(arch: str, hp: dict, quant: str, expert_quant: str | None = None,
+                 mix: QuantMix | None = None) -> tuple[int, int]:
     """(bytes that do not scale with the expert count, bytes per expert across all layers)."""
-    one, two = (estimate_bytes(arch, {**hp, "n_expert": n}, quant, expert_quant) for n in (1, 2))
+    one, two = (estimate_bytes(arch, {**hp, "n_expert": n}, quant, expert_quant, mix) for n in (1, 2))
     return one - (two - one), two - one
 
 
@@ -329,7 +332,8 @@ def make_model(path: str | Path, *, arch: str = "qwen3moe", quant: str = "Q8_0",
                verbose: bool = False, tokenizer: str | None = None,
                mla: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None = None,
                expert_quant: str | None = None, split_max_size: int | str | None = None,
-               arch_opts: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None = None) -> Path:
+               arch_opts: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None = None,
+               mix: str | QuantMix | None = None) -> Path:
     """Write a random `arch` MoE to `path` and return the path (the first part's for a split one).
 
     hidden / expert_ff default to 64 (256 for K-quants, whose blocks are 256 wide);
@@ -338,20 +342,25 @@ def make_model(path: str | Path, *, arch: str = "qwen3moe", quant: str = "Q8_0",
     `mla` overrides deepseek2's `MLA_DEFAULTS` (a mapping or (key, value) pairs), `arch_opts` the
     `ARCH_OPTIONS` of glm4moe / minimax-m2 / llama4 (the same way);
     `expert_quant` the experts' type (default: what `arch`'s real files use, MXFP4 for gpt-oss, else `quant`);
+    `mix` per-part / per-layer expert types over that (`quant_mix`, e.g. "gate_up=Q2_K,down=Q4_K");
     `split_max_size` (bytes, or "2GiB") writes a split model, `STEM-0000k-of-0000n.gguf` beside `path`,
     as `convert_hf_to_gguf.py --split-max-size` does (gguf-py's writer)."""
     tokenizer = tokenizer or DEFAULT_TOKENIZER.get(arch, "bpe")
     if tokenizer not in TOKENIZER_KINDS:
         raise ValueError(f"unknown tokenizer {tokenizer!r} (supported: {', '.join(TOKENIZER_KINDS)})")
-    width = max(default_width(quant), default_width(expert_quant or DEFAULT_EXPERT_QUANT.get(arch, quant)))
+    mix = parse_mix(mix) if isinstance(mix, str) else mix
+    width = max(default_width(quant), default_width(expert_quant or DEFAULT_EXPERT_QUANT.get(arch, quant)),
+                *(default_width(q.name) for q in (mix.qtypes() if mix else ())))
     kv_heads = kv_heads if kv_heads is not None else (heads if get_arch(arch).kv_heads_equal_heads else min(2, heads))
     hp = model_hparams(arch, layers=layers, experts=experts, top_k=top_k, hidden=hidden or width,
                        expert_ff=expert_ff or width, heads=heads, kv_heads=kv_heads, vocab=vocab,
                        head_dim=head_dim, shared_ff=shared_ff, mla=dict(mla or {}), arch_opts=dict(arch_opts or {}))
+    if mix:
+        mix.check_layers(layers)
     if target_size is not None:
-        hp = fit_target(arch, hp, quant, parse_size(target_size), expert_quant)
+        hp = fit_target(arch, hp, quant, parse_size(target_size), expert_quant, mix)
     report = write_moe_gguf(path, arch, hp, build_tensors(arch, hp, seed), quant, get_vocab(tokenizer, vocab),
-                            progress=progress, expert_quant=expert_quant or DEFAULT_EXPERT_QUANT.get(arch),
+                            progress=progress, expert_quant=expert_quant or DEFAULT_EXPERT_QUANT.get(arch), mix=mix,
                             split_max_size=parse_size(split_max_size) if split_max_size else 0)
     if verbose:
         parts = f" in {len(report.parts)} parts" if len(report.parts) > 1 else ""
@@ -369,9 +378,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("out", metavar="OUT.gguf", help="file to write")
     ap.add_argument("--arch", default="qwen3moe", help="qwen3moe | qwen2moe | llama (Mixtral) | olmoe | qwen3next | qwen35moe | gpt-oss | deepseek2 | "
                     "glm4moe | minimax-m2 | llama4")
-    ap.add_argument("--quant", default="Q8_0", help="F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q6_K")
-    ap.add_argument("--expert-quant", default=None, help="the experts' type (MXFP4 too); default MXFP4 for "
-                    "gpt-oss (as its real files), else --quant")
+    ap.add_argument("--quant", default="Q8_0", help=f"the type of the big matrices, one of: {writable()}")
+    ap.add_argument("--expert-quant", default=None, help="the experts' type (any of --quant's); default MXFP4 "
+                    "for gpt-oss (as its real files), else --quant")
+    ap.add_argument("--mix", default=None, metavar="RULES",
+                    help="per-tensor expert types over --expert-quant, comma-separated KEY=TYPE with KEY one of "
+                    f"{KEYS_HELP} (layer ranges inclusive, win over parts), e.g. "
+                    "gate_up=Q2_K,down=Q4_K,layers:0-1=Q8_0")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
@@ -399,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                    top_k=args.top_k, hidden=args.hidden, expert_ff=args.expert_ff, heads=args.heads,
                    kv_heads=args.kv_heads, vocab=args.vocab, seed=args.seed, target_size=args.target_size,
                    head_dim=args.head_dim, progress=sys.stderr.isatty(), verbose=True, tokenizer=args.tokenizer,
-                   expert_quant=args.expert_quant, split_max_size=args.split_max_size)
+                   expert_quant=args.expert_quant, split_max_size=args.split_max_size, mix=args.mix)
     except (ValueError, OSError) as e:
         print(f"moestream make-model: {e}", file=sys.stderr)
         return 1

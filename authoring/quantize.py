@@ -3,9 +3,10 @@
 Two jobs, kept apart on purpose:
 - `encode(values, qtype)` turns GIVEN floats into blocks whose `gguf.quants.dequantize`
   approximates them (exact for F32; the usual rounding error otherwise). gguf-py quantizes
-  F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1; it has no K-quant quantizer, so Q4_K and Q6_K use
-  the simple round-to-nearest encoders below (no importance matrix, no scale search: worse
-  than llama.cpp's, fine for tests and small exports).
+  F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/TQ1_0/TQ2_0/MXFP4; it has no K-quant quantizer, so
+  Q4_K and Q6_K use the simple round-to-nearest encoders below, and Q2_K, Q3_K, IQ4_NL, IQ4_XS,
+  Q1_0 and NVFP4 those of `quantize_lo` (no importance matrix, no scale search: worse than
+  llama.cpp's, fine for tests and small exports).
 - `random_blocks(n_blocks, qtype, std, rng)` writes random codes with sane scales straight into
   block bytes, for random models: no float tensor is ever materialized, so multi-GiB files
   are written at disk speed. The decoded weights are ~uniform with the requested std.
@@ -17,10 +18,11 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants as gq
 
+from . import quantize_lo
+
 QK_K = 256
-_GGUF_PY = frozenset((Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.MXFP4))  # gguf-py quantizes these
-# Types encode() and random_blocks() handle: gguf-py's, plus our own K-quant encoders.
-ENCODABLE: frozenset[Q] = _GGUF_PY | {Q.Q4_K, Q.Q6_K}
+_GGUF_PY = frozenset((Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.MXFP4,
+                      Q.TQ1_0, Q.TQ2_0))  # gguf-py quantizes these
 
 
 def qtype_of(name: str | Q) -> Q:
@@ -30,14 +32,18 @@ def qtype_of(name: str | Q) -> Q:
     try:
         return Q[name.upper()]
     except KeyError:
-        known = ", ".join(t.name for t in sorted(ENCODABLE))
-        raise ValueError(f"unknown quant type {name!r} (writable: {known})") from None
+        raise ValueError(f"unknown quant type {name!r} (writable: {writable()})") from None
+
+
+def writable() -> str:
+    """The names of the types encode() writes, for messages and --help."""
+    return " ".join(t.name for t in sorted(ENCODABLE, key=lambda q: q.name))
 
 
 def check_row(name: str, row_len: int, qtype: Q) -> None:
     """Raise a ValueError naming the tensor when its rows cannot be split into blocks."""
     if qtype not in ENCODABLE:
-        raise ValueError(f"tensor {name!r}: cannot write quant type {qtype.name}")
+        raise ValueError(f"tensor {name!r}: cannot write quant type {qtype.name} (writable: {writable()})")
     block = GGML_QUANT_SIZES[qtype][0]
     if row_len % block:
         raise ValueError(f"tensor {name!r}: row length {row_len} is not a multiple of the "
@@ -56,8 +62,7 @@ def encode(values: np.ndarray, qtype: Q, *, name: str = "tensor") -> np.ndarray:
     if qtype in _GGUF_PY:
         out = gq.quantize(values, qtype)
     else:
-        blocks = values.reshape(-1, QK_K)
-        out = _encode_q4_k(blocks) if qtype == Q.Q4_K else _encode_q6_k(blocks)
+        out = _ENCODERS[qtype](values.reshape(-1, GGML_QUANT_SIZES[qtype][0]))  # [n, type_size]
     return np.ascontiguousarray(out).view(np.uint8).reshape(*values.shape[:-1], row_bytes(values.shape[-1], qtype))
 
 
@@ -116,6 +121,12 @@ def _encode_q4_k(blocks: np.ndarray) -> np.ndarray:
     q = np.clip(np.rint((sub + offset) * _safe_inv(step)), 0, 15).astype(np.uint8).reshape(n, 4, 2, 32)
     qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
     return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), _pack_q4_k_scales(sc, mn), qs], axis=-1)
+
+
+# Our own encoders: [n, block] float32 -> [n, type_size] uint8, one entry per type.
+_ENCODERS = {Q.Q4_K: _encode_q4_k, Q.Q6_K: _encode_q6_k, **quantize_lo.ENCODERS}
+# Types encode() and random_blocks() handle: gguf-py's, plus our own encoders.
+ENCODABLE: frozenset[Q] = _GGUF_PY | frozenset(_ENCODERS)
 
 
 # -- random models ------------------------------------------------------------------------
@@ -197,4 +208,4 @@ def _rand_mxfp4(raw: np.ndarray, a: float) -> None:
 
 
 _RANDOM = {Q.MXFP4: _rand_mxfp4, Q.Q8_0: _rand_q8_0, Q.Q4_0: _rand_q4_0, Q.Q4_1: _rand_q4_1, Q.Q5_0: _rand_q5_0,
-           Q.Q5_1: _rand_q5_1, Q.Q4_K: _rand_q4_k, Q.Q6_K: _rand_q6_k}
+           Q.Q5_1: _rand_q5_1, Q.Q4_K: _rand_q4_k, Q.Q6_K: _rand_q6_k, **quantize_lo.RANDOM}

@@ -29,7 +29,8 @@ PAGE = 4096
 # Quant types the decoder can dequantize (checked here so both processes agree up front).
 SUPPORTED_QTYPES: frozenset[GGMLQuantizationType] = frozenset(
     GGMLQuantizationType[n]
-    for n in "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS MXFP4".split()
+    for n in ("F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS MXFP4 "
+              "TQ1_0 TQ2_0 Q1_0 NVFP4").split()
 )
 
 _EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(\w+?)_exps\.(weight|bias|scale)$")

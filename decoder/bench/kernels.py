@@ -6,7 +6,9 @@ would otherwise run: the project's torch `dequantize` of gate, up and down, then
 and `qkernels.swiglu_experts` computing the whole pool in one call ("1-call", as a layer's experts).
 All are timed interleaved, each on a pool of --experts distinct random experts (so a run is not
 one expert hot in cache), --repeat times; medians are reported, per expert, with the quantized
-bytes per second the kernel reads and the speed-up of `swiglu_expert` over the reference.
+bytes per second the kernel reads, that rate over Q8_0's at the same rows ("x Q8_0"), the
+time per weight, and the speed-up of `swiglu_expert` over the reference. By default every type
+the CPU kernels decode natively is measured.
 """
 
 from __future__ import annotations
@@ -21,17 +23,22 @@ from typing import Any
 
 import numpy as np
 
-DEFAULT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 # f16 scale fields set by hand for types `random_blocks` cannot write: byte offset -> value
-_SCALES = {"Q5_K": {0: 2e-4, 2: 1e-3}, "Q2_K": {80: 2e-3, 82: 1e-3}, "Q3_K": {108: 1e-3},
-           "IQ4_NL": {0: 5e-4}, "IQ4_XS": {0: 2e-5}}
+_SCALES = {"Q5_K": {0: 2e-4, 2: 1e-3}}
+
+
+def default_types() -> list[str]:
+    """Every type with a native CPU kernel, Q8_0 (the ratios' base) first."""
+    from ..kernels.cpu_rows import NATIVE
+
+    return ["Q8_0"] + [q.name for q in NATIVE if q.name != "Q8_0"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moestream bench kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--types", nargs="+", default=list(DEFAULT_TYPES), metavar="QTYPE",
-                   help=f"GGUF quant types (default: {' '.join(DEFAULT_TYPES)}); types without a native kernel "
+    p.add_argument("--types", nargs="+", default=None, metavar="QTYPE",
+                   help="GGUF quant types (default: every type with a native CPU kernel); types without one "
                    "run the fallback (torch dequantize + matmul) on both sides")
     p.add_argument("--hidden", type=int, default=1024, help="model hidden size d (default 1024)")
     p.add_argument("--expert-ff", type=int, default=1024, help="expert feed-forward size (default 1024)")
@@ -57,8 +64,8 @@ def random_matrix(qtype: Any, n_out: int, n_in: int, rng: np.random.Generator) -
     if qtype in ENCODABLE:
         return random_blocks(n_blocks, qtype, 0.02, rng).reshape(-1)
     if qtype.name not in _SCALES:
-        raise ValueError(f"cannot make random {qtype.name} blocks (known: Q5_K, Q2_K, Q3_K, IQ4_NL, IQ4_XS "
-                         "and the types moestream.authoring.quantize writes)")
+        raise ValueError(f"cannot make random {qtype.name} blocks (known: Q5_K and the types "
+                         "moestream.authoring.quantize writes)")
     blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
     for off, value in _SCALES[qtype.name].items():
         blocks[:, off:off + 2] = np.frombuffer(np.float16(value).tobytes(), dtype=np.uint8)
@@ -130,7 +137,7 @@ def measure(qname: str, n: int, args: argparse.Namespace, rng: np.random.Generat
     nbytes = sum(m.nbytes for m in pool[0])
     native = qk.has_kernel(int(qtype))
     path = "fallback" if not native else ("fused" if n < qk.DENSE_MIN_ROWS else "dense")
-    return {"type": qname, "rows": n, "path": path,
+    return {"type": qname, "rows": n, "path": path, "ns_per_weight": k_ms * 1e6 / (3 * d * ff),
             "expert_bytes": nbytes, "kernel_ms": k_ms, "reference_ms": r_ms, "gb_per_s": nbytes / k_ms / 1e6,
             "experts_call_ms": e_ms, "experts_gb_per_s": nbytes / e_ms / 1e6,
             "speedup": r_ms / k_ms, "first_call_s": jit_s}
@@ -140,12 +147,21 @@ def _table(report: dict[str, Any]) -> str:
     lines = [(f"expert: hidden {report['hidden']}, ff {report['expert_ff']}; {report['threads']} kernel threads "
               f"({report['threading_layer']}), torch {report['torch_threads']}; median of {report['repeat']}"),
              f"first call (kernels loaded from numba's cache, or compiled): {report['results'][0]['first_call_s']:.2f} s",
-             (f"{'type':<7}{'rows':>5}  {'path':<8}{'kernel ms':>10}{'GB/s':>7}{'1-call ms':>10}{'GB/s':>7}"
-              f"{'dequant+mm ms':>15}{'speed-up':>10}")]
+             (f"{'type':<7}{'rows':>5}  {'path':<8}{'kernel ms':>10}{'GB/s':>7}{'x Q8_0':>8}{'ns/weight':>10}"
+              f"{'1-call ms':>10}{'GB/s':>7}{'dequant+mm ms':>15}{'speed-up':>10}")]
     for r in report["results"]:
+        ratio = "-" if r["vs_q8_0"] is None else f"{r['vs_q8_0']:.2f}"
         lines.append(f"{r['type']:<7}{r['rows']:>5}  {r['path']:<8}{r['kernel_ms']:>10.3f}{r['gb_per_s']:>7.2f}"
-                     f"{r['experts_call_ms']:>10.3f}{r['experts_gb_per_s']:>7.2f}{r['reference_ms']:>15.3f}{r['speedup']:>9.2f}x")
+                     f"{ratio:>8}{r['ns_per_weight']:>10.4f}{r['experts_call_ms']:>10.3f}{r['experts_gb_per_s']:>7.2f}"
+                     f"{r['reference_ms']:>15.3f}{r['speedup']:>9.2f}x")
     return "\n".join(lines)
+
+
+def _add_ratios(results: list[dict[str, Any]]) -> None:
+    """vs_q8_0: GB/s of quantized bytes over Q8_0's at the same rows (None without a Q8_0 run)."""
+    q8 = {r["rows"]: r["gb_per_s"] for r in results if r["type"] == "Q8_0"}
+    for r in results:
+        r["vs_q8_0"] = r["gb_per_s"] / q8[r["rows"]] if r["rows"] in q8 else None
 
 
 def _bad_args(args: argparse.Namespace, known_types: set[str]) -> str | None:
@@ -159,6 +175,7 @@ def _bad_args(args: argparse.Namespace, known_types: set[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args.types = args.types or default_types()
     import numba
     import torch
     from gguf import GGMLQuantizationType as Q
@@ -175,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             qk.set_threads(args.threads)  # ValueError above NUMBA_NUM_THREADS
             torch.set_num_threads(args.threads)
         results = [measure(t, n, args, rng) for t in args.types for n in args.rows]
+        _add_ratios(results)
     except ValueError as e:
         print(f"moestream bench kernels: {e}", file=sys.stderr)
         return 2

@@ -1,9 +1,10 @@
 """The numba side of `qkernels`: row decoders (one row of GGUF blocks -> float32), dot
 products, and the parallel expert kernels built on them.
 
-All jitted code is in this one file on purpose: numba's on-disk cache checks only the source
-file of the function it compiled, so a kernel cached from one file with decoders inlined from
-another would keep running stale decoders after the other file changed.
+The shared scalar helpers are in cpu_rows_base.py, the decoders of the other types in sibling
+files (cpu_rows_q.py: Q4_1 Q5_0 Q5_1 Q2_K Q3_K IQ4_NL IQ4_XS TQ1_0 TQ2_0 Q1_0 NVFP4). numba's
+on-disk cache checks only the source file of the function it compiled, so a kernel here would
+keep decoders inlined from a sibling that changed since: `_drop_stale_caches` recompiles then.
 
 Block layouts (gguf-py `gguf/quants.py`, ggml's block structs; f16 scales are decoded with
 integer bit manipulation, subnormals included):
@@ -26,6 +27,7 @@ with biases add them to g, u (before the activation) and to the down output.
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from llvmlite import ir
 from numba import njit, prange, types
@@ -33,67 +35,22 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ...common.arch import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+from . import cpu_rows_q as rq
+from .cpu_rows_base import _JIT, _U, _as_f32, _e2m1x2, _f16, _fi, _i8, _opaque
 
-# Reassociation lets LLVM vectorize the 32-wide block loops and the dot reductions; no
-# nnan/ninf so the f16 decoder's inf/NaN handling stays as written, no afn for exp.
-_FM = {"reassoc", "contract", "nsz", "arcp"}
-_JIT = {"cache": True, "fastmath": _FM, "nogil": True}
-
-NATIVE = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4, Q.F32, Q.F16, Q.BF16)
+# Every type decode_row handles (one `elif` each there; its row decoder here or in a sibling file)
+NATIVE = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4, Q.F32, Q.F16, Q.BF16,
+          Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0, Q.Q1_0, Q.NVFP4)
 # plain ints, so numba folds them as constants inside the kernels
 _Q8_0, _Q4_0, _Q4_K, _Q5_K, _Q6_K = int(Q.Q8_0), int(Q.Q4_0), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
 _MXFP4 = int(Q.MXFP4)
+_Q4_1, _Q5_0, _Q5_1, _Q2_K, _Q3_K = int(Q.Q4_1), int(Q.Q5_0), int(Q.Q5_1), int(Q.Q2_K), int(Q.Q3_K)
+_IQ4_NL, _IQ4_XS, _TQ1_0, _TQ2_0 = int(Q.IQ4_NL), int(Q.IQ4_XS), int(Q.TQ1_0), int(Q.TQ2_0)
+_Q1_0, _NVFP4 = int(Q.Q1_0), int(Q.NVFP4)
 # expert activation codes (the kernels' `act` argument); qkernels.ACTS maps the names
 ACT_SWIGLU, ACT_SWIGLU_OAI = 0, 1
 _OAI_ALPHA, _OAI_LIMIT = np.float32(SWIGLU_OAI_ALPHA), np.float32(SWIGLU_OAI_LIMIT)
 _F32, _F16, _BF16 = int(Q.F32), int(Q.F16), int(Q.BF16)
-
-
-# -- scalar helpers ---------------------------------------------------------------------------
-@intrinsic
-def _as_f32(typingctx, bits):
-    """Reinterpret the low 32 bits of an integer as a float32 (a register bitcast)."""
-    if not isinstance(bits, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        v = args[0]
-        if v.type.width != 32:
-            v = builder.trunc(v, ir.IntType(32))
-        return builder.bitcast(v, ir.FloatType())
-
-    return types.float32(bits), codegen
-
-
-@intrinsic
-def _opaque(typingctx, value):
-    """`value`, hidden from the optimizer (an empty inline asm).
-
-    The block loops use it as their trip count: LLVM fully unrolls a constant 32-trip loop into
-    scalar code before its loop vectorizer runs, and the SLP vectorizer then cannot reorder the
-    byte loads past the float stores (numba gives no no-alias facts); a run-time trip count
-    keeps the loop, which the loop vectorizer widens behind a run-time overlap check (3x faster).
-    """
-    if not isinstance(value, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        ty = args[0].type
-        return builder.asm(ir.FunctionType(ty, [ty]), "", "=r,0", [args[0]], side_effect=False)
-
-    return value(value), codegen
-
-
-@intrinsic
-def _f32_bits(typingctx, value):
-    """The bits of a float32, as an int32."""
-    if not isinstance(value, types.Float) or value.bitwidth != 32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.int32(value), codegen
 
 
 @intrinsic
@@ -118,43 +75,7 @@ def _prefetch(typingctx, arr, idx):
     return types.void(arr, idx), codegen
 
 
-@njit(**_JIT)
-def _f16(lo, hi):
-    """The float16 stored little-endian in bytes (lo, hi), widened exactly to float32.
-
-    Branch-free in effect (three cheap cases LLVM turns into selects), so F16 rows vectorize;
-    the sign is OR-ed into the bits so -0.0 stays -0.0 under the 'nsz' fast-math flag."""
-    h = np.int32(lo) | (np.int32(hi) << 8)
-    em = h & 0x7FFF  # exponent and mantissa
-    if em < 0x400:  # zero or subnormal: man * 2**-24, exact in float32
-        bits = _f32_bits(_fi(em) * np.float32(5.9604644775390625e-08))
-    elif em >= 0x7C00:  # inf / NaN, payload kept
-        bits = (em << 13) | 0x7F800000
-    else:  # rebias the exponent: 127 - 15 = 112
-        bits = (em << 13) + (112 << 23)
-    return _as_f32(bits | ((h & 0x8000) << 16))
-
-
-@njit(**_JIT)
-def _i8(b):
-    """A uint8 byte read as int8, as float32."""
-    return np.float32(np.int8(b))  # same-width cast: the bits reinterpreted
-
-
-@njit(**_JIT)
-def _fi(v):
-    """A small integer as float32. numba widens integer arithmetic to int64; truncating to
-    int32 first lets LLVM narrow the vector lanes (it widened 8 bytes to 8 x 64 bits without)."""
-    return np.float32(np.int32(v))
-
-
 # -- row decoders: one weight row -> w[:n_in] float32 -----------------------------------------
-# Indices are unsigned (_U): numba adds a negative-index wraparound select to every signed
-# index it cannot prove >= 0, which cost a third of the decode time. (Mixing uint64 with int64
-# makes a float64 in numba, so every index term goes through _U.)
-_U = np.uint64
-
-
 @njit(**_JIT)
 def _row_q8_0(data, off, n_in, w):
     lanes = _opaque(_U(32))
@@ -285,16 +206,6 @@ def _e8m0_half(e):
 
 
 @njit(**_JIT)
-def _e2m1x2(n):
-    """An E2M1 code n (sign, 2 exponent bits, 1 mantissa bit) doubled, as float32, from its bits
-    (no table: integer selects keep the block loop vectorized; a table lookup made it ~15x slower):
-    exponent 0 -> m (0 or 1), else (2 + m) * 2^(e - 1) = the float32 with exponent e + 127."""
-    e, m = (n >> 1) & 3, n & 1
-    bits = (((e + 127) << 23) | (m << 22)) if e else m * 0x3F800000
-    return _as_f32(bits | ((n & 8) << 28))
-
-
-@njit(**_JIT)
 def _row_mxfp4(data, off, n_in, w):
     lanes = _opaque(_U(16))
     o, e = _U(off), _U(0)
@@ -328,24 +239,17 @@ def _row_float(data, off, n_in, w, qtype):
             w[k] = _f16(data[b], data[b + _U(1)])
 
 
+# ggml type code -> (values, bytes) per block, for every type gguf-py knows (a numba constant)
+_BLOCK = np.ones(max(int(q) for q in GGML_QUANT_SIZES) + 1, np.int64)
+_TYPE_SIZE = np.ones_like(_BLOCK)
+for _q, (_b, _t) in GGML_QUANT_SIZES.items():
+    _BLOCK[int(_q)], _TYPE_SIZE[int(_q)] = _b, _t
+
+
 @njit(**_JIT)
 def row_bytes(qtype, n_in):
-    """Bytes of one row of `n_in` values of a native type."""
-    if qtype == _Q8_0:
-        return n_in // 32 * 34
-    if qtype == _Q4_0:
-        return n_in // 32 * 18
-    if qtype == _Q4_K:
-        return n_in // 256 * 144
-    if qtype == _Q5_K:
-        return n_in // 256 * 176
-    if qtype == _Q6_K:
-        return n_in // 256 * 210
-    if qtype == _MXFP4:
-        return n_in // 32 * 17
-    if qtype == _F32:
-        return n_in * 4
-    return n_in * 2  # F16, BF16
+    """Bytes of one row of `n_in` values of `qtype`."""
+    return n_in // _BLOCK[qtype] * _TYPE_SIZE[qtype]
 
 
 @njit(**_JIT)
@@ -363,6 +267,28 @@ def decode_row(qtype, data, off, n_in, w):
         _row_q6_k(data, off, n_in, w)
     elif qtype == _MXFP4:
         _row_mxfp4(data, off, n_in, w)
+    elif qtype == _Q4_1:
+        rq._row_q4_1(data, off, n_in, w)
+    elif qtype == _Q5_0:
+        rq._row_q5_0(data, off, n_in, w)
+    elif qtype == _Q5_1:
+        rq._row_q5_1(data, off, n_in, w)
+    elif qtype == _Q2_K:
+        rq._row_q2_k(data, off, n_in, w)
+    elif qtype == _Q3_K:
+        rq._row_q3_k(data, off, n_in, w)
+    elif qtype == _IQ4_NL:
+        rq._row_iq4_nl(data, off, n_in, w)
+    elif qtype == _IQ4_XS:
+        rq._row_iq4_xs(data, off, n_in, w)
+    elif qtype == _TQ1_0:
+        rq._row_tq1_0(data, off, n_in, w)
+    elif qtype == _TQ2_0:
+        rq._row_tq2_0(data, off, n_in, w)
+    elif qtype == _Q1_0:
+        rq._row_q1_0(data, off, n_in, w)
+    elif qtype == _NVFP4:
+        rq._row_nvfp4(data, off, n_in, w)
     else:
         _row_float(data, off, n_in, w, qtype)
 
@@ -531,3 +457,20 @@ def dequant_kernel(qtype, data, n_out, n_in, w):
     b = row_bytes(qtype, n_in)
     for j in prange(n_out):
         decode_row(qtype, data, np.int64(j) * b, n_in, w[j])  # prange's j is unsigned
+
+
+def _drop_stale_caches() -> None:
+    """numba's cache checks only the source file of the function it compiled, and these kernels
+    inline decoders from the sibling cpu_rows*.py files: when one of those is newer than a
+    kernel's cache index, drop the index so the kernel is compiled again with the new decoders."""
+    from pathlib import Path
+
+    newest = max(p.stat().st_mtime for p in Path(__file__).parent.glob("cpu_rows*.py"))
+    for kernel in (decode_row, gate_up_kernel, down_kernel, dequant_kernel):
+        cache = getattr(kernel, "_cache", None)  # numba internals: skipped if they ever change
+        index = getattr(getattr(cache, "_cache_file", None), "_index_path", None)
+        if index and Path(index).exists() and Path(index).stat().st_mtime < newest:
+            cache.flush()
+
+
+_drop_stale_caches()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import operator
+from functools import lru_cache
 from typing import Sequence
 
 import torch
@@ -73,10 +74,55 @@ def _mxfp4(blocks: torch.Tensor, out: torch.Tensor) -> None:
     out.mul_(bits.view(torch.float32))  # [n, 32] * [n, 1]
 
 
+def _tq1_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    pow3 = _pow3(blocks.device)  # [5, 1] uint8: products wrap mod 256, as gguf-py's uint8 ones
+    qs0 = (blocks[:, :32].unsqueeze(1) * pow3).reshape(n, 160)  # digit p of byte l -> 32p + l
+    qs1 = (blocks[:, 32:48].unsqueeze(1) * pow3).reshape(n, 80)
+    qh = (blocks[:, 48:52].unsqueeze(1) * pow3[:4]).reshape(n, 16)
+    q = torch.cat([qs0, qs1, qh], dim=-1).to(torch.int16)  # [n, 256]
+    out.copy_((q * 3) >> 8)
+    out.sub_(1)
+    out.mul_(f16_field(blocks, 52))
+
+
+@lru_cache(maxsize=None)
+def _pow3(device: torch.device) -> torch.Tensor:
+    return torch.tensor([1, 3, 9, 27, 81], dtype=torch.uint8, device=device).reshape(5, 1)
+
+
+def _tq2_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    out.copy_(shifted(blocks[:, :64].reshape(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 256))
+    out.sub_(1)
+    out.mul_(f16_field(blocks, 64))
+
+
+def _q1_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    """ggml's dequantize_row_q1_0 (llama.cpp ggml/src/ggml-quants.c): bit j%8 of qs[j//8]
+    set -> +d, clear -> -d."""
+    n = blocks.shape[0]
+    bits = shifted(blocks[:, 2:18], range(8), 1).transpose(1, 2).reshape(n, 128)  # [n, 128]
+    d = f16_field(blocks, 0)  # [n, 1]
+    torch.where(bits.bool(), d, -d, out=out)
+
+
+def _nvfp4(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    n = blocks.shape[0]
+    x = blocks[:, :4].to(torch.int32)  # [n, 4] UE4M3 scales, one per 16 values
+    ex, man = (x >> 3) & 0xF, x & 7
+    normal = (((ex + 119) << 23) | (man << 20)).view(torch.float32)  # (1 + man/8) * 2^(ex-7) / 2
+    d = torch.where(ex == 0, man.to(torch.float32) * 2.0 ** -10, normal)
+    d = torch.where((x == 0) | (x == 0x7F), torch.zeros_like(d), d)  # [n, 4]
+    lookup(lut("mxfp4", blocks.device), nibbles(blocks[:, 4:].reshape(n, 4, 8)), out)  # [n, 64]
+    out.view(n, 4, 16).mul_(d.unsqueeze(-1))  # * [n, 4, 1]
+
+
 # type -> block kernel; F32/F16/BF16 are handled whole, without blocks
 _KERNELS: dict[Q, Kernel] = {
     Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1,
-    Q.IQ4_NL: _iq4_nl, Q.MXFP4: _mxfp4, **K_KERNELS,
+    Q.IQ4_NL: _iq4_nl, Q.MXFP4: _mxfp4, Q.TQ1_0: _tq1_0, Q.TQ2_0: _tq2_0, Q.Q1_0: _q1_0, Q.NVFP4: _nvfp4,
+    **K_KERNELS,
 }
 _FLOATS = frozenset({Q.F32, Q.F16, Q.BF16})
 

@@ -14,16 +14,20 @@ from moestream.authoring.gguf_write import RandomTensor, write_moe_gguf
 from moestream.authoring.quantize import ENCODABLE, encode, random_blocks
 from moestream.authoring.tokenizer_data import SPECIAL_TOKENS, get_tokenizer
 
+import qref
+
 ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe")
 # relative RMS error of encode -> gguf dequantize on N(0, 1) data, per type (loose upper bounds)
 REL_ERR = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 5e-3, Q.Q8_0: 0.01, Q.Q6_K: 0.04, Q.Q5_0: 0.06, Q.Q5_1: 0.06,
-           Q.Q4_0: 0.12, Q.Q4_1: 0.12, Q.Q4_K: 0.12, Q.MXFP4: 0.15}
+           Q.Q4_0: 0.12, Q.Q4_1: 0.12, Q.Q4_K: 0.12, Q.MXFP4: 0.15, Q.IQ4_NL: 0.10, Q.IQ4_XS: 0.10, Q.NVFP4: 0.12,
+           Q.Q3_K: 0.20, Q.Q2_K: 0.40, Q.Q1_0: 0.62,  # sign and mean |x| only: sqrt(1 - 2/pi) = 0.60
+           Q.TQ1_0: 0.85, Q.TQ2_0: 0.85}  # ternary with d = max |x| (as gguf-py): most of N(0, 1) rounds to 0
 
 
 @pytest.mark.parametrize("qtype", sorted(ENCODABLE), ids=lambda q: q.name)
 def test_encode_roundtrips_through_gguf_dequantize(qtype):
     x = np.random.default_rng(1).standard_normal((6, 512)).astype(np.float32)
-    y = gq.dequantize(encode(x, qtype), qtype)  # independent decoder (checked against ggml's C upstream)
+    y = qref.dequantize(encode(x, qtype), qtype)  # independent decoder (gguf-py's, checked against ggml's C)
     assert y.shape == x.shape
     rel = np.sqrt(np.mean((y - x) ** 2)) / x.std()
     assert rel <= REL_ERR[qtype] + 1e-7, f"{qtype.name}: relative RMS error {rel:.4f}"
@@ -34,7 +38,7 @@ def test_encode_roundtrips_through_gguf_dequantize(qtype):
 @pytest.mark.parametrize("qtype", sorted(ENCODABLE), ids=lambda q: q.name)
 def test_random_blocks_have_requested_std(qtype):
     blocks = random_blocks(400, qtype, 0.05, np.random.default_rng(2))
-    y = gq.dequantize(blocks.reshape(-1), qtype) if qtype in (Q.F32, Q.F16) else gq.dequantize(blocks, qtype)
+    y = qref.dequantize(blocks.reshape(-1), qtype) if qtype in (Q.F32, Q.F16) else qref.dequantize(blocks, qtype)
     y = np.asarray(y, dtype=np.float32).reshape(-1)
     assert np.isfinite(y).all()
     assert 0.04 < y.std() < 0.06 and abs(y.mean()) < 0.01

@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 import torch
 from gguf import GGUFReader
-from gguf.quants import dequantize as gguf_dequantize
+from qref import dequantize as gguf_dequantize  # gguf-py's numpy code (Q1_0: a reference from ggml's layout)
 
 from moestream.common.layout import ModelLayout
 from moestream.decoder.experts.source import ResidentExperts
@@ -26,12 +26,13 @@ def gguf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def max_logit_diff(path: str | Path, build_hf: Callable[[str | Path], torch.nn.Module], prompt_len: int,
-                   decode_steps: int, check_greedy: bool = False) -> float:
+                   decode_steps: int, check_greedy: bool = False, source: Callable = ResidentExperts) -> float:
     """Max |ours - HF| over the prompt's logits and each greedy decode step: ours through its
     cache one token at a time, HF on the whole sequence each step (its own cache not involved).
-    HF's greedy choice drives both; with `check_greedy` ours must choose the same."""
+    HF's greedy choice drives both; with `check_greedy` ours must choose the same. `source` makes
+    our expert source from the layout (default: the dequantized-weight ResidentExperts)."""
     layout = ModelLayout(path)
-    ours, experts, hf = load_model(layout), ResidentExperts(layout), build_hf(path)
+    ours, experts, hf = load_model(layout), source(layout), build_hf(path)
     seq = torch.randint(0, layout.hparams.n_vocab, (1, prompt_len), generator=torch.Generator().manual_seed(7))
     cache = ours.new_cache(1, prompt_len + decode_steps)
     worst = 0.0

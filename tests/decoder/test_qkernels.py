@@ -14,13 +14,13 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
-from moestream.authoring.quantize import encode
+from moestream.authoring.quantize import ENCODABLE, encode
 from moestream.decoder.kernels import cpu as qk
 
 RTOL = 1e-5
 D, FF = 256, 512  # hidden, expert ff: multiples of every block size
-NATIVE = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F32, Q.F16, Q.BF16)
-FALLBACK = (Q.Q4_1, Q.Q5_0, Q.Q2_K, Q.IQ4_XS)
+NATIVE = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F32, Q.F16, Q.BF16, Q.Q4_1, Q.Q5_0, Q.Q2_K, Q.IQ4_XS)
+FALLBACK = ()  # every supported type has a row decoder now (more in test_qkernels_types.py)
 GGUF_QUANTIZES = frozenset((Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1))
 # types neither gguf-py nor our encoder writes: random codes, these f16 fields set to this scale
 RANDOM_SCALES = {Q.Q5_K: {0: 2e-4, 2: 1e-3}, Q.Q2_K: {80: 2e-3, 82: 1e-3}, Q.IQ4_XS: {0: 2e-5}}
@@ -30,7 +30,7 @@ PATHS = {"fused": 1 << 30, "dense": 0}  # DENSE_MIN_ROWS forcing each path
 def quantized(qtype: Q, n_out: int, n_in: int, seed: int) -> np.ndarray:
     """[n_out * row_bytes] uint8: a random ~N(0, 0.05) matrix quantized, or random valid blocks."""
     rng = np.random.default_rng(seed)
-    if qtype in GGUF_QUANTIZES or qtype in (Q.Q4_K, Q.Q6_K):
+    if qtype in GGUF_QUANTIZES or qtype in ENCODABLE:
         w = (rng.standard_normal((n_out, n_in)) * 0.05).astype(np.float32)
         raw = gguf_quantize(w, qtype) if qtype in GGUF_QUANTIZES else encode(w, qtype)
         return np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
@@ -215,6 +215,15 @@ def test_bench_json(capsys: pytest.CaptureFixture[str]) -> None:
     report = json.loads(capsys.readouterr().out)
     assert {(r["type"], r["rows"]) for r in report["results"]} == {("Q8_0", 1), ("Q8_0", 24), ("Q5_1", 1), ("Q5_1", 24)}
     assert all(r["kernel_ms"] > 0 and r["reference_ms"] > 0 for r in report["results"])
+    assert all(r["vs_q8_0"] > 0 and r["ns_per_weight"] > 0 for r in report["results"])
+    assert [r["vs_q8_0"] for r in report["results"] if r["type"] == "Q8_0"] == [1.0, 1.0]
+
+
+def test_bench_default_types_are_every_native_type() -> None:
+    from moestream.decoder.bench.kernels import default_types
+
+    types = default_types()
+    assert types[0] == "Q8_0" and sorted(types) == sorted(q.name for q in qk.NATIVE)
 
 
 # -- several experts per call -------------------------------------------------------------------
