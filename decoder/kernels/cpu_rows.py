@@ -1,9 +1,10 @@
 """The numba side of `qkernels`: row decoders (one row of GGUF blocks -> float32), dot
 products, and the parallel expert kernels built on them.
 
-All jitted code is in this one file on purpose: numba's on-disk cache checks only the source
-file of the function it compiled, so a kernel cached from one file with decoders inlined from
-another would keep running stale decoders after the other file changed.
+The jitted code is in this file, except the grid ("i-quant") decoders in `cpu_rows_iq.py`:
+numba's on-disk cache checks only the source file of the function it compiled, so `jit_cache`
+stamps both files' functions with the hash of both (else a kernel cached here would keep running
+stale decoders inlined from the other file after it changed).
 
 Block layouts (gguf-py `gguf/quants.py`, ggml's block structs; f16 scales are decoded with
 integer bit manipulation, subnormals included):
@@ -33,13 +34,17 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ...common.arch import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+from .jit_cache import stamp_together
+
+stamp_together(__file__, ("cpu_rows_iq.py",))  # before the first @njit(cache=True)
 
 # Reassociation lets LLVM vectorize the 32-wide block loops and the dot reductions; no
 # nnan/ninf so the f16 decoder's inf/NaN handling stays as written, no afn for exp.
 _FM = {"reassoc", "contract", "nsz", "arcp"}
 _JIT = {"cache": True, "fastmath": _FM, "nogil": True}
 
-NATIVE = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4, Q.F32, Q.F16, Q.BF16)
+NATIVE = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4, Q.F32, Q.F16, Q.BF16,
+          Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M)  # grid types: cpu_rows_iq
 # plain ints, so numba folds them as constants inside the kernels
 _Q8_0, _Q4_0, _Q4_K, _Q5_K, _Q6_K = int(Q.Q8_0), int(Q.Q4_0), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
 _MXFP4 = int(Q.MXFP4)
@@ -345,6 +350,8 @@ def row_bytes(qtype, n_in):
         return n_in // 32 * 17
     if qtype == _F32:
         return n_in * 4
+    if _iq.is_grid(qtype):
+        return _iq.grid_row_bytes(qtype, n_in)
     return n_in * 2  # F16, BF16
 
 
@@ -363,6 +370,8 @@ def decode_row(qtype, data, off, n_in, w):
         _row_q6_k(data, off, n_in, w)
     elif qtype == _MXFP4:
         _row_mxfp4(data, off, n_in, w)
+    elif _iq.is_grid(qtype):
+        _iq.decode_grid_row(qtype, data, off, n_in, w)
     else:
         _row_float(data, off, n_in, w, qtype)
 
@@ -531,3 +540,8 @@ def dequant_kernel(qtype, data, n_out, n_in, w):
     b = row_bytes(qtype, n_in)
     for j in prange(n_out):
         decode_row(qtype, data, np.int64(j) * b, n_in, w[j])  # prange's j is unsigned
+
+
+# the grid decoders use this file's helpers: imported last (a module: numba resolves its
+# functions when the kernels compile), so either file may be imported first
+from . import cpu_rows_iq as _iq  # noqa: E402
