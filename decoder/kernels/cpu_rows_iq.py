@@ -62,20 +62,23 @@ GRID_TYPES = (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M
 _IQ2_XXS, _IQ2_XS, _IQ2_S = int(Q.IQ2_XXS), int(Q.IQ2_XS), int(Q.IQ2_S)
 _IQ3_XXS, _IQ3_S, _IQ1_S, _IQ1_M = int(Q.IQ3_XXS), int(Q.IQ3_S), int(Q.IQ1_S), int(Q.IQ1_M)
 _QUARTER, _HALF = np.float32(0.25), np.float32(0.5)
+# The per-group helpers are inlined into numba's IR: left to LLVM, some stayed calls (an array
+# struct built and passed per 8 weights).
+_INLINE = {**_JIT, "inline": "always"}
 
 
 # -- helpers --------------------------------------------------------------------------------------
-@njit(**_JIT)
+@njit(**_INLINE)
 def _u16(data, p):
     return np.int64(data[p]) | (np.int64(data[p + _U(1)]) << 8)
 
 
-@njit(**_JIT)
+@njit(**_INLINE)
 def _u32(data, p):
     return _u16(data, p) | (_u16(data, p + _U(2)) << 16)
 
 
-@njit(**_JIT)
+@njit(**_INLINE)
 def _signed8(w, e, grid, g, sign_byte, db):
     """w[e:e+8] = db * (+-grid[g:g+8]), minus where bit k of sign_byte is set."""
     lanes = _opaque(_U(8))
@@ -85,7 +88,7 @@ def _signed8(w, e, grid, g, sign_byte, db):
         w[e + k] = db * _fi((v ^ m) - m)
 
 
-@njit(**_JIT)
+@njit(**_INLINE)
 def _signed4x2(w, e, grid, g0, g1, sign_byte, db):
     """The 4-weight grids: entries g0 then g1 (offsets into grid) signed by one byte."""
     lanes = _opaque(_U(4))
@@ -97,7 +100,7 @@ def _signed4x2(w, e, grid, g0, g1, sign_byte, db):
         w[e + _U(4) + k] = db * _fi((v ^ m) - m)
 
 
-@njit(**_JIT)
+@njit(**_INLINE)
 def _shifted8(w, e, g, delta, dl):
     """IQ1: w[e:e+8] = dl * (grid1[g:g+8] + delta)."""
     lanes = _opaque(_U(8))
