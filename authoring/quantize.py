@@ -5,7 +5,8 @@ Two jobs, kept apart on purpose:
   approximates them (exact for F32; the usual rounding error otherwise). gguf-py quantizes
   F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1; it has no K-quant quantizer, so Q4_K and Q6_K use
   the simple round-to-nearest encoders below (no importance matrix, no scale search: worse
-  than llama.cpp's, fine for tests and small exports).
+  than llama.cpp's, fine for tests and small exports); the grid ("i-quant") types IQ1_S .. IQ3_S
+  use `quantize_iq`'s nearest-grid encoders.
 - `random_blocks(n_blocks, qtype, std, rng)` writes random codes with sane scales straight into
   block bytes, for random models: no float tensor is ever materialized, so multi-GiB files
   are written at disk speed. The decoded weights are ~uniform with the requested std.
@@ -17,10 +18,12 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants as gq
 
+from .quantize_iq import GRID_TYPES, encode_grid, random_grid_blocks
+
 QK_K = 256
 _GGUF_PY = frozenset((Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.MXFP4))  # gguf-py quantizes these
 # Types encode() and random_blocks() handle: gguf-py's, plus our own K-quant encoders.
-ENCODABLE: frozenset[Q] = _GGUF_PY | {Q.Q4_K, Q.Q6_K}
+ENCODABLE: frozenset[Q] = _GGUF_PY | {Q.Q4_K, Q.Q6_K} | GRID_TYPES
 
 
 def qtype_of(name: str | Q) -> Q:
@@ -55,6 +58,8 @@ def encode(values: np.ndarray, qtype: Q, *, name: str = "tensor") -> np.ndarray:
     check_row(name, values.shape[-1], qtype)
     if qtype in _GGUF_PY:
         out = gq.quantize(values, qtype)
+    elif qtype in GRID_TYPES:
+        out = encode_grid(values.reshape(-1, QK_K), qtype)
     else:
         blocks = values.reshape(-1, QK_K)
         out = _encode_q4_k(blocks) if qtype == Q.Q4_K else _encode_q6_k(blocks)
@@ -129,6 +134,9 @@ def random_blocks(n_blocks: int, qtype: Q, std: float, rng: np.random.Generator)
         return _random_floats(n_blocks * block, qtype, std * _UNIFORM, rng).view(np.uint8).reshape(n_blocks, type_size)
     raw = _random_bytes(rng, n_blocks * type_size).reshape(n_blocks, type_size)
     gen = _RANDOM.get(qtype)
+    if qtype in GRID_TYPES:
+        random_grid_blocks(raw, qtype, std * _UNIFORM)
+        return raw
     if gen is None:
         raise ValueError(f"cannot generate random blocks of quant type {qtype.name}")
     gen(raw, std * _UNIFORM)
