@@ -14,8 +14,10 @@ F16, and the fallback is reported in `WriteReport.notes` (llama.cpp falls back l
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -28,6 +30,7 @@ from ..common.arch import ArchSpec, arch_key, get_arch
 from .quantize import check_row, encode, qtype_of, random_blocks, row_bytes
 
 CHUNK_BYTES = 64 << 20  # bytes generated/quantized per write call
+_EXPS_PART = re.compile(r"\.ffn_(\w+?)_exps\.")  # blk.L.ffn_<part>_exps.weight
 
 # GGUF `general.file_type` (llama_ftype) for a file whose big matrices have this type.
 FILE_TYPES: dict[Q, gguf.LlamaFileType] = {
@@ -36,6 +39,7 @@ FILE_TYPES: dict[Q, gguf.LlamaFileType] = {
     Q.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0, Q.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
     Q.Q5_0: gguf.LlamaFileType.MOSTLY_Q5_0, Q.Q5_1: gguf.LlamaFileType.MOSTLY_Q5_1,
     Q.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_M, Q.Q6_K: gguf.LlamaFileType.MOSTLY_Q6_K,
+    **{Q[n]: gguf.LlamaFileType[f"MOSTLY_{n}"] for n in "IQ1_S IQ1_M IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S".split()},
 }
 
 # Metadata keys every architecture gets: key -> hparam field (see `_arch_keys` for the rest).
@@ -182,21 +186,26 @@ def write_moe_gguf(
     *,
     expert_quant: str | Q | None = None,
     dense_quant: str | Q | None = None,
+    part_quant: Mapping[str, str | Q] | Sequence[tuple[str, str | Q]] | None = None,
     progress: bool = False,
     name: str = "moestream-tiny",
 ) -> WriteReport:
     """Write `tensors` (numpy order, float32 or RandomTensor) as a llama.cpp-style GGUF MoE.
 
     `tokenizer` is a byte-level BPE `tokenizers.Tokenizer` or a SentencePiece `SpmVocab` (see
-    tokenizer_data), or None to omit the vocab."""
+    tokenizer_data), or None to omit the vocab. `part_quant` gives some expert parts their own
+    type ("down" -> Q4_K: `blk.*.ffn_down_exps`), as dynamic quants mix them."""
     t0, path = time.perf_counter(), Path(path)
     get_arch(arch)  # clear error for an unsupported family
     hpd = normalize_hparams(arch, hp)
     eq, dq = qtype_of(expert_quant or quant), qtype_of(dense_quant or quant)
+    part_q = {part: qtype_of(q) for part, q in dict(part_quant or {}).items()}
     report = WriteReport(path, 0, 0.0)
     for tname, t in tensors.items():
         _validate(tname, t)
-        report.qtypes[tname] = tensor_qtype(tname, tuple(t.shape), eq, dq, report.notes)
+        m = _EXPS_PART.search(tname)
+        report.qtypes[tname] = tensor_qtype(tname, tuple(t.shape), part_q.get(m.group(1) if m else "", eq), dq,
+                                            report.notes)
     w = gguf.GGUFWriter(path, arch)
     try:
         _add_metadata(w, arch, hpd, qtype_of(quant), name)

@@ -317,18 +317,20 @@ def make_model(path: str | Path, *, arch: str = "qwen3moe", quant: str = "Q8_0",
                head_dim: int | None = None, shared_ff: int | None = None, progress: bool = False,
                verbose: bool = False, tokenizer: str | None = None,
                mla: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None = None,
-               expert_quant: str | None = None) -> Path:
+               expert_quant: str | None = None, part_quant: tuple[tuple[str, str], ...] | None = None) -> Path:
     """Write a random `arch` MoE to `path` and return the path.
 
     hidden / expert_ff default to 64 (256 for K-quants, whose blocks are 256 wide);
     kv_heads defaults to 2 (heads for olmoe, whose llama.cpp loader wants n_head_kv == n_head);
     tokenizer ("bpe" byte-level Qwen2 or "spm" SentencePiece) defaults to what `arch`'s real files use;
     `mla` overrides deepseek2's `MLA_DEFAULTS` (a mapping or (key, value) pairs);
-    `expert_quant` the experts' type (default: what `arch`'s real files use, MXFP4 for gpt-oss, else `quant`)."""
+    `expert_quant` the experts' type (default: what `arch`'s real files use, MXFP4 for gpt-oss, else `quant`);
+    `part_quant` (part, type) pairs for expert parts of their own type, e.g. (("down", "Q4_K"),)."""
     tokenizer = tokenizer or DEFAULT_TOKENIZER.get(arch, "bpe")
     if tokenizer not in TOKENIZER_KINDS:
         raise ValueError(f"unknown tokenizer {tokenizer!r} (supported: {', '.join(TOKENIZER_KINDS)})")
-    width = max(default_width(quant), default_width(expert_quant or DEFAULT_EXPERT_QUANT.get(arch, quant)))
+    width = max(default_width(quant), default_width(expert_quant or DEFAULT_EXPERT_QUANT.get(arch, quant)),
+                *(default_width(q) for _, q in part_quant or ()))
     kv_heads = kv_heads if kv_heads is not None else (heads if get_arch(arch).kv_heads_equal_heads else min(2, heads))
     hp = model_hparams(arch, layers=layers, experts=experts, top_k=top_k, hidden=hidden or width,
                        expert_ff=expert_ff or width, heads=heads, kv_heads=kv_heads, vocab=vocab,
@@ -336,7 +338,8 @@ def make_model(path: str | Path, *, arch: str = "qwen3moe", quant: str = "Q8_0",
     if target_size is not None:
         hp = fit_target(arch, hp, quant, parse_size(target_size), expert_quant)
     report = write_moe_gguf(path, arch, hp, build_tensors(arch, hp, seed), quant, get_vocab(tokenizer, vocab),
-                            progress=progress, expert_quant=expert_quant or DEFAULT_EXPERT_QUANT.get(arch))
+                            progress=progress, expert_quant=expert_quant or DEFAULT_EXPERT_QUANT.get(arch),
+                            part_quant=part_quant)
     if verbose:
         print(f"wrote {report.path} ({report.nbytes / 2**20:.1f} MiB, {report.seconds:.1f} s): {arch} {quant}, "
               f"{hp['n_layer']} layers x {hp['n_expert']} experts (top {hp['n_expert_used']}), "
@@ -351,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", metavar="OUT.gguf", help="file to write")
     ap.add_argument("--arch", default="qwen3moe", help="qwen3moe | qwen2moe | llama (Mixtral) | olmoe | qwen3next | qwen35moe | gpt-oss | deepseek2")
-    ap.add_argument("--quant", default="Q8_0", help="F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q6_K")
+    ap.add_argument("--quant", default="Q8_0", help="F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q6_K "
+                    "IQ1_S IQ1_M IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S")
     ap.add_argument("--expert-quant", default=None, help="the experts' type (MXFP4 too); default MXFP4 for "
                     "gpt-oss (as its real files), else --quant")
     ap.add_argument("--layers", type=int, default=2)
