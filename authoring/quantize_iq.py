@@ -194,7 +194,8 @@ _PACK = {Q.IQ2_XXS: _pack_iq2_xxs, Q.IQ2_XS: _pack_iq2_xs, Q.IQ2_S: _pack_iq2_s,
 
 
 # -- random models --------------------------------------------------------------------------
-def _set_d(raw: np.ndarray, qtype: Q, d: float) -> None:
+def set_d(raw: np.ndarray, qtype: Q, d: float) -> None:
+    """Set the f16 super-scale of every block of raw [n, type_size] (in place)."""
     bits = int(np.float16(d).view(np.uint16))
     if qtype == Q.IQ1_M:  # one nibble on top of each of the four u16 scales (bytes 49, 51, 53, 55)
         for i in range(4):
@@ -207,11 +208,11 @@ def _set_d(raw: np.ndarray, qtype: Q, d: float) -> None:
 def _std_at_unit_d(qtype: Q) -> float:
     """Std of the weights of random blocks of `qtype` with d = 1 (measured once with gguf-py)."""
     raw = np.random.default_rng(0).integers(0, 256, size=(256, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
-    _set_d(raw, qtype, 1.0)
+    set_d(raw, qtype, 1.0)
     return float(gq.dequantize(raw, qtype).std())
 
 
 def random_grid_blocks(raw: np.ndarray, qtype: Q, a: float) -> None:
     """Random bytes [n, type_size] made blocks of std ~ a / sqrt(3) (every byte pattern is a valid
     block: only the super-scale d is set)."""
-    _set_d(raw, qtype, a / np.sqrt(3.0) / _std_at_unit_d(qtype))
+    set_d(raw, qtype, a / np.sqrt(3.0) / _std_at_unit_d(qtype))
