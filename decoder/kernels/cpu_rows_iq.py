@@ -32,9 +32,12 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
-from numba import njit
+from llvmlite import ir
+from numba import carray, njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-from .cpu_rows import _JIT, _U, _f16, _fi, _opaque
+from .cpu_rows import _JIT, _U, _f16, _fi, _i8, _opaque
 
 
 def _grid(cls: type, dtype: type) -> np.ndarray:
@@ -62,12 +65,51 @@ GRID_TYPES = (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M
 _IQ2_XXS, _IQ2_XS, _IQ2_S = int(Q.IQ2_XXS), int(Q.IQ2_XS), int(Q.IQ2_S)
 _IQ3_XXS, _IQ3_S, _IQ1_S, _IQ1_M = int(Q.IQ3_XXS), int(Q.IQ3_S), int(Q.IQ1_S), int(Q.IQ1_M)
 _QUARTER, _HALF = np.float32(0.25), np.float32(0.5)
-# The per-group helpers are inlined into numba's IR: left to LLVM, some stayed calls (an array
-# struct built and passed per 8 weights).
+# The small helpers are inlined into numba's IR: left to LLVM, some stayed calls.
 _INLINE = {**_JIT, "inline": "always"}
 
 
 # -- helpers --------------------------------------------------------------------------------------
+# A sub-block is decoded in two steps: its 4 groups of 8 signed int8 codes are assembled as four
+# uint64 words in 32 bytes of stack (one table row, a sign mask and three integer ops per group),
+# then one 32-lane loop scales them, the shape of Q8_0's decoder. Stack memory cannot alias the
+# output, so that loop vectorizes without overlap checks; doing the groups one 8-lane loop at a
+# time cost ~1.6x more per weight in the expert kernels.
+_ONES = np.uint64(0x0101010101010101)
+GRID64_IQ2_XXS = GRID_IQ2_XXS.view(np.uint64)  # [256] one group of 8 grid bytes per word
+GRID64_IQ2_XS = GRID_IQ2_XS.view(np.uint64)  # [512]
+GRID64_IQ2_S = GRID_IQ2_S.view(np.uint64)  # [1024]
+GRID32_IQ3_XXS = GRID_IQ3_XXS.view(np.uint32)  # [256] 4 grid bytes per word
+GRID32_IQ3_S = GRID_IQ3_S.view(np.uint32)  # [512]
+SIGN64 = SIGN_MASK.view(np.uint64)  # [256] byte k = 0xFF where bit k of the index is set
+# IQ1: 8 * (grid + delta) as int8 codes (8g + 1 for delta +1/8, 8g - 1 for -1/8), scaled by dl / 8:
+# the same real number as gguf-py's dl * (g + delta), rounded once, so the same bits
+GRID64_IQ1 = np.stack([8 * GRID_IQ1_S.astype(np.int16) + 1, 8 * GRID_IQ1_S.astype(np.int16) - 1]
+                      ).astype(np.int8).reshape(2, -1).view(np.uint64).reshape(-1)  # [2 * 2048]: +delta, -delta
+_EIGHTH = np.float32(0.125)
+
+
+@intrinsic
+def _scratch(typingctx):
+    """32 bytes of stack in the calling function, as 4 uint64 words."""
+    def codegen(context, builder, signature, args):
+        return cgutils.alloca_once(builder, ir.IntType(64), size=4)
+
+    return types.CPointer(types.uint64)(), codegen
+
+
+@intrinsic
+def _bytes(typingctx, ptr):
+    """A uint64 pointer as a uint8 pointer."""
+    if not isinstance(ptr, types.CPointer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(8).as_pointer())
+
+    return types.CPointer(types.uint8)(ptr), codegen
+
+
 @njit(**_INLINE)
 def _u16(data, p):
     return np.int64(data[p]) | (np.int64(data[p + _U(1)]) << 8)
@@ -79,151 +121,164 @@ def _u32(data, p):
 
 
 @njit(**_INLINE)
-def _signed8(w, e, grid, g, sign_byte, db):
-    """w[e:e+8] = db * (+-grid[g:g+8]), minus where bit k of sign_byte is set."""
-    lanes = _opaque(_U(8))
-    m0 = _U(sign_byte) * _U(8)
-    for k in range(lanes):
-        v, m = np.int32(grid[g + k]), np.int32(SIGN_MASK[m0 + k])
-        w[e + k] = db * _fi((v ^ m) - m)
+def _signed(g, m):
+    """8 grid bytes g (each >= 1) negated where the mask bytes m are 0xFF: (g ^ m) + 1 per byte,
+    which never carries into the next byte."""
+    return (g ^ m) + (m & _ONES)
 
 
 @njit(**_INLINE)
-def _signed4x2(w, e, grid, g0, g1, sign_byte, db):
-    """The 4-weight grids: entries g0 then g1 (offsets into grid) signed by one byte."""
-    lanes = _opaque(_U(4))
-    m0 = _U(sign_byte) * _U(8)
-    for k in range(lanes):
-        v, m = np.int32(grid[g0 + k]), np.int32(SIGN_MASK[m0 + k])
-        w[e + k] = db * _fi((v ^ m) - m)
-        v, m = np.int32(grid[g1 + k]), np.int32(SIGN_MASK[m0 + _U(4) + k])
-        w[e + _U(4) + k] = db * _fi((v ^ m) - m)
+def _pair(grid32, i0, i1):
+    """Two 4-byte grid entries as one word of 8 grid bytes."""
+    return np.uint64(grid32[_U(i0)]) | (np.uint64(grid32[_U(i1)]) << np.uint64(32))
 
 
 @njit(**_INLINE)
-def _shifted8(w, e, g, delta, dl):
-    """IQ1: w[e:e+8] = dl * (grid1[g:g+8] + delta)."""
-    lanes = _opaque(_U(8))
+def _scale32(w, e, codes, db0, db1):
+    """w[e:e+16] = db0 * codes[0:16], w[e+16:e+32] = db1 * codes[16:32] (int8 codes)."""
+    lanes = _opaque(_U(16))
     for k in range(lanes):
-        w[e + k] = dl * (_fi(GRID_IQ1_S[g + k]) + delta)
+        w[e + k] = db0 * _i8(codes[k])
+        w[e + _U(16) + k] = db1 * _i8(codes[_U(16) + k])
 
 
 # -- row decoders -------------------------------------------------------------------------------
 @njit(**_JIT)
 def _row_iq2_xxs(data, off, n_in, w):
+    p = _scratch()
+    words, codes = carray(p, (4,)), carray(_bytes(p), (32,))
     o, e = _U(off), _U(0)
     for _ in range(n_in // 256):
         d = _f16(data[o], data[o + _U(1)])
         for ib in range(8):
             q = o + _U(2 + 8 * ib)  # 4 grid bytes, then aux
             aux = _u32(data, q + _U(4))
-            db = d * (_HALF + _fi(aux >> 28)) * _QUARTER
             for l in range(4):
-                g = _U(data[q + _U(l)]) * _U(8)
-                _signed8(w, e, GRID_IQ2_XXS, g, KSIGNS[(aux >> (7 * l)) & 127], db)
-                e += _U(8)
+                m = SIGN64[KSIGNS[(aux >> (7 * l)) & 127]]
+                words[l] = _signed(GRID64_IQ2_XXS[data[q + _U(l)]], m)
+            db = d * (_HALF + _fi(aux >> 28)) * _QUARTER
+            _scale32(w, e, codes, db, db)
+            e += _U(32)
         o += _U(66)
 
 
 @njit(**_JIT)
 def _row_iq2_xs(data, off, n_in, w):
+    p = _scratch()
+    words, codes = carray(p, (4,)), carray(_bytes(p), (32,))
     o, e = _U(off), _U(0)
     for _ in range(n_in // 256):
         d = _f16(data[o], data[o + _U(1)])
         for ib in range(8):
+            for l in range(4):
+                v = _u16(data, o + _U(2 + 8 * ib + 2 * l))
+                words[l] = _signed(GRID64_IQ2_XS[v & 511], SIGN64[KSIGNS[v >> 9]])
             sc = np.int32(data[o + _U(66 + ib)])
             db0 = d * (_HALF + _fi(sc & 15)) * _QUARTER  # weights 0-15 of the sub-block
             db1 = d * (_HALF + _fi(sc >> 4)) * _QUARTER  # weights 16-31
-            for l in range(4):
-                v = _u16(data, o + _U(2 + 8 * ib + 2 * l))
-                _signed8(w, e, GRID_IQ2_XS, _U(v & 511) * _U(8), KSIGNS[v >> 9], db0 if l < 2 else db1)
-                e += _U(8)
+            _scale32(w, e, codes, db0, db1)
+            e += _U(32)
         o += _U(74)
 
 
 @njit(**_JIT)
 def _row_iq2_s(data, off, n_in, w):
+    p = _scratch()
+    words, codes = carray(p, (4,)), carray(_bytes(p), (32,))
     o, e = _U(off), _U(0)
     for _ in range(n_in // 256):
         d = _f16(data[o], data[o + _U(1)])
         for ib in range(8):
-            qh, sc = np.int64(data[o + _U(66 + ib)]), np.int32(data[o + _U(74 + ib)])
-            db0 = d * (_HALF + _fi(sc & 15)) * _QUARTER
-            db1 = d * (_HALF + _fi(sc >> 4)) * _QUARTER
+            qh = np.int64(data[o + _U(66 + ib)])
             for l in range(4):
                 i = _U(4 * ib + l)
-                g = (np.int64(data[o + _U(2) + i]) | (((qh >> (2 * l)) & 3) << 8)) * 8
-                _signed8(w, e, GRID_IQ2_S, _U(g), data[o + _U(34) + i], db0 if l < 2 else db1)
-                e += _U(8)
+                g = np.int64(data[o + _U(2) + i]) | (((qh >> (2 * l)) & 3) << 8)
+                words[l] = _signed(GRID64_IQ2_S[g], SIGN64[data[o + _U(34) + i]])
+            sc = np.int32(data[o + _U(74 + ib)])
+            db0 = d * (_HALF + _fi(sc & 15)) * _QUARTER
+            db1 = d * (_HALF + _fi(sc >> 4)) * _QUARTER
+            _scale32(w, e, codes, db0, db1)
+            e += _U(32)
         o += _U(82)
 
 
 @njit(**_JIT)
 def _row_iq3_xxs(data, off, n_in, w):
+    p = _scratch()
+    words, codes = carray(p, (4,)), carray(_bytes(p), (32,))
     o, e = _U(off), _U(0)
     for _ in range(n_in // 256):
         d = _f16(data[o], data[o + _U(1)])
         for ib in range(8):
             aux = _u32(data, o + _U(66 + 4 * ib))
-            db = d * (_HALF + _fi(aux >> 28)) * _HALF
             q = o + _U(2 + 8 * ib)
             for l in range(4):
-                g0, g1 = _U(data[q + _U(2 * l)]) * _U(4), _U(data[q + _U(2 * l + 1)]) * _U(4)
-                _signed4x2(w, e, GRID_IQ3_XXS, g0, g1, KSIGNS[(aux >> (7 * l)) & 127], db)
-                e += _U(8)
+                g = _pair(GRID32_IQ3_XXS, data[q + _U(2 * l)], data[q + _U(2 * l + 1)])
+                words[l] = _signed(g, SIGN64[KSIGNS[(aux >> (7 * l)) & 127]])
+            db = d * (_HALF + _fi(aux >> 28)) * _HALF
+            _scale32(w, e, codes, db, db)
+            e += _U(32)
         o += _U(98)
 
 
 @njit(**_JIT)
 def _row_iq3_s(data, off, n_in, w):
+    p = _scratch()
+    words, codes = carray(p, (4,)), carray(_bytes(p), (32,))
     o, e = _U(off), _U(0)
     for _ in range(n_in // 256):
         d = _f16(data[o], data[o + _U(1)])
         for ib in range(8):
-            sc = (np.int32(data[o + _U(106 + ib // 2)]) >> (4 * (ib % 2))) & 15
-            db = d * _fi(1 + 2 * sc)
             qh = np.int64(data[o + _U(66 + ib)])
             q = o + _U(2 + 8 * ib)
             for l in range(4):
-                g0 = (np.int64(data[q + _U(2 * l)]) | (((qh >> (2 * l)) & 1) << 8)) * 4
-                g1 = (np.int64(data[q + _U(2 * l + 1)]) | (((qh >> (2 * l + 1)) & 1) << 8)) * 4
-                _signed4x2(w, e, GRID_IQ3_S, _U(g0), _U(g1), data[o + _U(74 + 4 * ib + l)], db)
-                e += _U(8)
+                i0 = np.int64(data[q + _U(2 * l)]) | (((qh >> (2 * l)) & 1) << 8)
+                i1 = np.int64(data[q + _U(2 * l + 1)]) | (((qh >> (2 * l + 1)) & 1) << 8)
+                words[l] = _signed(_pair(GRID32_IQ3_S, i0, i1), SIGN64[data[o + _U(74 + 4 * ib + l)]])
+            sc = (np.int32(data[o + _U(106 + ib // 2)]) >> (4 * (ib % 2))) & 15
+            db = d * _fi(1 + 2 * sc)
+            _scale32(w, e, codes, db, db)
+            e += _U(32)
         o += _U(110)
 
 
 @njit(**_JIT)
 def _row_iq1_s(data, off, n_in, w):
+    p = _scratch()
+    words, codes = carray(p, (4,)), carray(_bytes(p), (32,))
     o, e = _U(off), _U(0)
     for _ in range(n_in // 256):
         d = _f16(data[o], data[o + _U(1)])
         for ib in range(8):
             h = _u16(data, o + _U(34 + 2 * ib))
-            dl = d * _fi(2 * ((h >> 12) & 7) + 1)
-            delta = -IQ1_DELTA if h & 0x8000 else IQ1_DELTA
+            half = (h >> 15) * 2048  # the -delta half of the table
             for l in range(4):
-                g = (np.int64(data[o + _U(2 + 4 * ib + l)]) | (((h >> (3 * l)) & 7) << 8)) * 8
-                _shifted8(w, e, _U(g), delta, dl)
-                e += _U(8)
+                words[l] = GRID64_IQ1[half + (np.int64(data[o + _U(2 + 4 * ib + l)]) | (((h >> (3 * l)) & 7) << 8))]
+            dl = d * _fi(2 * ((h >> 12) & 7) + 1) * _EIGHTH
+            _scale32(w, e, codes, dl, dl)
+            e += _U(32)
         o += _U(50)
 
 
 @njit(**_JIT)
 def _row_iq1_m(data, off, n_in, w):
+    p = _scratch()
+    words, codes = carray(p, (4,)), carray(_bytes(p), (32,))
     o, e = _U(off), _U(0)
     for _ in range(n_in // 256):
         s0, s1, s2, s3 = _u16(data, o + _U(48)), _u16(data, o + _U(50)), _u16(data, o + _U(52)), _u16(data, o + _U(54))
         bits = (s0 >> 12) | ((s1 >> 8) & 0xF0) | ((s2 >> 4) & 0xF00) | (s3 & 0xF000)  # the f16 d
         d = _f16(bits & 0xFF, bits >> 8)
         for ib in range(8):
-            s = _u16(data, o + _U(48 + 2 * (ib // 2))) >> (6 * (ib % 2))
-            dl0 = d * _fi(2 * (s & 7) + 1)  # weights 0-15 of the sub-block
-            dl1 = d * _fi(2 * ((s >> 3) & 7) + 1)  # weights 16-31
             for l in range(4):
                 hh = np.int64(data[o + _U(32 + 2 * ib + l // 2)]) >> (4 * (l % 2))  # this group's nibble
-                g = (np.int64(data[o + _U(4 * ib + l)]) | ((hh & 7) << 8)) * 8
-                _shifted8(w, e, _U(g), -IQ1_DELTA if hh & 8 else IQ1_DELTA, dl0 if l < 2 else dl1)
-                e += _U(8)
+                g = np.int64(data[o + _U(4 * ib + l)]) | ((hh & 7) << 8)
+                words[l] = GRID64_IQ1[((hh >> 3) & 1) * 2048 + g]
+            s = _u16(data, o + _U(48 + 2 * (ib // 2))) >> (6 * (ib % 2))
+            dl0 = d * _fi(2 * (s & 7) + 1) * _EIGHTH  # weights 0-15 of the sub-block
+            dl1 = d * _fi(2 * ((s >> 3) & 7) + 1) * _EIGHTH  # weights 16-31
+            _scale32(w, e, codes, dl0, dl1)
+            e += _U(32)
         o += _U(56)
 
 
