@@ -82,6 +82,7 @@ GRID64_IQ2_S = GRID_IQ2_S.view(np.uint64)  # [1024]
 GRID32_IQ3_XXS = GRID_IQ3_XXS.view(np.uint32)  # [256] 4 grid bytes per word
 GRID32_IQ3_S = GRID_IQ3_S.view(np.uint32)  # [512]
 SIGN64 = SIGN_MASK.view(np.uint64)  # [256] byte k = 0xFF where bit k of the index is set
+KSIGN64 = SIGN64[KSIGNS]  # [128] the same, from a 7-bit ksigns index (one lookup, not two)
 # IQ1: 8 * (grid + delta) as int8 codes (8g + 1 for delta +1/8, 8g - 1 for -1/8), scaled by dl / 8:
 # the same real number as gguf-py's dl * (g + delta), rounded once, so the same bits
 GRID64_IQ1 = np.stack([8 * GRID_IQ1_S.astype(np.int16) + 1, 8 * GRID_IQ1_S.astype(np.int16) - 1]
@@ -154,7 +155,7 @@ def _row_iq2_xxs(data, off, n_in, w):
             q = o + _U(2 + 8 * ib)  # 4 grid bytes, then aux
             aux = _u32(data, q + _U(4))
             for l in range(4):
-                m = SIGN64[KSIGNS[(aux >> (7 * l)) & 127]]
+                m = KSIGN64[(aux >> (7 * l)) & 127]
                 words[l] = _signed(GRID64_IQ2_XXS[data[q + _U(l)]], m)
             db = d * (_HALF + _fi(aux >> 28)) * _QUARTER
             _scale32(w, e, codes, db, db)
@@ -172,7 +173,7 @@ def _row_iq2_xs(data, off, n_in, w):
         for ib in range(8):
             for l in range(4):
                 v = _u16(data, o + _U(2 + 8 * ib + 2 * l))
-                words[l] = _signed(GRID64_IQ2_XS[v & 511], SIGN64[KSIGNS[v >> 9]])
+                words[l] = _signed(GRID64_IQ2_XS[v & 511], KSIGN64[v >> 9])
             sc = np.int32(data[o + _U(66 + ib)])
             db0 = d * (_HALF + _fi(sc & 15)) * _QUARTER  # weights 0-15 of the sub-block
             db1 = d * (_HALF + _fi(sc >> 4)) * _QUARTER  # weights 16-31
@@ -214,7 +215,7 @@ def _row_iq3_xxs(data, off, n_in, w):
             q = o + _U(2 + 8 * ib)
             for l in range(4):
                 g = _pair(GRID32_IQ3_XXS, data[q + _U(2 * l)], data[q + _U(2 * l + 1)])
-                words[l] = _signed(g, SIGN64[KSIGNS[(aux >> (7 * l)) & 127]])
+                words[l] = _signed(g, KSIGN64[(aux >> (7 * l)) & 127])
             db = d * (_HALF + _fi(aux >> 28)) * _HALF
             _scale32(w, e, codes, db, db)
             e += _U(32)
