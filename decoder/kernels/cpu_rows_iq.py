@@ -137,10 +137,12 @@ def _pair(grid32, i0, i1):
 @njit(**_INLINE)
 def _scale32(w, e, codes, db0, db1):
     """w[e:e+16] = db0 * codes[0:16], w[e+16:e+32] = db1 * codes[16:32] (int8 codes)."""
-    lanes = _opaque(_U(16))
+    lanes = _opaque(_U(8))  # one vector iteration of 4 x 8 lanes
     for k in range(lanes):
         w[e + k] = db0 * _i8(codes[k])
+        w[e + _U(8) + k] = db0 * _i8(codes[_U(8) + k])
         w[e + _U(16) + k] = db1 * _i8(codes[_U(16) + k])
+        w[e + _U(24) + k] = db1 * _i8(codes[_U(24) + k])
 
 
 # -- row decoders -------------------------------------------------------------------------------
