@@ -152,7 +152,8 @@ def _aux(sign_bytes: np.ndarray, s: np.ndarray) -> np.ndarray:
 
 def _pack_iq2_xxs(d16, s, idx, signs, _):
     n = len(d16)
-    per_sub = np.concatenate([idx.reshape(n, 8, 4).astype(np.uint8), _u8(_aux(signs, s), np.uint32).reshape(n, 8, 4)], -1)
+    aux = _u8(_aux(signs, s), np.uint32).reshape(n, 8, 4)
+    per_sub = np.concatenate([idx.reshape(n, 8, 4).astype(np.uint8), aux], axis=-1)  # 4 grid bytes, aux
     return np.concatenate([_d(d16), per_sub.reshape(n, 64)], axis=1)
 
 

@@ -151,3 +151,17 @@ def test_expert_kernels_match_float64(dense: bool, monkeypatch: pytest.MonkeyPat
         want = _reference(x[r], *e)
         err, scale = np.abs(got - want).max(), np.abs(want).max()
         assert scale > 0 and err <= RTOL * scale, f"{[Q(m.qtype).name for m in e]}: {err:.3g} > {RTOL} * {scale:.3g}"
+
+
+def test_cached_kernels_are_stamped_with_both_files() -> None:
+    """numba's cache must see a change to cpu_rows_iq.py in the kernels of cpu_rows.py that
+    inline its decoders (and the other way round): both files' functions carry both hashes."""
+    import hashlib
+    from pathlib import Path
+
+    from moestream.decoder.kernels import cpu_rows
+
+    rows, rows_iq = Path(cpu_rows.__file__), Path(iq.__file__)
+    want = hashlib.sha256(rows.read_bytes() + rows_iq.read_bytes()).digest()
+    for fn in (cpu_rows.gate_up_kernel, cpu_rows.decode_row, iq.decode_grid_row):
+        assert fn._cache._impl.locator.get_source_stamp() == want, fn
