@@ -133,10 +133,10 @@ def random_blocks(n_blocks: int, qtype: Q, std: float, rng: np.random.Generator)
     if qtype in (Q.F32, Q.F16, Q.BF16):
         return _random_floats(n_blocks * block, qtype, std * _UNIFORM, rng).view(np.uint8).reshape(n_blocks, type_size)
     raw = _random_bytes(rng, n_blocks * type_size).reshape(n_blocks, type_size)
-    gen = _RANDOM.get(qtype)
     if qtype in GRID_TYPES:
         random_grid_blocks(raw, qtype, std * _UNIFORM)
         return raw
+    gen = _RANDOM.get(qtype)
     if gen is None:
         raise ValueError(f"cannot generate random blocks of quant type {qtype.name}")
     gen(raw, std * _UNIFORM)
