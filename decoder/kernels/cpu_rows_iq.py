@@ -20,11 +20,11 @@ Weights (gguf-py `gguf/quants.py`, ggml-quants.c `dequantize_row_iq*`, same floa
   IQ3_S   (d * (1 + 2 s)) * grid * sign
   IQ1_*   (d * (2 s + 1)) * (grid + delta), delta = +-0.125      grid values in {-1, 0, 1}
 Sign indices of 7 bits expand through ksigns (the 8th bit makes the count of minus signs even).
-A sign is applied to the integer grid value ((g ^ m) - m, m = 0 or -1) before the one float
-multiply, which is exact: the result is the same bits as gguf-py's (db * g) * (+-1).
+Signs are applied to the integer grid values before the one float multiply, which is exact:
+the same bits as gguf-py's (db * g) * (+-1).
 
 The code books are gguf-py's (`init_grid`: ggml's iq*_grid tables), as numpy constants numba
-freezes into the kernels: 8 grid bytes per index, so a weight group is one 8-byte row.
+freezes into the kernels: 8 grid bytes per index, so a group of 8 weights is one uint64 lookup.
 """
 
 from __future__ import annotations
@@ -58,9 +58,7 @@ GRID_IQ1_S = _grid(gq.IQ1_S, np.int8)  # [2048 * 8]  values -1, 0, 1 (IQ1_M shar
 KSIGNS = np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8).copy()  # [128] 7 sign bits -> 8
 # SIGN_MASK[8 * b + k] = -1 where bit k of byte b is set, else 0
 SIGN_MASK = -((np.arange(256)[:, None] >> np.arange(8)) & 1).astype(np.int8).reshape(-1)  # [256 * 8]
-IQ1_DELTA = np.float32(gq.IQ1_S.delta)  # 0.125
 
-GRID_TYPES = (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M)
 # plain ints, so numba folds them as constants
 _IQ2_XXS, _IQ2_XS, _IQ2_S = int(Q.IQ2_XXS), int(Q.IQ2_XS), int(Q.IQ2_S)
 _IQ3_XXS, _IQ3_S, _IQ1_S, _IQ1_M = int(Q.IQ3_XXS), int(Q.IQ3_S), int(Q.IQ1_S), int(Q.IQ1_M)
