@@ -109,14 +109,27 @@ def _bytes(typingctx, ptr):
     return types.CPointer(types.uint8)(ptr), codegen
 
 
-@njit(**_INLINE)
-def _u16(data, p):
-    return np.int64(data[p]) | (np.int64(data[p + _U(1)]) << 8)
+def _load_le(width: int):
+    """An intrinsic (array, index) -> the little-endian uint`width` at array[index:], as int64:
+    one unaligned load (numba's byte-by-byte assembly stayed 2-4 byte loads, shifts and ors)."""
+
+    @intrinsic
+    def load(typingctx, arr, idx):
+        if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            a = context.make_array(signature.args[0])(context, builder, args[0])
+            ptr = builder.bitcast(builder.gep(a.data, [args[1]]), ir.IntType(width).as_pointer())
+            value = builder.load(ptr, align=1)
+            return builder.zext(value, ir.IntType(64))
+
+        return types.int64(arr, idx), codegen
+
+    return load
 
 
-@njit(**_INLINE)
-def _u32(data, p):
-    return _u16(data, p) | (_u16(data, p + _U(2)) << 16)
+_u16, _u32 = _load_le(16), _load_le(32)  # x86 and ARM64 are little-endian, as GGUF is
 
 
 @njit(**_INLINE)
