@@ -284,8 +284,9 @@ def _row_iq1_m(data, off, n_in, w):
         bits = (s0 >> 12) | ((s1 >> 8) & 0xF0) | ((s2 >> 4) & 0xF00) | (s3 & 0xF000)  # the f16 d
         d = _f16(bits & 0xFF, bits >> 8)
         for ib in range(8):
+            nibbles = _u16(data, o + _U(32 + 2 * ib))  # per group: 3 index bits, the delta's sign
             for l in range(4):
-                hh = np.int64(data[o + _U(32 + 2 * ib + l // 2)]) >> (4 * (l % 2))  # this group's nibble
+                hh = nibbles >> (4 * l)
                 g = np.int64(data[o + _U(4 * ib + l)]) | ((hh & 7) << 8)
                 words[l] = GRID64_IQ1[((hh >> 3) & 1) * 2048 + g]
             s = _u16(data, o + _U(48 + 2 * (ib // 2))) >> (6 * (ib % 2))
