@@ -15,8 +15,10 @@ F16, and the fallback is reported in `WriteReport.notes` (llama.cpp falls back l
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator

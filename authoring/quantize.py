@@ -6,7 +6,8 @@ Two jobs, kept apart on purpose:
   F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/TQ1_0/TQ2_0/MXFP4; it has no K-quant quantizer, so
   Q4_K and Q6_K use the simple round-to-nearest encoders below, and Q2_K, Q3_K, IQ4_NL, IQ4_XS,
   Q1_0 and NVFP4 those of `quantize_lo` (no importance matrix, no scale search: worse than
-  llama.cpp's, fine for tests and small exports).
+  llama.cpp's, fine for tests and small exports); the grid ("i-quant") types IQ1_S .. IQ3_S use
+  `quantize_iq`'s nearest-grid encoders.
 - `random_blocks(n_blocks, qtype, std, rng)` writes random codes with sane scales straight into
   block bytes, for random models: no float tensor is ever materialized, so multi-GiB files
   are written at disk speed. The decoded weights are ~uniform with the requested std.
@@ -19,6 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants as gq
 
 from . import quantize_lo
+from .quantize_iq import GRID_TYPES, encode_grid, random_grid_blocks
 
 QK_K = 256
 _GGUF_PY = frozenset((Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.MXFP4,
@@ -124,7 +126,8 @@ def _encode_q4_k(blocks: np.ndarray) -> np.ndarray:
 
 
 # Our own encoders: [n, block] float32 -> [n, type_size] uint8, one entry per type.
-_ENCODERS = {Q.Q4_K: _encode_q4_k, Q.Q6_K: _encode_q6_k, **quantize_lo.ENCODERS}
+_ENCODERS = {Q.Q4_K: _encode_q4_k, Q.Q6_K: _encode_q6_k, **quantize_lo.ENCODERS,
+             **{q: (lambda blocks, q=q: encode_grid(blocks, q)) for q in GRID_TYPES}}
 # Types encode() and random_blocks() handle: gguf-py's, plus our own encoders.
 ENCODABLE: frozenset[Q] = _GGUF_PY | frozenset(_ENCODERS)
 
@@ -208,4 +211,5 @@ def _rand_mxfp4(raw: np.ndarray, a: float) -> None:
 
 
 _RANDOM = {Q.MXFP4: _rand_mxfp4, Q.Q8_0: _rand_q8_0, Q.Q4_0: _rand_q4_0, Q.Q4_1: _rand_q4_1, Q.Q5_0: _rand_q5_0,
-           Q.Q5_1: _rand_q5_1, Q.Q4_K: _rand_q4_k, Q.Q6_K: _rand_q6_k, **quantize_lo.RANDOM}
+           Q.Q5_1: _rand_q5_1, Q.Q4_K: _rand_q4_k, Q.Q6_K: _rand_q6_k, **quantize_lo.RANDOM,
+           **{q: (lambda raw, a, q=q: random_grid_blocks(raw, q, a)) for q in GRID_TYPES}}

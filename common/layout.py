@@ -30,7 +30,7 @@ PAGE = 4096
 SUPPORTED_QTYPES: frozenset[GGMLQuantizationType] = frozenset(
     GGMLQuantizationType[n]
     for n in ("F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS MXFP4 "
-              "TQ1_0 TQ2_0 Q1_0 NVFP4").split()
+              "TQ1_0 TQ2_0 Q1_0 NVFP4 IQ1_S IQ1_M IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S").split()
 )
 
 _EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(\w+?)_exps\.(weight|bias|scale)$")

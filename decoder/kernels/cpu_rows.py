@@ -2,9 +2,10 @@
 products, and the parallel expert kernels built on them.
 
 The shared scalar helpers are in cpu_rows_base.py, the decoders of the other types in sibling
-files (cpu_rows_q.py: Q4_1 Q5_0 Q5_1 Q2_K Q3_K IQ4_NL IQ4_XS TQ1_0 TQ2_0 Q1_0 NVFP4). numba's
-on-disk cache checks only the source file of the function it compiled, so a kernel here would
-keep decoders inlined from a sibling that changed since: `_drop_stale_caches` recompiles then.
+files (cpu_rows_q.py: Q4_1 Q5_0 Q5_1 Q2_K Q3_K IQ4_NL IQ4_XS TQ1_0 TQ2_0 Q1_0 NVFP4;
+cpu_rows_iq.py: the grid types IQ1_S .. IQ3_S). numba's on-disk cache checks only the source
+file of the function it compiled, so `jit_cache` stamps every cpu_rows*.py function with the
+hash of all of them (else a kernel cached here would keep stale decoders inlined from a sibling).
 
 Block layouts (gguf-py `gguf/quants.py`, ggml's block structs; f16 scales are decoded with
 integer bit manipulation, subnormals included):
@@ -35,12 +36,14 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ...common.arch import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+from . import cpu_rows_iq as _iq
 from . import cpu_rows_q as rq
 from .cpu_rows_base import _JIT, _U, _as_f32, _e2m1x2, _f16, _fi, _i8, _opaque
 
 # Every type decode_row handles (one `elif` each there; its row decoder here or in a sibling file)
 NATIVE = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4, Q.F32, Q.F16, Q.BF16,
-          Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0, Q.Q1_0, Q.NVFP4)
+          Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0, Q.Q1_0, Q.NVFP4,
+          Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M)
 # plain ints, so numba folds them as constants inside the kernels
 _Q8_0, _Q4_0, _Q4_K, _Q5_K, _Q6_K = int(Q.Q8_0), int(Q.Q4_0), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
 _MXFP4 = int(Q.MXFP4)
@@ -289,6 +292,8 @@ def decode_row(qtype, data, off, n_in, w):
         rq._row_q1_0(data, off, n_in, w)
     elif qtype == _NVFP4:
         rq._row_nvfp4(data, off, n_in, w)
+    elif _iq.is_grid(qtype):
+        _iq.decode_grid_row(qtype, data, off, n_in, w)
     else:
         _row_float(data, off, n_in, w, qtype)
 
@@ -459,18 +464,3 @@ def dequant_kernel(qtype, data, n_out, n_in, w):
         decode_row(qtype, data, np.int64(j) * b, n_in, w[j])  # prange's j is unsigned
 
 
-def _drop_stale_caches() -> None:
-    """numba's cache checks only the source file of the function it compiled, and these kernels
-    inline decoders from the sibling cpu_rows*.py files: when one of those is newer than a
-    kernel's cache index, drop the index so the kernel is compiled again with the new decoders."""
-    from pathlib import Path
-
-    newest = max(p.stat().st_mtime for p in Path(__file__).parent.glob("cpu_rows*.py"))
-    for kernel in (decode_row, gate_up_kernel, down_kernel, dequant_kernel):
-        cache = getattr(kernel, "_cache", None)  # numba internals: skipped if they ever change
-        index = getattr(getattr(cache, "_cache_file", None), "_index_path", None)
-        if index and Path(index).exists() and Path(index).stat().st_mtime < newest:
-            cache.flush()
-
-
-_drop_stale_caches()

@@ -3,7 +3,8 @@ register bitcasts, the opaque trip count that keeps block loops vectorized, exac
 int8 widening, and the jit options.
 
 A kernel in cpu_rows.py inlines decoders from several files while numba's cache checks only
-the kernel's own file: cpu_rows.py drops its kernels' cache when any cpu_rows*.py is newer.
+the kernel's own file: `stamp_together` below (imported first by every cpu_rows*.py) makes
+each of their cached functions carry the hash of all of them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
+
+from .jit_cache import stamp_together
+
+stamp_together(__file__, ("cpu_rows.py", "cpu_rows_q.py", "cpu_rows_iq.py"))  # before the first @njit(cache=True)
 
 # Reassociation lets LLVM vectorize the 32-wide block loops and the dot reductions; no
 # nnan/ninf so the f16 decoder's inf/NaN handling stays as written, no afn for exp.

@@ -9,7 +9,7 @@ order (scales widened from float16 first, one rounding per operation, no fused m
 Kernels take `blocks: [n, type_size] uint8` and fill `out: [n, block_size] float32` in place
 (integer codes are copied in, then scaled in place: no float temporaries); the kernels for
 the simple formats live here, the 256-element super-block ("K") formats in
-`dequant_k.py`.
+`dequant_k.py`, the grid ("i-quant") formats in `dequant_iq.py`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
+from .dequant_iq import IQ_KERNELS
 from .dequant_k import K_KERNELS, Kernel, as_dtype, f16_field, lookup, lut, nibbles, shifted
 
 # Decode in chunks of about this many input bytes on CPU, so intermediates stay in cache.
@@ -122,7 +123,7 @@ def _nvfp4(blocks: torch.Tensor, out: torch.Tensor) -> None:
 _KERNELS: dict[Q, Kernel] = {
     Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1,
     Q.IQ4_NL: _iq4_nl, Q.MXFP4: _mxfp4, Q.TQ1_0: _tq1_0, Q.TQ2_0: _tq2_0, Q.Q1_0: _q1_0, Q.NVFP4: _nvfp4,
-    **K_KERNELS,
+    **K_KERNELS, **IQ_KERNELS,
 }
 _FLOATS = frozenset({Q.F32, Q.F16, Q.BF16})
 

@@ -21,7 +21,9 @@ ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe")
 REL_ERR = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 5e-3, Q.Q8_0: 0.01, Q.Q6_K: 0.04, Q.Q5_0: 0.06, Q.Q5_1: 0.06,
            Q.Q4_0: 0.12, Q.Q4_1: 0.12, Q.Q4_K: 0.12, Q.MXFP4: 0.15, Q.IQ4_NL: 0.10, Q.IQ4_XS: 0.10, Q.NVFP4: 0.12,
            Q.Q3_K: 0.20, Q.Q2_K: 0.40, Q.Q1_0: 0.62,  # sign and mean |x| only: sqrt(1 - 2/pi) = 0.60
-           Q.TQ1_0: 0.85, Q.TQ2_0: 0.85}  # ternary with d = max |x| (as gguf-py): most of N(0, 1) rounds to 0
+           Q.TQ1_0: 0.85, Q.TQ2_0: 0.85,  # ternary with d = max |x| (as gguf-py): most of N(0, 1) rounds to 0
+           # grid types (quantize_iq: nearest grid entries, no importance matrix)
+           Q.IQ1_S: 0.55, Q.IQ1_M: 0.5, Q.IQ2_XXS: 0.4, Q.IQ2_XS: 0.35, Q.IQ2_S: 0.3, Q.IQ3_XXS: 0.22, Q.IQ3_S: 0.17}
 
 
 @pytest.mark.parametrize("qtype", sorted(ENCODABLE), ids=lambda q: q.name)

@@ -19,6 +19,8 @@ F16_FIELDS = {
     Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.IQ4_NL: (0,),
     Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
     Q.IQ4_XS: (0,), Q.MXFP4: (), Q.TQ1_0: (52,), Q.TQ2_0: (64,), Q.Q1_0: (0,), Q.NVFP4: (),
+    Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ2_S: (0,), Q.IQ3_XXS: (0,), Q.IQ3_S: (0,), Q.IQ1_S: (0,),
+    Q.IQ1_M: (),  # its f16 d is spread over four nibbles: made finite in random_tensor
 }
 FLOATS = (Q.F32, Q.F16, Q.BF16)
 ALL = sorted(SUPPORTED, key=lambda q: q.name)
@@ -46,6 +48,8 @@ def random_tensor(qtype: Q, shape: tuple[int, ...], seed: int = 0) -> np.ndarray
     blocks = rng.integers(0, 256, size=(n_bytes // type_size, type_size), dtype=np.uint8)
     for off in F16_FIELDS[qtype]:
         blocks[:, off:off + 2] = _finite_bits(rng, len(blocks), 16, 0x7C00).view(np.uint8).reshape(-1, 2)
+    if qtype == Q.IQ1_M:
+        blocks[:, 55] &= 0xBF  # bit 14 of the scattered f16 d: the top exponent bit, so d is finite
     if qtype == Q.MXFP4 and len(blocks) > 2:
         blocks[:2, 0] = (0, 1)  # the subnormal branch of the e8m0 scale
     return blocks.reshape(byte_shape)
@@ -118,7 +122,7 @@ def test_supported_and_byte_size() -> None:
         assert byte_size(qtype, shape) == want
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_1, Q.IQ2_XXS, Q.Q8_K, 9999])
+@pytest.mark.parametrize("qtype", [Q.Q8_1, Q.Q8_K, 9999])
 def test_unsupported_type(qtype: object) -> None:
     with pytest.raises(ValueError, match=r"blk\.0\.x.*unsupported quant type"):
         dequantize(torch.zeros(64, dtype=torch.uint8), qtype, (32,), name="blk.0.x")  # type: ignore[arg-type]
