@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+import re
+
 import numpy as np
 import torch
 from gguf import GGUFReader
@@ -17,12 +19,21 @@ from moestream.decoder.models import load_model
 
 
 def gguf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor as float32 in numpy (= HF) shape order, via gguf-py alone."""
+    """Every tensor as float32 in numpy (= HF) shape order, via gguf-py alone (every part of a
+    split file, found by llama.cpp's naming, NAME-0000k-of-0000n.gguf)."""
     out = {}
-    for t in GGUFReader(path).tensors:
-        arr = gguf_dequantize(np.asarray(t.data), t.tensor_type)
-        out[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist()))))
+    for part in _parts(Path(path)):
+        for t in GGUFReader(part).tensors:
+            arr = gguf_dequantize(np.asarray(t.data), t.tensor_type)
+            out[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist()))))
     return out
+
+
+def _parts(path: Path) -> list[Path]:
+    m = re.fullmatch(r"(.*)-(\d{5})-of-(\d{5})\.gguf", path.name)
+    if not m:
+        return [path]
+    return [path.with_name(f"{m[1]}-{k:05d}-of-{m[3]}.gguf") for k in range(1, int(m[3]) + 1)]
 
 
 def max_logit_diff(path: str | Path, build_hf: Callable[[str | Path], torch.nn.Module], prompt_len: int,

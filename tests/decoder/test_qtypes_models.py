@@ -1,5 +1,7 @@
 """Models whose experts are in the low-bit types, end to end: a `--mix` file (gate/up Q2_K,
-down Q4_K, one layer Q8_0), one with Q1_0 experts and one with NVFP4 experts. Each decodes with
+down Q4_K, one layer Q8_0), a split file (gate/up IQ1_S, down Q2_K, as dynamic low-bit quants
+ship, each expert's gate, up and down in different parts), one with Q1_0 experts and one with
+NVFP4 experts. Each decodes with
 its experts resident as the file's blocks (the CPU kernels) within 1e-4 of Hugging Face's model
 run in float64 on the reference-dequantized weights (gguf-py; Q1_0: tests/qref.py), and streamed
 through a real daemon's arena equals resident bit for bit."""
@@ -27,6 +29,8 @@ BASE = dict(arch="qwen3moe", layers=3, experts=8, top_k=2)
 MODELS = {  # name -> (make_model kwargs, expected expert types of layers 0..2 as (gate, up, down))
     "mix": (dict(quant="Q8_0", mix="gate_up=Q2_K,down=Q4_K,layers:1=Q8_0"),
             [(Q.Q2_K, Q.Q2_K, Q.Q4_K), (Q.Q8_0,) * 3, (Q.Q2_K, Q.Q2_K, Q.Q4_K)]),
+    "split-IQ1_S-Q2_K": (dict(quant="Q8_0", mix="gate_up=IQ1_S,down=Q2_K", split_max_size=60_000),
+                         [(Q.IQ1_S, Q.IQ1_S, Q.Q2_K)] * 3),
     "Q1_0": (dict(quant="Q8_0", expert_quant="Q1_0"), [(Q.Q1_0,) * 3] * 3),
     "NVFP4": (dict(quant="Q8_0", expert_quant="NVFP4"), [(Q.NVFP4,) * 3] * 3),
 }
@@ -41,6 +45,8 @@ def model(request, make_tiny_model):
     for layer, want in enumerate(types):  # each tensor in its own type
         got = tuple(layout.tensors[f"blk.{layer}.ffn_{p}_exps.weight"].qtype for p in ("gate", "up", "down"))
         assert got == want, f"layer {layer}: {got}"
+    if "split_max_size" in kwargs:  # an expert's gate, up and down read from three parts
+        assert len({p.file for p in layout.experts.parts(0, 0)}) == 3, layout.files
     return path
 
 
