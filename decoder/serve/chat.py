@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         from ..generation.sampling import SamplingParams
 
         SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.min_p)  # validates them
-        cfg = ServeConfig(model=args.model, iod=args.iod, resident=args.resident, device=args.device,
+        cfg = ServeConfig(model=args.model, chat_template=args.chat_template, iod=args.iod, resident=args.resident, device=args.device,
                           dtype=args.dtype, prefetch=args.prefetch, max_model_len=args.max_model_len,
                           threads=args.threads)
         from .main import open_engine

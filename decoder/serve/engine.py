@@ -24,7 +24,7 @@ import torch
 
 from ..experts.source import ExpertSource
 from ..models.moe_transformer import LayerObserver, MoEModel
-from ..generation.sampling import Sampler, SamplingParams
+from ..generation.sampling import Sampler, SamplingParams, adjust_logits
 from .metrics import ServeMetrics
 
 if TYPE_CHECKING:
@@ -40,6 +40,8 @@ class GenRequest:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     logprobs: int | None = None  # None = off; n = the chosen token's logprob and the n most likely
+    grammar: str | None = None  # llguidance grammar the reply must follow (json, tool calls)
+    ignore_eos: bool = False  # generate max_tokens whatever the model's stop tokens say
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,36 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class DoneEvent:
-    finish: str  # "stop" (a stop id) | "length" | "cancelled"
+    finish: str  # "stop" (a stop id, or the grammar complete) | "length" | "cancelled"
+    experts: dict[str, float] = field(default_factory=dict)  # this request's share (ExpertShare.json)
+
+
+# source counter -> per-request field: each step's change is shared equally by its sequences
+SHARED_COUNTERS = {"bytes_fetched": "expert_bytes_fetched", "hits": "arena_hits", "misses": "arena_misses",
+                   "stall_s": "stall_s", "hidden": "prefetch_hidden", "useful": "prefetch_useful"}
+
+
+@dataclass
+class ExpertShare:
+    """One request's part of the expert traffic of the steps it ran in."""
+
+    used_bytes: float = 0.0  # distinct experts of each step's routing
+    counters: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SHARED_COUNTERS.values(), 0.0))
+    steps: int = 0
+
+    def add(self, used: float, deltas: dict[str, float]) -> None:
+        self.used_bytes += used
+        self.steps += 1
+        for k, v in deltas.items():
+            self.counters[k] += v
+
+    def json(self) -> dict[str, float]:
+        c = self.counters
+        would_miss = c["arena_misses"] + c["prefetch_useful"]
+        return {"expert_bytes_used": round(self.used_bytes), "expert_bytes_fetched": round(c["expert_bytes_fetched"]),
+                "arena_hits": round(c["arena_hits"], 3), "arena_misses": round(c["arena_misses"], 3),
+                "expert_stall_s": round(c["stall_s"], 6), "steps": self.steps,
+                "prefetch_hidden_share": round(c["prefetch_hidden"] / would_miss, 4) if would_miss else 0.0}
 
 
 @dataclass(frozen=True)
@@ -74,6 +105,9 @@ class Sequence:
         self.req, self.emit = req, emit
         self.sampler = Sampler(req.sampling)
         self.cache: Any = None  # KV cache, allocated on admission
+        self.constraint: Any = None  # grammar.Constraint, made on admission when the request has a grammar
+        self.share = ExpertShare()
+        self.stopped_by_text = False  # the reader found a stop string: ends as "stop", not "cancelled"
         self.fed = 0  # prompt tokens already in the cache
         self.out: list[int] = []
         self.cancelled = False  # set from any thread; a plain bool store is atomic
@@ -81,6 +115,11 @@ class Sequence:
         self.t_last = 0.0  # when the last token was sampled
 
     def cancel(self) -> None:
+        self.cancelled = True
+
+    def stop(self) -> None:
+        """The reply is complete (a stop string): end it, counted as a stop."""
+        self.stopped_by_text = True
         self.cancelled = True
 
     @property
@@ -125,8 +164,10 @@ class Parts:
 
 class Engine:
     def __init__(self, build: Callable[[], Parts], *, max_seqs: int, max_step_tokens: int,
-                 metrics: ServeMetrics | None = None):
+                 metrics: ServeMetrics | None = None, grammars: Callable[[], Any] | None = None):
         self._build, self.max_seqs, self.max_step_tokens = build, max_seqs, max_step_tokens
+        self._grammars = grammars  # -> grammar.GrammarBook, for requests with a grammar
+        self._drain_at: float | None = None  # shutting down: running sequences end at this time
         self.metrics = metrics or ServeMetrics()
         self.parts: Parts | None = None
         self.inbox: queue.SimpleQueue[Sequence | None] = queue.SimpleQueue()
@@ -157,6 +198,29 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.failure is None
 
+    @property
+    def draining(self) -> bool:
+        return self._drain_at is not None
+
+    def shutdown(self, grace_s: float) -> None:
+        """Admit nothing more; sequences still running after `grace_s` end with an error event."""
+        self._drain_at = time.monotonic() + grace_s
+        self.inbox.put(None)  # wake the loop
+
+    def unreachable(self) -> str | None:
+        """Why the expert source cannot serve now (a daemon that is gone or reconnecting), or None."""
+        client = getattr(self.parts.source, "client", None) if self.parts is not None else None
+        if client is None:
+            return None
+        state = client.state.value
+        if state != "connected":
+            return f"moestream-iod at {client.endpoint} is unreachable ({state})"
+        try:
+            client.ping(timeout_s=2.0)
+        except Exception as e:
+            return f"moestream-iod at {client.endpoint} does not answer: {e}"
+        return None
+
     def stats(self) -> dict[str, Any]:
         """The expert source's counters (read from another thread: a snapshot, good enough to print)."""
         return dict(self.parts.source.stats()) if self.parts is not None else {}
@@ -185,9 +249,14 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stop:
-            self._admit(block=not self.running)
+            self._admit(block=not self.running and not self.draining)
+            if self._drain_at is not None and time.monotonic() >= self._drain_at:
+                for seq in list(self.running):
+                    self._finish(seq, ErrorEvent("the server is shutting down"), "cancelled")
             if self.running:
                 self.step()
+            elif self.draining:
+                time.sleep(0.01)
 
     def _admit(self, block: bool) -> None:
         """Take new requests from the inbox; move waiting ones into the batch while there is room."""
@@ -202,12 +271,24 @@ class Engine:
         for seq in [s for s in self.waiting if s.cancelled]:  # gone before they got a place
             self.waiting.remove(seq)
             self._finish(seq, DoneEvent("cancelled"), "cancelled")
+        while self.waiting and self.draining:
+            self._finish(self.waiting.popleft(), ErrorEvent("the server is shutting down"), "cancelled")
         while self.waiting and len(self.running) < self.max_seqs:
             seq = self.waiting.popleft()
+            if seq.req.grammar is not None and not self._constrain(seq):
+                continue
             seq.cache = self.parts.model.new_cache(1, len(seq.req.prompt) + seq.req.max_tokens)
             self.running.append(seq)
         self.metrics.running.set(len(self.running))
         self.metrics.waiting.set(len(self.waiting))
+
+    def _constrain(self, seq: Sequence) -> bool:
+        try:
+            seq.constraint = self._grammars().constraint(seq.req.grammar)
+            return True
+        except Exception as e:  # checked at request time; a failure here ends this request only
+            self._finish(seq, ErrorEvent(f"grammar: {e}"), "error")
+            return False
 
     def step(self) -> None:
         """Schedule -> run -> postprocess, for every running sequence at once."""
@@ -240,13 +321,19 @@ class Engine:
         p = self.parts
         dev = p.model.device
         steps = [(torch.tensor([toks], dtype=torch.int64, device=dev), s.cache) for s, toks in batch]  # [1, T_i]
-        before_used, before_fetched = p.observer.bytes, p.source.stats().get("bytes_fetched", 0)
+        before_used, before = p.observer.bytes, p.source.stats()
         logits = p.model.forward_many(steps, p.source, p.observer)  # [S, V]
+        after = p.source.stats()
+        deltas = {name: max(0.0, float(after.get(k, 0) - before.get(k, 0))) / len(batch)
+                  for k, name in SHARED_COUNTERS.items()}
+        used = p.observer.bytes - before_used
+        for s, _ in batch:
+            s.share.add(used / len(batch), deltas)
         m = self.metrics
         m.steps.inc()
         m.step_sequences.observe(len(batch))
-        m.expert_used.inc(p.observer.bytes - before_used)
-        m.expert_fetched.inc(max(0, p.source.stats().get("bytes_fetched", 0) - before_fetched))
+        m.expert_used.inc(used)
+        m.expert_fetched.inc(deltas["expert_bytes_fetched"] * len(batch))
         return logits
 
     def _postprocess(self, batch: list[tuple[Sequence, list[int]]], logits: torch.Tensor) -> None:
@@ -259,7 +346,7 @@ class Engine:
             self._sample(seq, logits[row:row + 1])  # [1, V]
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
-        tok = int(seq.sampler(logits)[0])
+        tok = int(seq.sampler(self._adjusted(seq, logits))[0])
         now = time.perf_counter()
         m = self.metrics
         if seq.t_last:
@@ -267,14 +354,31 @@ class Engine:
         else:
             m.ttft.observe(now - seq.t_submit)
         seq.t_last = now
-        if tok in self.parts.stop_ids:
+        if tok in self.parts.stop_ids and not (seq.req.ignore_eos and seq.constraint is None):
             self._finish(seq, DoneEvent("stop"), "stop")
+            return
+        if seq.constraint is not None and not seq.constraint.accept(tok):
+            self._finish(seq, ErrorEvent(f"grammar rejected token {tok}: {seq.constraint.error}"), "error")
             return
         seq.out.append(tok)
         m.generation_tokens.inc()
         self._emit(seq, token_event(tok, logits[0], seq.req.logprobs))
-        if len(seq.out) >= seq.req.max_tokens:
+        if seq.constraint is not None and seq.constraint.finished:
+            self._finish(seq, DoneEvent("stop"), "stop")
+        elif len(seq.out) >= seq.req.max_tokens:
             self._finish(seq, DoneEvent("length"), "length")
+
+    def _adjusted(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+        """logits [1, V] after the request's logit bias, penalties, grammar mask and ignore_eos."""
+        p = seq.req.sampling
+        if not (p.adjusts or seq.constraint is not None or seq.req.ignore_eos):
+            return logits
+        out = adjust_logits(logits.detach().float().cpu(), p, seq.req.prompt, seq.out)  # [1, V]
+        if seq.constraint is not None:
+            out = seq.constraint.mask(out)
+        elif seq.req.ignore_eos:
+            out[0, sorted(self.parts.stop_ids)] = float("-inf")
+        return out
 
     def _emit(self, seq: Sequence, ev: Event) -> None:
         try:
@@ -285,8 +389,13 @@ class Engine:
     def _finish(self, seq: Sequence, ev: Event, outcome: str) -> None:
         if seq in self.running:
             self.running.remove(seq)
-        seq.cache = None  # the KV cache goes with the request
+        seq.cache = seq.constraint = None  # the KV cache goes with the request
+        if outcome == "cancelled" and seq.stopped_by_text:
+            outcome = "stop"
+        if isinstance(ev, DoneEvent):
+            ev = DoneEvent(ev.finish, seq.share.json())
         self.metrics.requests.labels(outcome).inc()
+        self.metrics.observe_share(seq.share)
         self.metrics.running.set(len(self.running))
         self._emit(seq, ev)
 
