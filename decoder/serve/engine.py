@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..experts.source import ExpertSource
-from ..models.moe_transformer import LayerObserver, MoEModel
+from ..models.moe_transformer import MoEModel
 from ..generation.sampling import Sampler, SamplingParams, adjust_logits
 from .metrics import ServeMetrics
+from .telemetry import ExpertShare, StepExperts, expert_counters
 
 if TYPE_CHECKING:
     from ...common.layout import ModelLayout
@@ -55,34 +56,6 @@ class TokenEvent:
 class DoneEvent:
     finish: str  # "stop" (a stop id, or the grammar complete) | "length" | "cancelled"
     experts: dict[str, float] = field(default_factory=dict)  # this request's share (ExpertShare.json)
-
-
-# source counter -> per-request field: each step's change is shared equally by its sequences
-SHARED_COUNTERS = {"bytes_fetched": "expert_bytes_fetched", "hits": "arena_hits", "misses": "arena_misses",
-                   "stall_s": "stall_s", "hidden": "prefetch_hidden", "useful": "prefetch_useful"}
-
-
-@dataclass
-class ExpertShare:
-    """One request's part of the expert traffic of the steps it ran in."""
-
-    used_bytes: float = 0.0  # distinct experts of each step's routing
-    counters: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SHARED_COUNTERS.values(), 0.0))
-    steps: int = 0
-
-    def add(self, used: float, deltas: dict[str, float]) -> None:
-        self.used_bytes += used
-        self.steps += 1
-        for k, v in deltas.items():
-            self.counters[k] += v
-
-    def json(self) -> dict[str, float]:
-        c = self.counters
-        would_miss = c["arena_misses"] + c["prefetch_useful"]
-        return {"expert_bytes_used": round(self.used_bytes), "expert_bytes_fetched": round(c["expert_bytes_fetched"]),
-                "arena_hits": round(c["arena_hits"], 3), "arena_misses": round(c["arena_misses"], 3),
-                "expert_stall_s": round(c["stall_s"], 6), "steps": self.steps,
-                "prefetch_hidden_share": round(c["prefetch_hidden"] / would_miss, 4) if would_miss else 0.0}
 
 
 @dataclass(frozen=True)
@@ -131,25 +104,6 @@ class Sequence:
         if self.prefilling:
             return self.req.prompt[self.fed:self.fed + budget]
         return [self.out[-1]]
-
-
-class StepExperts(LayerObserver):
-    """Counts the bytes of the distinct experts each layer's routing picked (the union over the
-    step's sequences), and passes every call on to an inner observer (the prefetcher)."""
-
-    def __init__(self, blob_bytes: list[int], inner: LayerObserver | None):
-        self.blob_bytes, self.inner = blob_bytes, inner or LayerObserver()
-        self.bytes = 0
-
-    def after_attention(self, layer: int, h: torch.Tensor) -> None:
-        self.inner.after_attention(layer, h)
-
-    def routed(self, layer: int, ids: torch.Tensor) -> None:
-        self.bytes += self.blob_bytes[layer] * int(ids.unique().numel())  # ids [n, k]
-        self.inner.routed(layer, ids)
-
-    def after_layer(self, layer: int, h: torch.Tensor) -> None:
-        self.inner.after_layer(layer, h)
 
 
 @dataclass
@@ -321,11 +275,10 @@ class Engine:
         p = self.parts
         dev = p.model.device
         steps = [(torch.tensor([toks], dtype=torch.int64, device=dev), s.cache) for s, toks in batch]  # [1, T_i]
-        before_used, before = p.observer.bytes, p.source.stats()
+        before_used, before = p.observer.bytes, expert_counters(p.source.stats())
         logits = p.model.forward_many(steps, p.source, p.observer)  # [S, V]
-        after = p.source.stats()
-        deltas = {name: max(0.0, float(after.get(k, 0) - before.get(k, 0))) / len(batch)
-                  for k, name in SHARED_COUNTERS.items()}
+        after = expert_counters(p.source.stats())
+        deltas = {k: max(0.0, after[k] - before[k]) / len(batch) for k in after}
         used = p.observer.bytes - before_used
         for s, _ in batch:
             s.share.add(used / len(batch), deltas)
