@@ -63,7 +63,7 @@ def harmony(tmp_path_factory):
 
     log = tmp_path_factory.mktemp("harmony") / "serve.log"
     extra = ["--chat-template", str(TEMPLATES / "harmony_tools.jinja"), "--api-key", "sesame",
-             "--cors-origin", "http://app.example", "--shutdown-grace", "1"]
+             "--cors-origin", "http://app.example", "--shutdown-grace", "0"]
     with spawn_server(MODEL, ["--resident"], log, extra) as srv:
         yield srv
 
@@ -323,7 +323,7 @@ def test_api_key_and_cors(harmony):
 def test_sigterm_mid_stream_ends_it_with_an_error_event_and_done(harmony):
     u = urlparse(harmony.url)
     conn = hc.HTTPConnection(u.hostname, u.port, timeout=60)
-    body = {"prompt": "def f(", "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {"prompt": "def f(", "max_tokens": 250, "temperature": 0, "stream": True, "ignore_eos": True}
     conn.request("POST", "/v1/completions", json.dumps(body),
                  {"content-type": "application/json", "authorization": "Bearer sesame"})
     resp = conn.getresponse()
