@@ -184,12 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         from ..generation.sampling import SamplingParams
 
         SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.min_p)  # validates them
-        cfg = ServeConfig(model=args.model, chat_template=args.chat_template, iod=args.iod, resident=args.resident, device=args.device,
+        cfg = ServeConfig(model=args.model, iod=args.iod, resident=args.resident, device=args.device,
                           dtype=args.dtype, prefetch=args.prefetch, max_model_len=args.max_model_len,
-                          threads=args.threads)
+                          threads=args.threads, chat_template=args.chat_template)
         from .main import open_engine
 
-        _, tok, engine, limit = open_engine(cfg)
+        _, tok, engine, limit = open_engine(cfg, "moestream-chat")
         if not tok.chat_template:
             raise ConfigError("this model has no tokenizer.chat_template; use `moestream generate`")
         return repl(Chat(engine, tok, limit, args))

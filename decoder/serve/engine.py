@@ -375,7 +375,8 @@ class Engine:
                 self._finish(seq, ev, "cancelled")
 
 
-def open_parts(cfg: ServeConfig, layout: ModelLayout, stop_ids: frozenset[int]) -> Parts:
+def open_parts(cfg: ServeConfig, layout: ModelLayout, stop_ids: frozenset[int],
+               name: str = "moestream-serve") -> Parts:
     """Model, expert source and observer for a `ServeConfig`, opened as `moestream generate` opens
     them (called on the engine thread, which then owns them)."""
     from ..cli import open_resident, open_streamed, use_threads
@@ -385,7 +386,7 @@ def open_parts(cfg: ServeConfig, layout: ModelLayout, stop_ids: frozenset[int]) 
     use_threads(dc.threads)  # this (the engine) thread's compute
     model = load_model(layout, dc.torch_device, dc.torch_dtype, progress=dc.progress,
                        keep_quantized=dc.resolved_slot_format == "quant")
-    source, hook = (open_resident if dc.resident else open_streamed)(dc, layout, model)
+    source, hook = open_resident(dc, layout, model) if dc.resident else open_streamed(dc, layout, model, name)
     blob_bytes = [layout.experts.blob_bytes(i) for i in range(layout.hparams.n_layer)]
     return Parts(model, source, StepExperts(blob_bytes, hook), stop_ids)
 

@@ -13,7 +13,7 @@ from ..config import ConfigError
 from .config import ServeConfig, build_parser, config_from_args
 
 
-def open_engine(cfg: ServeConfig):
+def open_engine(cfg: ServeConfig, client_name: str = "moestream-serve"):
     """Layout, tokenizer and a started engine for `cfg` (model and source load on the engine thread)."""
     import dataclasses
     import functools
@@ -32,7 +32,7 @@ def open_engine(cfg: ServeConfig):
         raise ConfigError(f"--max-model-len {cfg.max_model_len} is over the model's context length "
                           f"{layout.hparams.context_length}")
     grammars = functools.lru_cache(maxsize=1)(lambda: GrammarBook(tok))  # one per server, made on first use
-    engine = Engine(lambda: open_parts(cfg, layout, tok.stop_ids), max_seqs=cfg.max_seqs,
+    engine = Engine(lambda: open_parts(cfg, layout, tok.stop_ids, client_name), max_seqs=cfg.max_seqs,
                     max_step_tokens=cfg.max_step_tokens, grammars=grammars)
     engine.grammars = grammars
     engine.start()
