@@ -275,9 +275,10 @@ class Engine:
         p = self.parts
         dev = p.model.device
         steps = [(torch.tensor([toks], dtype=torch.int64, device=dev), s.cache) for s, toks in batch]  # [1, T_i]
-        before_used, before = p.observer.bytes, expert_counters(p.source.stats())
+        client = getattr(p.source, "client", None)
+        before_used, before = p.observer.bytes, expert_counters(p.source.stats(), getattr(client, "bytes_received", None))
         logits = p.model.forward_many(steps, p.source, p.observer)  # [S, V]
-        after = expert_counters(p.source.stats())
+        after = expert_counters(p.source.stats(), getattr(client, "bytes_received", None))
         deltas = {k: max(0.0, after[k] - before[k]) / len(batch) for k in after}
         used = p.observer.bytes - before_used
         for s, _ in batch:

@@ -8,7 +8,7 @@ requests add up to the source's counters over the same steps. `usage.moestream` 
 | field | meaning |
 |---|---|
 | expert_bytes_used | bytes of the distinct experts the steps routed to (share) |
-| expert_bytes_fetched | expert bytes the source fetched from the daemon (share; 0 resident) |
+| expert_bytes_fetched | expert bytes the daemon delivered (demand and prefetch; share; 0 resident) |
 | arena_hits, arena_misses | experts found in the arena / fetched on demand (share) |
 | expert_stall_s | time the steps waited on experts (share) |
 | prefetch_hidden_share | of the experts that would have missed, those whose I/O prefetch hid |
@@ -25,12 +25,14 @@ import torch
 from ..models.moe_transformer import LayerObserver
 
 
-def expert_counters(st: dict[str, Any]) -> dict[str, float]:
+def expert_counters(st: dict[str, Any], received: int | None = None) -> dict[str, float]:
     """The counters a request gets a share of, from either streamed source's stats (the arena
-    source counts demand fetches and nests its prefetch counters; the slot cache counts hits)."""
+    source counts demand fetches and nests its prefetch counters; the slot cache counts hits).
+    `received`: the daemon client's count of every blob delivered (prefetches too), preferred."""
     pre = st.get("prefetch") if isinstance(st.get("prefetch"), dict) else {}
     misses = st.get("misses", st.get("demand", 0))
-    return {"expert_bytes_fetched": float(st.get("bytes_fetched", 0)),
+    fetched = received if received is not None else st.get("bytes_fetched", 0)
+    return {"expert_bytes_fetched": float(fetched),
             "arena_hits": float(st.get("hits", st.get("acquired", 0) - misses)), "arena_misses": float(misses),
             "stall_s": float(st.get("stall_s", 0.0)), "prefetch_hidden": float(st.get("hidden", pre.get("hidden", 0))),
             "prefetch_useful": float(st.get("useful", pre.get("useful", 0)))}
