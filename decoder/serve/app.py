@@ -54,6 +54,7 @@ class Delta:
     finish: str | None = None
     calls: list[tl.ToolCall] = field(default_factory=list)
     experts: dict | None = None  # with the finish: this choice's expert traffic
+    cached: int = 0  # with the finish: prompt tokens the prefix cache gave
     index: int = 0
 
 
@@ -191,7 +192,7 @@ async def deltas(state: ServerState, job: api.Job, req: GenRequest, index: int) 
                 piece, calls = tool_split(split, text.finish(), final=True)
                 called = called or bool(calls)
                 reason = "tool_calls" if called else "stop" if ev.finish == "cancelled" else ev.finish
-                yield Delta(piece, None, reason, calls, ev.experts, index)
+                yield Delta(piece, None, reason, calls, experts=ev.experts, cached=ev.cached_tokens, index=index)
                 return
             if isinstance(ev, ErrorEvent):
                 raise api.ApiError(500, ev.message, kind="server_error")
@@ -231,26 +232,27 @@ async def collect(request: Request, state: ServerState, job: api.Job) -> Respons
         gone.cancel()
 
 
-async def gather_choice(state: ServerState, job: api.Job, req: GenRequest, index: int) -> tuple[dict, int, dict]:
-    parts, tokens, calls, finish, experts = [], [], [], None, {}
+async def gather_choice(state: ServerState, job: api.Job, req: GenRequest, index: int) -> tuple[dict, int, Delta]:
+    parts, tokens, calls, finish, last = [], [], [], None, Delta()
     gen = deltas(state, job, req, index)
     try:
         async for d in gen:
             parts.append(d.text)
             tokens += [d.token] if d.token is not None else []
             calls += d.calls
-            finish, experts = d.finish or finish, d.experts or experts
+            finish, last = d.finish or finish, d if d.finish else last
     finally:
         await gen.aclose()
     lp = api.logprobs_json(job, tokens, partial(token_text, state.tok))
-    return api.choice(job, "".join(parts), lp, finish, delta=False, index=index, calls=calls), len(tokens), experts
+    return api.choice(job, "".join(parts), lp, finish, delta=False, index=index, calls=calls), len(tokens), last
 
 
 async def gather(state: ServerState, job: api.Job) -> dict:
     done = await asyncio.gather(*(gather_choice(state, job, r, i) for i, r in enumerate(api.choice_requests(job))))
-    choices = [c for c, _, _ in done]
-    used = api.usage(job, sum(n for _, n, _ in done), sum_shares([e for _, _, e in done]))
-    return api.envelope(job, state.model_id, choices, chunk=False, usage_=used)
+    ends = [d for _, _, d in done]
+    used = api.usage(job, sum(n for _, n, _ in done), sum_shares([d.experts or {} for d in ends]),
+                     sum(d.cached for d in ends))
+    return api.envelope(job, state.model_id, [c for c, _, _ in done], chunk=False, usage_=used)
 
 
 def sum_shares(shares: list[dict]) -> dict:
@@ -302,7 +304,7 @@ async def wait_disconnect(request: Request) -> None:
 async def sse(state: ServerState, job: api.Job) -> AsyncIterator[str]:
     """Server-sent events: one chunk per token, the finish reason, usage if asked, then [DONE];
     an error (the engine failed, the server shuts down) comes as an error event before [DONE]."""
-    n, first, offsets, n_calls, shares = 0, set(), [0] * job.n, [0] * job.n, []
+    n, first, offsets, n_calls, shares, cached = 0, set(), [0] * job.n, [0] * job.n, [], 0
     gen = merged(state, job)
     try:
         async for d in gen:
@@ -313,6 +315,7 @@ async def sse(state: ServerState, job: api.Job) -> AsyncIterator[str]:
                 offsets[d.index] += len(token_text(state.tok, d.token.token))
             if d.experts is not None:
                 shares.append(d.experts)
+            cached += d.cached
             choice = api.choice(job, d.text, lp, d.finish, delta=True, first=d.index not in first, index=d.index,
                                 calls=d.calls, call_base=n_calls[d.index])
             first.add(d.index)
@@ -323,7 +326,7 @@ async def sse(state: ServerState, job: api.Job) -> AsyncIterator[str]:
     finally:
         await gen.aclose()
     if job.include_usage:
-        yield event(api.envelope(job, state.model_id, [], chunk=True, usage_=api.usage(job, n, sum_shares(shares))))
+        yield event(api.envelope(job, state.model_id, [], chunk=True, usage_=api.usage(job, n, sum_shares(shares), cached)))
     yield "data: [DONE]\n\n"
 
 

@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.min_p)  # validates them
         cfg = ServeConfig(model=args.model, iod=args.iod, resident=args.resident, device=args.device,
                           dtype=args.dtype, prefetch=args.prefetch, max_model_len=args.max_model_len,
-                          threads=args.threads, chat_template=args.chat_template)
+                          threads=args.threads, chat_template=args.chat_template,
+                          **({"prefix_cache_mb": args.prefix_cache_mb} if args.prefix_cache_mb is not None else {}))
         from .main import open_engine
 
         _, tok, engine, limit = open_engine(cfg, "moestream-chat")

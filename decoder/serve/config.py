@@ -35,6 +35,7 @@ class ServeConfig:
     cors_origin: list[str] | None = None  # origins browsers may call from ("*": any)
     access_log: bool = True  # one line per request on stderr
     shutdown_grace_s: float = 5.0  # SIGTERM: running replies get this long, then end with an error event
+    prefix_cache_mb: int = 256  # KV caches of finished requests kept for prompts that start the same (0 = off)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -44,7 +45,7 @@ class ServeConfig:
         if bool(self.iod) == bool(self.resident):
             raise ConfigError("choose exactly one expert source: --iod ENDPOINT (streamed) or --resident")
         for name, low in (("port", 0), ("max_seqs", 1), ("max_step_tokens", 1), ("max_model_len", 2),
-                          ("metrics_port", 0), ("prefetch", 0), ("threads", 1)):
+                          ("metrics_port", 0), ("prefetch", 0), ("threads", 1), ("prefix_cache_mb", 0)):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -83,6 +84,9 @@ def add_source_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefetch", type=int, default=1, help="router look-ahead layers for streamed experts (0 = off)")
     ap.add_argument("--max-model-len", type=int, dest="max_model_len",
                     help="limit on prompt + completion tokens (default: the model's context length)")
+    ap.add_argument("--prefix-cache-mb", dest="prefix_cache_mb", type=int, metavar="MB",
+                    help="keep finished requests' KV caches up to MB (default 256; 0 = off): a prompt that starts "
+                         "like one of them (the next chat turn) prefills only the rest")
     ap.add_argument("--chat-template", dest="chat_template", metavar="FILE",
                     help="a jinja chat template replacing the GGUF's tokenizer.chat_template")
     add_threads_arg(ap)

@@ -26,6 +26,7 @@ from ..experts.source import ExpertSource
 from ..models.moe_transformer import MoEModel
 from ..generation.sampling import Sampler, SamplingParams, adjust_logits
 from .metrics import ServeMetrics
+from .prefix import MIN_REUSE, PrefixCache, seed
 from .telemetry import ExpertShare, StepExperts, expert_counters
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class TokenEvent:
 class DoneEvent:
     finish: str  # "stop" (a stop id, or the grammar complete) | "length" | "cancelled"
     experts: dict[str, float] = field(default_factory=dict)  # this request's share (ExpertShare.json)
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class Sequence:
         self.cache: Any = None  # KV cache, allocated on admission
         self.constraint: Any = None  # grammar.Constraint, made on admission when the request has a grammar
         self.share = ExpertShare()
+        self.cached = 0  # prompt tokens taken from the prefix cache
         self.stopped_by_text = False  # the reader found a stop string: ends as "stop", not "cancelled"
         self.fed = 0  # prompt tokens already in the cache
         self.out: list[int] = []
@@ -118,10 +121,12 @@ class Parts:
 
 class Engine:
     def __init__(self, build: Callable[[], Parts], *, max_seqs: int, max_step_tokens: int,
-                 metrics: ServeMetrics | None = None, grammars: Callable[[], Any] | None = None):
+                 metrics: ServeMetrics | None = None, grammars: Callable[[], Any] | None = None,
+                 prefix_cache_bytes: int = 0):
         self._build, self.max_seqs, self.max_step_tokens = build, max_seqs, max_step_tokens
         self._grammars = grammars  # -> grammar.GrammarBook, for requests with a grammar
         self._drain_at: float | None = None  # shutting down: running sequences end at this time
+        self.prefixes = PrefixCache(prefix_cache_bytes)  # engine thread only
         self.metrics = metrics or ServeMetrics()
         self.parts: Parts | None = None
         self.inbox: queue.SimpleQueue[Sequence | None] = queue.SimpleQueue()
@@ -232,9 +237,26 @@ class Engine:
             if seq.req.grammar is not None and not self._constrain(seq):
                 continue
             seq.cache = self.parts.model.new_cache(1, len(seq.req.prompt) + seq.req.max_tokens)
+            self._reuse_prefix(seq)
             self.running.append(seq)
         self.metrics.running.set(len(self.running))
         self.metrics.waiting.set(len(self.waiting))
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        entry, n = self.prefixes.match(seq.req.prompt)
+        if entry is not None:
+            seed(seq.cache, entry.cache, n)
+            seq.fed = seq.cached = n
+            self.metrics.prefix_tokens.inc(n)
+
+    def _keep_prefix(self, seq: Sequence) -> None:
+        """A finished request's cache, for a later prompt that starts the same way."""
+        c = seq.cache
+        if not self.prefixes.budget or c.length < MIN_REUSE:
+            return
+        kept = self.parts.model.new_cache(1, c.length)  # only what it holds, not the request's capacity
+        seed(kept, c, c.length)
+        self.prefixes.put((seq.req.prompt + seq.out)[:c.length], kept)
 
     def _constrain(self, seq: Sequence) -> bool:
         try:
@@ -343,11 +365,13 @@ class Engine:
     def _finish(self, seq: Sequence, ev: Event, outcome: str) -> None:
         if seq in self.running:
             self.running.remove(seq)
-        seq.cache = seq.constraint = None  # the KV cache goes with the request
         if outcome == "cancelled" and seq.stopped_by_text:
             outcome = "stop"
+        if outcome in ("stop", "length") and seq.cache is not None and not seq.prefilling:
+            self._keep_prefix(seq)
+        seq.cache = seq.constraint = None  # the request's own reference goes; the prefix cache may keep it
         if isinstance(ev, DoneEvent):
-            ev = DoneEvent(ev.finish, seq.share.json())
+            ev = DoneEvent(ev.finish, seq.share.json(), seq.cached)
         self.metrics.requests.labels(outcome).inc()
         self.metrics.observe_share(seq.share)
         self.metrics.running.set(len(self.running))

@@ -33,7 +33,8 @@ def open_engine(cfg: ServeConfig, client_name: str = "moestream-serve"):
                           f"{layout.hparams.context_length}")
     grammars = functools.lru_cache(maxsize=1)(lambda: GrammarBook(tok))  # one per server, made on first use
     engine = Engine(lambda: open_parts(cfg, layout, tok.stop_ids, client_name), max_seqs=cfg.max_seqs,
-                    max_step_tokens=cfg.max_step_tokens, grammars=grammars)
+                    max_step_tokens=cfg.max_step_tokens, grammars=grammars,
+                    prefix_cache_bytes=cfg.prefix_cache_mb << 20)
     engine.grammars = grammars
     engine.start()
     return layout, tok, engine, limit

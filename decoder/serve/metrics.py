@@ -7,6 +7,7 @@ Names follow Prometheus conventions: a `moestream_serve_` prefix, base units in 
 |---|---|---|
 | moestream_serve_requests_total{outcome} | counter | finished requests: stop, length, cancelled, error |
 | moestream_serve_prompt_tokens_total | counter | prompt tokens prefilled |
+| moestream_serve_prefix_cached_tokens_total | counter | prompt tokens taken from the prefix cache instead |
 | moestream_serve_generation_tokens_total | counter | tokens generated |
 | moestream_serve_time_to_first_token_seconds | histogram | request accepted -> first token sampled |
 | moestream_serve_time_per_output_token_seconds | histogram | between consecutive tokens of one request |
@@ -51,6 +52,8 @@ class ServeMetrics:
             self.requests.labels(o)  # present at 0 from the start, so rates work
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        self.prefix_tokens = Counter(p + "prefix_cached_tokens", "Prompt tokens taken from the prefix cache "
+                                     "(not prefilled)", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Request accepted to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(p + "time_per_output_token_seconds", "Time between consecutive tokens of a request",

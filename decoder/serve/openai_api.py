@@ -240,11 +240,12 @@ def message_text(content: Any, i: int) -> str:
 
 
 # -- responses ---------------------------------------------------------------------------------
-def usage(job: Job, completion_tokens: int, experts: dict | None = None) -> dict[str, Any]:
-    """OpenAI's counts, and the `moestream` extension: this request's share of the expert traffic."""
+def usage(job: Job, completion_tokens: int, experts: dict | None = None, cached: int = 0) -> dict[str, Any]:
+    """OpenAI's counts (cached_tokens: prompt tokens the prefix cache gave), and the `moestream`
+    extension: this request's share of the expert traffic."""
     p = len(job.req.prompt) * job.n
     out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": completion_tokens,
-                           "total_tokens": p + completion_tokens}
+                           "total_tokens": p + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
     if experts is not None:
         out["moestream"] = experts
     return out

@@ -354,3 +354,29 @@ def test_health_is_503_while_the_daemon_is_gone(tmp_path):
                 assert time.monotonic() < deadline, "health stayed ok without a daemon"
                 time.sleep(0.2)
             assert h[0] == 503 and "moestream-iod" in h[2]["error"]["message"]
+
+
+# -- prefix reuse -------------------------------------------------------------------------------------
+def test_a_second_chat_turn_prefills_only_its_new_tokens(qwen, resident):
+    """Turn 2's prompt starts with turn 1's prompt and reply: the prefix cache gives those keys and
+    values, and the greedy reply is still the resident decoder's for the whole prompt."""
+    tok = resident[2]
+    c = client_of(qwen)
+    turn1 = [{"role": "user", "content": "count: one two"}]
+    r1 = c.chat.completions.create(model="tiny-qwen3moe-q8_0", messages=turn1, max_tokens=8, temperature=0)
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "and then?"}]
+    ids2 = tok.encode(qwen_render(turn2))
+    r2 = c.chat.completions.create(model="tiny-qwen3moe-q8_0", messages=turn2, max_tokens=8, temperature=0)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert r2.usage.prompt_tokens == len(ids2)
+    assert cached >= r1.usage.prompt_tokens  # at least all of turn 1's prompt was reused
+    assert r2.choices[0].message.content == tok.decode(greedy(resident, ids2, 8))
+
+
+def qwen_render(messages: list[dict]) -> str:
+    import jinja2
+
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string((TEMPLATES / "qwen_tools.jinja").read_text()).render(messages=messages,
+                                                                                 add_generation_prompt=True)
