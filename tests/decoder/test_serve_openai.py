@@ -115,7 +115,69 @@ def test_json_schema_replies_validate(qwen):
         assert r.choices[0].text.startswith("{")
 
 
+def test_grammars_apply_per_sequence_inside_one_batch(qwen, resident):
+    """Two schema-constrained requests and a free one run in the same steps: each follows its own
+    grammar (or none: the free one is the resident decoder's greedy reply)."""
+    import concurrent.futures as cf
+
+    tok = resident[2]
+    c = client_of(qwen)
+    other = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "additionalProperties": False}
+
+    def constrained(schema: dict) -> str:
+        rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        return c.chat.completions.create(model="tiny-qwen3moe-q8_0", messages=ASK, max_tokens=40, temperature=0,
+                                         response_format=rf).choices[0].message.content
+
+    def free() -> str:
+        return c.completions.create(model="tiny-qwen3moe-q8_0", prompt="def main(", max_tokens=30,
+                                    temperature=0).choices[0].text
+
+    with cf.ThreadPoolExecutor(3) as pool:
+        a, b, f = pool.submit(constrained, WEATHER), pool.submit(constrained, other), pool.submit(free)
+        jsonschema.validate(json.loads(a.result()), WEATHER)
+        jsonschema.validate(json.loads(b.result()), other)
+        assert f.result() == tok.decode(greedy(resident, tok.encode("def main("), 30))
+
+
 # -- tool calls --------------------------------------------------------------------------------------
+def test_tool_choice_none_leaves_the_tools_out(qwen):
+    c = client_of(qwen)
+    r = c.chat.completions.create(model="tiny-qwen3moe-q8_0", messages=ASK, max_tokens=2, temperature=0,
+                                  tools=TOOLS, tool_choice="none")
+    plain = c.chat.completions.create(model="tiny-qwen3moe-q8_0", messages=ASK, max_tokens=2, temperature=0)
+    assert r.usage.prompt_tokens == plain.usage.prompt_tokens and not r.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("fmt, text, name, args", [
+    ("hermes", 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+     "get_weather", {"city": "Oslo"}),
+    ("glm", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n</tool_call>",
+     "get_weather", {"city": "Oslo"}),
+    ("deepseek", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                 '{"city": "Oslo"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "get_weather", {"city": "Oslo"}),
+    ("deepseek", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}'
+                 "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "get_weather", {"city": "Oslo"}),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]', "get_weather",
+     {"city": "Oslo"}),
+    ("harmony", "<|channel|>analysis<|message|>need weather<|end|><|start|>assistant<|channel|>commentary "
+                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}', "get_weather",
+     {"city": "Oslo"}),
+])
+def test_each_familys_call_text_parses(fmt, text, name, args):
+    """The call text each family's template teaches (as its own template and docs write it)."""
+    from moestream.decoder.serve.tools import ToolStream, parse
+
+    _, calls = parse(fmt, text)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [(name, args)]
+    s = ToolStream(fmt)  # streamed a few characters at a time, the same call comes out once
+    got = []
+    for i in range(0, len(text), 3):
+        got += s.add(text[i:i + 3])[1]
+    got += s.finish()[1]
+    assert [(c.name, json.loads(c.arguments)) for c in got] == [(name, args)]
+
 def test_qwen_forced_tool_call_is_parsed_into_tool_calls(qwen):
     r = client_of(qwen).chat.completions.create(model="tiny-qwen3moe-q8_0", messages=ASK, max_tokens=40,
                                                 temperature=0, tools=TOOLS, tool_choice="required",
