@@ -53,14 +53,15 @@ def lark_grammar(lark: str) -> str:
 class GrammarBook:
     """The model's tokenizer as llguidance sees it, and grammar checking against it."""
 
-    def __init__(self, tok: GGUFTokenizer):
+    def __init__(self, tok: GGUFTokenizer, n_vocab: int | None = None):
         import llguidance
 
         # the tokenizers-library JSON of our GGUF-built tokenizer: llguidance reads every token's
-        # bytes from it (byte-level BPE and SentencePiece byte fallback alike)
-        self.vocab_size = tok.vocab_size
+        # bytes from it (byte-level BPE and SentencePiece byte fallback alike); `n_vocab`: the
+        # model's logits width, often padded past the tokenizer's last token (never allowed)
+        self.vocab_size = max(tok.vocab_size, n_vocab or 0)
         self.stop_ids = sorted(tok.stop_ids)
-        self.lltok = llguidance.LLTokenizer(tok.tokenizer.to_str(), n_vocab=tok.vocab_size,
+        self.lltok = llguidance.LLTokenizer(tok.tokenizer.to_str(), n_vocab=self.vocab_size,
                                             eos_token=self.stop_ids or None)
 
     def check(self, grammar: str) -> None:
@@ -89,12 +90,12 @@ class Constraint:
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [1, V] (float32, cpu) with every token the grammar forbids at -inf."""
-        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
-
-        bits = allocate_token_bitmask(1, self.vocab_size)  # [1, ceil(V / 32)] int32
-        fill_next_token_bitmask(self.matcher, bits)
-        allowed = unpack_bits(bits[0], logits.shape[-1])  # [V] bool
-        return logits.masked_fill(~allowed, float("-inf"))
+        # (not llguidance.torch: its import compiles a kernel we do not need for one row)
+        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)  # [ceil(V / 32)]
+        allowed = unpack_bits(words, logits.shape[-1])  # [<= V] bool
+        out = torch.full_like(logits, float("-inf"))  # a logit past the grammar's vocabulary stays banned
+        out[:, :allowed.shape[0]] = logits[:, :allowed.shape[0]].masked_fill(~allowed, float("-inf"))
+        return out
 
     def accept(self, token: int) -> bool:
         """Advance by the sampled token; False if the grammar rejects it (it never should)."""

@@ -160,8 +160,10 @@ async def read_json(request: Request) -> dict:
 async def generate(request: Request, state: ServerState, make_job: Any) -> Response:
     body = await read_json(request)
     job = make_job(body, state.served)
-    if not state.engine.alive or state.engine.draining:
-        reason = state.engine.failure or ("the engine stopped" if not state.engine.alive else "shutting down")
+    down = state.engine.source_down()
+    if not state.engine.alive or state.engine.draining or down:
+        reason = state.engine.failure or ("the engine stopped" if not state.engine.alive
+                                          else "shutting down" if state.engine.draining else down)
         raise api.ApiError(503, reason, kind="server_error")
     if job.stream:
         return StreamingResponse(sse(state, job), media_type="text/event-stream",

@@ -95,14 +95,19 @@ class Engine:
         self._drain_at = time.monotonic() + grace_s
         self.inbox.put(None)  # wake the loop
 
+    def source_down(self) -> str | None:
+        """Why a request now would only wait (the daemon connection is not up), cheaply: no ping."""
+        client = getattr(self.parts.source, "client", None) if self.parts is not None else None
+        state = client.state.value if client is not None else "connected"
+        return None if state == "connected" else f"moestream-iod at {client.endpoint} is unreachable ({state})"
+
     def unreachable(self) -> str | None:
         """Why the expert source cannot serve now (a daemon that is gone or reconnecting), or None."""
         client = getattr(self.parts.source, "client", None) if self.parts is not None else None
         if client is None:
             return None
-        state = client.state.value
-        if state != "connected":
-            return f"moestream-iod at {client.endpoint} is unreachable ({state})"
+        if (down := self.source_down()) is not None:
+            return down
         try:
             client.ping(timeout_s=2.0)
         except Exception as e:

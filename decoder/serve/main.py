@@ -31,7 +31,8 @@ def open_engine(cfg: ServeConfig, client_name: str = "moestream-serve"):
     if cfg.max_model_len and cfg.max_model_len > layout.hparams.context_length:
         raise ConfigError(f"--max-model-len {cfg.max_model_len} is over the model's context length "
                           f"{layout.hparams.context_length}")
-    grammars = functools.lru_cache(maxsize=1)(lambda: GrammarBook(tok))  # one per server, made on first use
+    n_vocab = layout.hparams.n_vocab
+    grammars = functools.lru_cache(maxsize=1)(lambda: GrammarBook(tok, n_vocab))  # one per server, on first use
     engine = Engine(lambda: open_parts(cfg, layout, tok.stop_ids, client_name), max_seqs=cfg.max_seqs,
                     max_step_tokens=cfg.max_step_tokens, grammars=grammars,
                     prefix_cache_bytes=cfg.prefix_cache_mb << 20)

@@ -412,10 +412,13 @@ def test_health_is_503_while_the_daemon_is_gone(tmp_path):
             assert http(srv, "GET", "/health")[0] == 200
             daemon.stop()
             deadline = time.monotonic() + 20
-            while (h := http(srv, "GET", "/health"))[0] == 200:
-                assert time.monotonic() < deadline, "health stayed ok without a daemon"
+            while (h := http(srv, "GET", "/health"))[0] == 200 or "unreachable" not in h[2]["error"]["message"]:
+                assert time.monotonic() < deadline, f"health never said the daemon is unreachable: {h}"
                 time.sleep(0.2)
             assert h[0] == 503 and "moestream-iod" in h[2]["error"]["message"]
+            t0 = time.monotonic()  # a request now is told at once, instead of waiting for experts
+            status, _, r = http(srv, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})
+            assert status == 503 and "unreachable" in r["error"]["message"] and time.monotonic() - t0 < 5
 
 
 # -- prefix reuse -------------------------------------------------------------------------------------
