@@ -75,6 +75,8 @@ def _json(text: str) -> Any:
 def parse(fmt: str, text: str) -> tuple[str, list[ToolCall]]:
     """A whole reply -> (content, complete calls); a call that does not parse stays content."""
     calls, content = PARSERS[fmt](text)
+    if fmt == "harmony":  # the reply is channels: its content is the final channel's text
+        return content.strip(), calls
     return content.strip() if calls else text, calls
 
 
@@ -96,7 +98,7 @@ def _harmony(text: str) -> tuple[list[ToolCall], str]:
             calls.append(_call(m.group(1), m.group(2).strip()))
     final = re.search(r"<\|channel\|>final<\|message\|>(.*?)(?:<\|end\|>|<\|return\|>|$)", text, re.S)
     content = final.group(1) if final else text[:text.find("<|channel|>")] if "<|channel|>" in text else text
-    return calls, content if calls else text
+    return calls, content
 
 
 def _glm(text: str) -> tuple[list[ToolCall], str]:
@@ -227,7 +229,7 @@ class ToolStream:
         if not self.in_call:
             return self.text[self.sent:], []
         content, calls = parse(self.fmt, self.text[self.sent:])
-        if not calls and not self.n_calls:
+        if not calls and not self.n_calls and self.fmt != "harmony":
             return self.text[self.sent:], []
         return (content if self.fmt == "harmony" else ""), calls[self.n_calls:]
 

@@ -150,6 +150,16 @@ def test_tool_choice_none_leaves_the_tools_out(qwen):
     assert r.usage.prompt_tokens == plain.usage.prompt_tokens and not r.choices[0].message.tool_calls
 
 
+def test_a_harmony_answer_is_its_final_channel():
+    from moestream.decoder.serve.tools import ToolStream, parse
+
+    text = "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>Hi there"
+    assert parse("harmony", text) == ("Hi there", [])
+    s = ToolStream("harmony")
+    shown = "".join(s.add(text[i:i + 4])[0] for i in range(0, len(text), 4)) + s.finish()[0]
+    assert shown == "Hi there"
+
+
 @pytest.mark.parametrize("fmt, text, name, args", [
     ("hermes", 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
      "get_weather", {"city": "Oslo"}),
