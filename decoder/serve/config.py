@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_source_args(ap)
     add_batching_args(ap)
     ap.add_argument("--host", default="127.0.0.1",
-                    help="address to listen on (default 127.0.0.1: this machine only; the API has no authentication)")
+                    help="address to listen on (default 127.0.0.1: this machine only; elsewhere set --api-key)")
     ap.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port, printed)")
     ap.add_argument("--served-model-name", dest="served_model_name",
                     help="the model id clients send (default: the GGUF file name without .gguf)")
