@@ -165,7 +165,7 @@ def split_per_layer(steps: Trace) -> list[list[tuple[int, int]]]:
 # -- CLI ---------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m moestream.authoring.policy_sim",
+        prog="moestream simulate",
         description="Hit rates of decayed LFU, LRU and Belady's optimum on an expert trace "
                     "(.json or .npy; formats in the module docstring), with lfu/belady and "
                     "lru/belady ratios.",

@@ -140,6 +140,7 @@ class IodClient:
         self._lock = threading.Lock()  # guards the fields callers read: state, epoch, arena, held
         self._changed = threading.Condition(self._lock)
         self.state, self.epoch, self.reconnects = State.CONNECTING, 0, 0
+        self.bytes_received = 0  # blob bytes of every `ready` (used, prefetched or handed back); I/O thread writes
         self._dead: IodUnavailable | None = None
         self._held: Counter = Counter()  # (slot, generation) -> leases of this epoch held
         self.arena: ArenaView | None = None
@@ -575,6 +576,7 @@ class _IoThread(threading.Thread):
             del self.requests[m.rid]
         c = self.c
         lease = Lease(m.layer, m.expert, m.slot, m.generation, {k: (v[0], v[1]) for k, v in m.parts.items()}, c.epoch)
+        c.bytes_received += sum(n for _, n in lease.parts.values())  # what the daemon counts as served to us
         with c._lock:
             c._held[(m.slot, m.generation)] += 1
         try:

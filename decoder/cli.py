@@ -188,7 +188,9 @@ def checked_slots(slots: int, hp: HParams) -> int:
     return slots
 
 
-def open_streamed(cfg: DecoderConfig, layout: ModelLayout, model: MoEModel) -> tuple[ExpertSource, Prefetcher | None]:
+def open_streamed(cfg: DecoderConfig, layout: ModelLayout, model: MoEModel,
+                  name: str = "moestream-generate") -> tuple[ExpertSource, Prefetcher | None]:
+    """The daemon's experts for `cfg`; `name` is how the daemon's status lists this client."""
     try:
         from .experts.arena import open_arena
         from .experts.prefetch import Prefetcher
@@ -196,14 +198,14 @@ def open_streamed(cfg: DecoderConfig, layout: ModelLayout, model: MoEModel) -> t
     except ImportError as e:
         raise ConfigError(f"streamed mode not available ({e}); use --resident") from None
     if cfg.resolved_slot_format == "quant":
-        source = open_arena(layout, cfg.iod, fetch_timeout_s=cfg.fetch_timeout_s, name="moestream-generate",
+        source = open_arena(layout, cfg.iod, fetch_timeout_s=cfg.fetch_timeout_s, name=name,
                             reconnect_s=cfg.reconnect_s)
     else:
         sized = {"cache_bytes": cfg.cache_bytes} if cfg.cache_bytes else \
             {"slots": checked_slots(cfg.slots, layout.hparams) if cfg.slots else default_slots(layout.hparams)}
         source = connect(layout, cfg.iod, device=cfg.torch_device, dtype=cfg.torch_dtype,
                          slot_format=cfg.resolved_slot_format, fetch_timeout_s=cfg.fetch_timeout_s,
-                         name="moestream-generate", reconnect_s=cfg.reconnect_s, **sized)
+                         name=name, reconnect_s=cfg.reconnect_s, **sized)
     top = cfg.resolved_prefetch_top
     at = cfg.resolved_prefetch_at
     hook = Prefetcher(model, source, cfg.prefetch, top_k=top, at=at) if cfg.prefetch > 0 else None
@@ -218,6 +220,14 @@ def prompt_ids(cfg: DecoderConfig, tok: GGUFTokenizer, n_vocab: int) -> list[lis
         return [list(ids) for ids in cfg.prompt_ids]
     texts = [tok.render_chat([{"role": "user", "content": p}]) if cfg.chat else p for p in cfg.prompts]
     return [tok.encode(t) for t in texts]
+
+
+def check_context(ids: list[list[int]], max_new: int, limit: int) -> None:
+    """A prompt + max new tokens over the model's context is refused, as `serve` and `chat` refuse it."""
+    longest = max(len(p) for p in ids)
+    if longest + max_new > limit:
+        raise ValueError(f"the prompt is {longest} tokens and -n asks for {max_new} more: {longest + max_new} is over "
+                         f"the model's context length of {limit} tokens; shorten the prompt or lower -n")
 
 
 def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
@@ -237,6 +247,7 @@ def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
     layout = ModelLayout(cfg.model)
     tok = GGUFTokenizer.from_layout(layout)
     ids = prompt_ids(cfg, tok, layout.hparams.n_vocab)
+    check_context(ids, cfg.max_new_tokens, layout.hparams.context_length)
     t0 = time.perf_counter()
     model = load_model(layout, cfg.torch_device, cfg.torch_dtype, progress=cfg.progress,
                        keep_quantized=cfg.resolved_slot_format == "quant")

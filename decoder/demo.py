@@ -23,8 +23,8 @@ DEMO_FILE = "demo-qwen3moe-q8_0-v1.gguf"  # bump the suffix when DEMO_MODEL chan
 DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef main("
 
 DESCRIPTION = """\
-Make (once) a tiny MoE model, start a private moestream-iod for it, and generate text with the
-experts streamed through a cache smaller than the expert set: on CPU the daemon's arena (experts
+Take the tiny MoE model shipped with moestream (or, with none shipped, make one once), start a
+private moestream-iod for it, and generate text with the experts streamed through a cache smaller than the expert set: on CPU the daemon's arena (experts
 computed on their quantized blocks in place), on CUDA a device slot cache. Prints the text, then
 tok/s, the cache hit rate, bytes fetched and how much of the misses' I/O prefetching hid.
 The daemon it starts is stopped on exit, Ctrl-C included; with --iod it uses yours instead.
@@ -72,7 +72,7 @@ def default_model(cache: Path | None = None) -> Path:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="moestream demo", description=DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="GGUF MoE file (default: the demo model, made once)")
+    ap.add_argument("--model", help="GGUF MoE file (default: the shipped tiny model)")
     ap.add_argument("--iod", metavar="ENDPOINT", help="use this running moestream-iod instead of starting one")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"prompt text (default {DEFAULT_PROMPT!r})")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=64, dest="max_new_tokens",
@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "device slot cache on CUDA (default: a quarter of them)")
     ap.add_argument("--prefetch", type=int, default=1, help="layers of router look-ahead (default 1, 0 = off)")
     ap.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
-    ap.add_argument("--cache-dir", type=Path, help="where the demo model is made (default ~/.cache/moestream)")
+    ap.add_argument("--cache-dir", type=Path, help="where a demo model is made when none is shipped "
+                    "(default ~/.cache/moestream)")
     return ap
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -19,6 +20,15 @@ from leakcheck import leaked_shm, session_processes, shm_entries
 settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Files the tests make to keep (trained tokenizers, demo models) go to pytest's cache folder
+    of this checkout, for this process and the ones it starts, never to ~/.cache/moestream."""
+    cache = getattr(config, "cache", None)
+    folder = cache.mkdir("moestream") if cache is not None else Path(tempfile.mkdtemp(prefix="moestream-tests-"))
+    os.environ["XDG_CACHE_HOME"] = str(folder)
+    os.environ["MOESTREAM_CACHE"] = str(folder / "moestream")
 
 
 # -- leak check ---------------------------------------------------------------------------

@@ -45,12 +45,23 @@ def get_status(endpoint: str, timeout_s: float = 3.0, hottest: int = 10) -> dict
     return msg.status
 
 
+def positive_seconds(text: str) -> float:
+    """argparse type: a number of seconds > 0 (a bad one is argparse's one-line usage error)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moestream status", description="Show a running moestream-iod's status.")
     p.add_argument("--endpoint", default=P.DEFAULT_STATUS_ENDPOINT,
                    help=f"the daemon's status endpoint (default {P.DEFAULT_STATUS_ENDPOINT})")
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
-    p.add_argument("--watch", type=float, metavar="N", help="refresh every N seconds until Ctrl-C")
+    p.add_argument("--watch", type=positive_seconds, metavar="N", help="refresh every N seconds until Ctrl-C")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer (default 3)")
     return p
 
@@ -72,6 +83,20 @@ def _fairness(f: dict[str, Any] | None) -> str:
     return (f"lease quota per client {quota} (share {f['client_lease_share']:g}), queue deadline "
             f"{f['queue_deadline_s']:g} s; parked now {f['parked']}, over quota {f['over_quota_total']:,}, "
             f"deadline errors {f['deadline_total']:,}")
+
+
+ROUTINE = ("not_cached",)  # answers a client asked for (a `cached` prefetch of an absent expert), not faults
+
+
+def _errors(s: dict[str, Any]) -> str:
+    """Real errors; the routine `not_cached` answers to cached-only prefetches are counted apart."""
+    by_code = dict(s.get("errors_by_code") or {})
+    routine = {c: by_code.pop(c) for c in ROUTINE if c in by_code}
+    n = s["errors"] - sum(routine.values())
+    out = f"{n:,} " + (json.dumps(by_code) if by_code else "")
+    if routine:
+        out += f"; routine: {routine.get('not_cached', 0):,} not_cached (prefetches of experts the arena did not hold)"
+    return out
 
 
 def format_status(s: dict[str, Any]) -> str:
@@ -96,7 +121,7 @@ def format_status(s: dict[str, Any]) -> str:
                       f"mean {s['reader']['in_flight']['mean']:.1f}"),
         ("latency", f"all p50 {lat['all']['p50_ms']:.3f} ms p99 {lat['all']['p99_ms']:.3f} ms; "
                     f"miss p50 {lat['miss']['p50_ms']:.3f} ms p99 {lat['miss']['p99_ms']:.3f} ms"),
-        ("errors", f"{s['errors']:,} " + (json.dumps(s["errors_by_code"]) if s["errors_by_code"] else "")
+        ("errors", _errors(s)
                    + (f"; {s['replies_dropped']:,} replies dropped (client not reading)" if s.get("replies_dropped") else "")),
         ("hottest", ", ".join(f"({layer},{e})x{n}" for layer, e, n in s["hottest"][:8]) or "-"),
     ]

@@ -28,12 +28,22 @@ from ..common.traces import load_trace
 Key = tuple[int, int]
 
 
+def status_beside(endpoint: str) -> str:
+    """The status endpoint of the daemon at `endpoint`: `status.sock` in the same run directory, as
+    the systemd unit and `spawn_daemon` lay them out (ipc); another transport has to say it."""
+    if endpoint == DEFAULT_ENDPOINT:
+        return DEFAULT_STATUS_ENDPOINT
+    if endpoint.startswith("ipc://") and "/" in endpoint[6:]:
+        return endpoint[:endpoint.rindex("/") + 1] + "status.sock"
+    raise ValueError(f"--top with --iod {endpoint}: give the daemon's status endpoint too (--status ENDPOINT)")
+
+
 @dataclass(frozen=True)
 class WarmConfig:
     endpoint: str = DEFAULT_ENDPOINT
     trace: str | None = None  # routing trace file (.json from generate --trace-out, or .npy)
     top: int | None = None  # the daemon's N hottest experts (its history)
-    status_endpoint: str = DEFAULT_STATUS_ENDPOINT
+    status_endpoint: str | None = None  # None: the status socket beside --iod's (status_beside)
     limit: int | None = None  # at most this many experts (default: the arena's slot count)
     in_flight: int = 32  # fetches outstanding at once
     progress: bool = True
@@ -45,6 +55,8 @@ class WarmConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.status_endpoint is None and self.top is not None:
+            object.__setattr__(self, "status_endpoint", status_beside(self.endpoint))  # frozen: set once here
 
 
 @dataclass
@@ -113,8 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "its most-used experts first")
     what.add_argument("--top", type=int, metavar="N", help="the daemon's N hottest experts (its request history, "
                                                          "kept across restarts)")
-    ap.add_argument("--status", dest="status_endpoint", default=DEFAULT_STATUS_ENDPOINT, metavar="ENDPOINT",
-                    help=f"the daemon's status endpoint, for --top (default {DEFAULT_STATUS_ENDPOINT})")
+    ap.add_argument("--status", dest="status_endpoint", metavar="ENDPOINT",
+                    help="the daemon's status endpoint, for --top (default: status.sock beside --iod's socket, "
+                         f"{DEFAULT_STATUS_ENDPOINT} for the default)")
     ap.add_argument("--limit", type=int, metavar="N", help="warm at most N experts (default: the arena's slot count)")
     ap.add_argument("--in-flight", type=int, default=32, metavar="N", help="fetches outstanding at once (default 32)")
     ap.add_argument("--no-progress", action="store_false", dest="progress", default=sys.stderr.isatty(),

@@ -8,6 +8,9 @@ server's /metrics: `used` = the distinct experts of each step (what batching sha
 what the streamed source fetched from the daemon. It also checks that every concurrency
 returned the same tokens as the sequential run (greedy is batch-invariant here).
 
+Then a two-turn chat: turn 2's prompt tokens, how many the server's prefix cache gave (turn 1's
+prompt and reply) and how many it prefilled (its /metrics counter), and each turn's latency.
+
 Streamed, it then measures a warm start: the daemon's hit rate on a fresh server's first request
 (its prompt and first token) after a daemon restart, cold and after `moestream warm --top N` (N = the arena's slots) from the
 request history the daemon kept on disk while the rounds ran.
@@ -29,7 +32,7 @@ from urllib.parse import urlparse
 
 from prometheus_client.parser import text_string_to_metric_families
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "src" / "moestream" / "data" / "tiny-qwen3moe-q8_0.gguf"
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "src" / "moestream" / "data" / "tiny-qwen3moe-q8_0.gguf"
 PROMPTS = ["def main(", "import os\nimport sys\n", "class Parser:\n    def ", "    return self.",
            "# Copyright", "for line in ", "if __name__ == ", "def __init__(self, "]
 
@@ -111,6 +114,33 @@ def level(url: str, c: int, n: int, max_tokens: int) -> dict[str, Any]:
             "texts": [r.text for r in replies], "tokens": tokens}
 
 
+def chat(url: str, messages: list[dict], max_tokens: int) -> tuple[dict, float]:
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", json.dumps({"messages": messages, "max_tokens": max_tokens,
+                                                              "temperature": 0}), {"content-type": "application/json"})
+    r = json.loads(conn.getresponse().read())
+    conn.close()
+    if "error" in r:
+        raise RuntimeError(f"chat: {r['error']['message']}")
+    return r, time.perf_counter() - t0
+
+
+def chat_turns(url: str, max_tokens: int) -> dict[str, Any]:
+    """Two turns of one conversation: what turn 2 prefilled, and what the prefix cache gave."""
+    turn1 = [{"role": "user", "content": "Write a Python function that parses a line of CSV."}]
+    r1, s1 = chat(url, turn1, max_tokens)
+    turn2 = turn1 + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "Now make it handle quotes."}]
+    before = scrape(url)
+    r2, s2 = chat(url, turn2, max_tokens)
+    prefilled = scrape(url)["moestream_serve_prompt_tokens_total"] - before["moestream_serve_prompt_tokens_total"]
+    u = r2["usage"]
+    return {"prompt": u["prompt_tokens"], "cached": u["prompt_tokens_details"]["cached_tokens"],
+            "prefilled": int(prefilled), "turn1_s": s1, "turn2_s": s2}
+
+
 def median_run(runs: list[dict]) -> dict:
     """The run with the median tok/s of one level (its TTFTs and bytes come with it)."""
     return sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
@@ -141,6 +171,9 @@ def run_source(name: str, args: argparse.Namespace, levels: list[int], tmp: Path
         with spawn_server(args.model, source, tmp / f"serve-{name}.log") as server:
             complete(server.url, PROMPTS[0], 4)  # warm-up: JIT compilation, first expert reads
             runs = [[level(server.url, c, args.requests, args.max_tokens) for c in levels] for _ in range(args.rounds)]
+            t = chat_turns(server.url, min(args.max_tokens, 32))
+            print(f"\n{name}: chat turn 2: {t['prompt']} prompt tokens, {t['cached']} from the prefix cache (turn 1), "
+                  f"{t['prefilled']} prefilled; turn 1 {t['turn1_s'] * 1e3:.0f} ms, turn 2 {t['turn2_s'] * 1e3:.0f} ms")
             return [median_run([r[i] for r in runs]) for i in range(len(levels))]
     finally:
         if daemon is not None:

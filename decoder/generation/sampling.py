@@ -1,4 +1,12 @@
-"""Next-token choice: greedy, or temperature / top-k / top-p / min-p sampling with a seeded generator.
+"""Next-token choice: greedy, or temperature / top-k / top-p / min-p sampling with a seeded generator,
+after the logit adjustments OpenAI's and vLLM's APIs name (applied in this order, as vLLM does):
+
+| adjustment | on | effect on a token's logit |
+|---|---|---|
+| logit_bias {id: b} | every token listed | + b (b = -100 bans it, +100 all but forces it) |
+| repetition_penalty r | tokens in the prompt or the reply | / r if > 0, x r if < 0 (CTRL's rule) |
+| frequency_penalty f | tokens in the reply | - f x (times it appeared) |
+| presence_penalty p | tokens in the reply | - p (once, if it appeared) |
 
 Sampling runs on the CPU in float32 whatever the model's device: the logits of one step are
 small, and a CPU generator gives the same tokens for the same seed on every machine.
@@ -18,6 +26,10 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     seed: int = 0
     min_p: float = 0.0  # 0 = off; keep tokens at least this share of the most likely one's probability
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -28,6 +40,14 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether any logit adjustment is on (else the logits are sampled as they come)."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -60,6 +80,23 @@ def filter_min_p(logits: torch.Tensor, p: float) -> torch.Tensor:
         return logits
     probs = torch.softmax(logits, dim=-1)  # [B, V]
     return logits.masked_fill(probs < p * probs.amax(-1, keepdim=True), float("-inf"))
+
+
+def adjust_logits(logits: torch.Tensor, p: SamplingParams, prompt: list[int], out: list[int]) -> torch.Tensor:
+    """One sequence's logits [1, V] (float32, cpu) after logit_bias and the three penalties."""
+    logits = logits.clone()
+    V = logits.shape[-1]
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.int64)  # [n]
+        logits[0, ids] += torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype)
+    if p.repetition_penalty != 1.0 and (prompt or out):
+        seen = torch.tensor(sorted(set(prompt) | set(out)), dtype=torch.int64)  # [n]
+        vals = logits[0, seen]
+        logits[0, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if out and (p.presence_penalty or p.frequency_penalty):
+        counts = torch.bincount(torch.tensor(out, dtype=torch.int64), minlength=V)[:V].to(logits.dtype)  # [V]
+        logits[0] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
 
 
 class Sampler:

@@ -318,12 +318,15 @@ class GGUFTokenizer:
     def token_text(self, idx: int) -> str | None:
         return self.tokenizer.id_to_token(idx)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The model's chat template (jinja2, sandboxed) applied to `messages`."""
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The model's chat template (jinja2, sandboxed) applied to `messages` (and `tools`, OpenAI's
+        list, for templates with a tools section; left undefined when None, as transformers does)."""
         if not self.chat_template:
             raise TokenizerError("this model has no tokenizer.chat_template; prompt it without --chat")
+        extra = {"tools": tools} if tools is not None else {}
         return _render(self.chat_template, messages=messages, add_generation_prompt=add_generation_prompt,
-                       bos_token=self._text(self.bos_id), eos_token=self._text(self.eos_id))
+                       bos_token=self._text(self.bos_id), eos_token=self._text(self.eos_id), **extra)
 
     def _text(self, idx: int | None) -> str:
         return "" if idx is None else (self.token_text(idx) or "")

@@ -10,9 +10,15 @@
                   expert source: resident (file map) or moestream-iod's arena (streamed)
 ```
 
-Modules: `config` (ServeConfig and the command line), `engine` (sequences, the step loop),
-`openai_api` (request validation and response shapes), `text` (detokenizing with stop
-strings, shared with `moestream chat`), `metrics` (Prometheus), `app` (routes), `main`.
+Modules: `config` (ServeConfig and the command line), `engine` (the step loop, admission,
+shutdown), `sequence` (one request's state and events), `prefix` (the prefix cache: finished
+requests' KV caches reused by a prompt that starts the same), `telemetry` (per-step and
+per-request expert traffic), `fields` (which request fields are honoured, the checks),
+`openai_api` (requests into jobs, response shapes), `tools` (tool-call formats per family:
+parse, stream, force), `text` (detokenizing with stop strings, shared with `moestream chat`),
+`metrics` (Prometheus), `middleware` (access log, CORS, API key), `app` (routes), `main`.
+Grammar-constrained decoding (json_schema, forced tool calls) is `generation/grammar.py`
+(llguidance); its mask is applied per sequence, so constrained and free requests share steps.
 
 HTTP stack: Starlette + uvicorn. Starlette is the small, well-kept ASGI toolkit FastAPI is built
 on (streaming responses, disconnect detection, exception handlers) without FastAPI's pydantic

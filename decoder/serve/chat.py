@@ -1,9 +1,15 @@
 """`moestream chat`: a multi-turn conversation in the terminal, on the serving engine in process.
 
 Each turn renders the whole conversation with the model's chat template and submits it to the
-same `Engine` `moestream serve` runs (one sequence; its KV cache is rebuilt per turn, which on a
-model that fits the context costs one prefill). Replies stream as they come; Ctrl-C cancels the
-reply (the engine drops the sequence before its next step) and keeps what was said so far.
+same `Engine` `moestream serve` runs; the engine's prefix cache still holds the last turn's keys
+and values, so a turn prefills only its new tokens (/stats shows how many were reused). Replies
+stream as they come; Ctrl-C cancels the reply (the engine drops the sequence before its next
+step) and keeps what was said so far. Input has line editing and history (readline) at a terminal.
+
+Context policy: when the conversation no longer fits (the prompt plus one reply token), the
+oldest turns go first, the system message stays, and a notice says how many were dropped; a
+single message longer than the context is refused. A dropped turn changes the prompt's start, so
+that turn prefills in full.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class Turn:
     """Numbers of the last reply, for /stats."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, reused from the prefix cache
     tokens: int = 0
     ttft_s: float = 0.0
     decode_s: float = 0.0
@@ -66,14 +73,17 @@ class Chat:
     def reset(self) -> None:
         self.history = [{"role": "system", "content": self.args.system}] if self.args.system else []
 
-    def prompt_ids(self) -> list[int]:
-        """The conversation rendered and encoded; the oldest turns are dropped to leave room for a reply."""
+    def prompt_ids(self) -> tuple[list[int], int]:
+        """The conversation rendered and encoded, and how many of the oldest messages were dropped
+        to leave room for a reply."""
+        dropped = 0
         while True:
             ids = self.tok.encode(self.tok.render_chat(self.history, add_generation_prompt=True))
             turns = [i for i, m in enumerate(self.history) if m["role"] != "system"]
             if len(ids) + 1 <= self.limit or len(turns) <= 1:
-                return ids
+                return ids, dropped
             del self.history[turns[0]]
+            dropped += 1
 
     def say(self, text: str, out: Any) -> None:
         """One user message; the reply is streamed to `out` and kept in the history."""
@@ -82,10 +92,13 @@ class Chat:
         from .text import ReplyText
 
         self.history.append({"role": "user", "content": text})
-        ids = self.prompt_ids()
+        ids, dropped = self.prompt_ids()
         if len(ids) >= self.limit:
             self.history.pop()
             raise ValueError(f"the message is {len(ids)} tokens; the context holds {self.limit}")
+        if dropped:
+            print(f"[context full ({self.limit} tokens): dropped the oldest {dropped} message"
+                  f"{'s' if dropped > 1 else ''}]", file=out, flush=True)
         a = self.args
         sampling = SamplingParams(a.temperature, a.top_k, a.top_p, a.seed + self.replies, a.min_p)
         events: queue.SimpleQueue = queue.SimpleQueue()
@@ -95,6 +108,8 @@ class Chat:
         try:
             while True:
                 ev = events.get()
+                if isinstance(ev, DoneEvent):
+                    self.last.cached_tokens = ev.cached_tokens
                 if isinstance(ev, (DoneEvent, ErrorEvent)):
                     break
                 if not reply:
@@ -120,18 +135,23 @@ class Chat:
     def stats(self) -> str:
         t = self.last
         rate = (t.tokens - 1) / t.decode_s if t.tokens > 1 and t.decode_s > 0 else 0.0
-        used = len(self.prompt_ids()) if self.history else 0
+        used = len(self.prompt_ids()[0]) if self.history else 0
         st = self.engine.stats()
         fetched = st.get("bytes_fetched")
         experts = (f"experts: {st.get('source', '?')}" +
                    (f", {fetched / 2**20:.1f} MiB fetched so far" if fetched is not None else ""))
         return (f"last reply: {t.tokens} tokens, {rate:.1f} tok/s, first token after {t.ttft_s * 1e3:.0f} ms "
-                f"(prompt {t.prompt_tokens} tokens); context {used}/{self.limit} tokens; {experts}")
+                f"(prompt {t.prompt_tokens} tokens, {t.cached_tokens} reused from earlier turns); context {used}/{self.limit} tokens; {experts}")
 
 
 def repl(chat: Chat, inp: Any = sys.stdin, out: Any = sys.stdout) -> int:
     chat.reset()
     interactive = inp.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401  (importing it gives input() line editing and history)
+        except ImportError:  # a Python built without it: plain input
+            pass
     print(f"moestream chat: {HELP}; Ctrl-C stops a reply, Ctrl-D leaves", file=out, flush=True)
     while True:
         try:
@@ -186,10 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.min_p)  # validates them
         cfg = ServeConfig(model=args.model, iod=args.iod, resident=args.resident, device=args.device,
                           dtype=args.dtype, prefetch=args.prefetch, max_model_len=args.max_model_len,
-                          threads=args.threads)
+                          threads=args.threads, chat_template=args.chat_template,
+                          **({"prefix_cache_mb": args.prefix_cache_mb} if args.prefix_cache_mb is not None else {}))
         from .main import open_engine
 
-        _, tok, engine, limit = open_engine(cfg)
+        _, tok, engine, limit = open_engine(cfg, "moestream-chat")
         if not tok.chat_template:
             raise ConfigError("this model has no tokenizer.chat_template; use `moestream generate`")
         return repl(Chat(engine, tok, limit, args))

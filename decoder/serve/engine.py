@@ -13,104 +13,29 @@ from __future__ import annotations
 import collections
 import logging
 import queue
-import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..experts.source import ExpertSource
-from ..models.moe_transformer import LayerObserver, MoEModel
-from ..generation.sampling import Sampler, SamplingParams
+from ..models.moe_transformer import MoEModel
+from ..generation.sampling import adjust_logits
 from .metrics import ServeMetrics
+from .prefix import MIN_REUSE, PrefixCache, seed
+from .sequence import DoneEvent, Emit, ErrorEvent, Event, GenRequest, Sequence, TokenEvent, random_seed, token_event
+from .telemetry import StepExperts, expert_counters
+
+__all__ = ["Engine", "GenRequest", "TokenEvent", "DoneEvent", "ErrorEvent", "Sequence", "random_seed", "open_parts"]
 
 if TYPE_CHECKING:
     from ...common.layout import ModelLayout
     from .config import ServeConfig
 
 log = logging.getLogger("moestream.serve")
-
-
-@dataclass
-class GenRequest:
-    prompt: list[int]
-    max_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    logprobs: int | None = None  # None = off; n = the chosen token's logprob and the n most likely
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    token: int
-    logprob: float | None = None  # of the chosen token, under the model's distribution (no temperature)
-    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens and their logprobs
-
-
-@dataclass(frozen=True)
-class DoneEvent:
-    finish: str  # "stop" (a stop id) | "length" | "cancelled"
-
-
-@dataclass(frozen=True)
-class ErrorEvent:
-    message: str
-
-
-Event = TokenEvent | DoneEvent | ErrorEvent
-Emit = Callable[[Event], None]
-
-
-def random_seed() -> int:
-    return secrets.randbits(63)
-
-
-class Sequence:
-    """One request's state, owned by the engine thread (`cancel` is the one call from outside)."""
-
-    def __init__(self, req: GenRequest, emit: Emit):
-        self.req, self.emit = req, emit
-        self.sampler = Sampler(req.sampling)
-        self.cache: Any = None  # KV cache, allocated on admission
-        self.fed = 0  # prompt tokens already in the cache
-        self.out: list[int] = []
-        self.cancelled = False  # set from any thread; a plain bool store is atomic
-        self.t_submit = time.perf_counter()
-        self.t_last = 0.0  # when the last token was sampled
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-    @property
-    def prefilling(self) -> bool:
-        return self.fed < len(self.req.prompt)
-
-    def next_tokens(self, budget: int) -> list[int]:
-        """This step's input: the next prompt chunk (at most `budget` tokens) or the last token."""
-        if self.prefilling:
-            return self.req.prompt[self.fed:self.fed + budget]
-        return [self.out[-1]]
-
-
-class StepExperts(LayerObserver):
-    """Counts the bytes of the distinct experts each layer's routing picked (the union over the
-    step's sequences), and passes every call on to an inner observer (the prefetcher)."""
-
-    def __init__(self, blob_bytes: list[int], inner: LayerObserver | None):
-        self.blob_bytes, self.inner = blob_bytes, inner or LayerObserver()
-        self.bytes = 0
-
-    def after_attention(self, layer: int, h: torch.Tensor) -> None:
-        self.inner.after_attention(layer, h)
-
-    def routed(self, layer: int, ids: torch.Tensor) -> None:
-        self.bytes += self.blob_bytes[layer] * int(ids.unique().numel())  # ids [n, k]
-        self.inner.routed(layer, ids)
-
-    def after_layer(self, layer: int, h: torch.Tensor) -> None:
-        self.inner.after_layer(layer, h)
 
 
 @dataclass
@@ -125,8 +50,12 @@ class Parts:
 
 class Engine:
     def __init__(self, build: Callable[[], Parts], *, max_seqs: int, max_step_tokens: int,
-                 metrics: ServeMetrics | None = None):
+                 metrics: ServeMetrics | None = None, grammars: Callable[[], Any] | None = None,
+                 prefix_cache_bytes: int = 0):
         self._build, self.max_seqs, self.max_step_tokens = build, max_seqs, max_step_tokens
+        self._grammars = grammars  # -> grammar.GrammarBook, for requests with a grammar
+        self._drain_at: float | None = None  # shutting down: running sequences end at this time
+        self.prefixes = PrefixCache(prefix_cache_bytes)  # engine thread only
         self.metrics = metrics or ServeMetrics()
         self.parts: Parts | None = None
         self.inbox: queue.SimpleQueue[Sequence | None] = queue.SimpleQueue()
@@ -157,6 +86,34 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.failure is None
 
+    @property
+    def draining(self) -> bool:
+        return self._drain_at is not None
+
+    def shutdown(self, grace_s: float) -> None:
+        """Admit nothing more; sequences still running after `grace_s` end with an error event."""
+        self._drain_at = time.monotonic() + grace_s
+        self.inbox.put(None)  # wake the loop
+
+    def source_down(self) -> str | None:
+        """Why a request now would only wait (the daemon connection is not up), cheaply: no ping."""
+        client = getattr(self.parts.source, "client", None) if self.parts is not None else None
+        state = client.state.value if client is not None else "connected"
+        return None if state == "connected" else f"moestream-iod at {client.endpoint} is unreachable ({state})"
+
+    def unreachable(self) -> str | None:
+        """Why the expert source cannot serve now (a daemon that is gone or reconnecting), or None."""
+        client = getattr(self.parts.source, "client", None) if self.parts is not None else None
+        if client is None:
+            return None
+        if (down := self.source_down()) is not None:
+            return down
+        try:
+            client.ping(timeout_s=2.0)
+        except Exception as e:
+            return f"moestream-iod at {client.endpoint} does not answer: {e}"
+        return None
+
     def stats(self) -> dict[str, Any]:
         """The expert source's counters (read from another thread: a snapshot, good enough to print)."""
         return dict(self.parts.source.stats()) if self.parts is not None else {}
@@ -185,9 +142,14 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stop:
-            self._admit(block=not self.running)
+            self._admit(block=not self.running and not self.draining)
+            if self._drain_at is not None and time.monotonic() >= self._drain_at:
+                for seq in list(self.running):
+                    self._finish(seq, ErrorEvent("the server is shutting down"), "cancelled")
             if self.running:
                 self.step()
+            elif self.draining:
+                time.sleep(0.01)
 
     def _admit(self, block: bool) -> None:
         """Take new requests from the inbox; move waiting ones into the batch while there is room."""
@@ -202,12 +164,41 @@ class Engine:
         for seq in [s for s in self.waiting if s.cancelled]:  # gone before they got a place
             self.waiting.remove(seq)
             self._finish(seq, DoneEvent("cancelled"), "cancelled")
+        while self.waiting and self.draining:
+            self._finish(self.waiting.popleft(), ErrorEvent("the server is shutting down"), "cancelled")
         while self.waiting and len(self.running) < self.max_seqs:
             seq = self.waiting.popleft()
+            if seq.req.grammar is not None and not self._constrain(seq):
+                continue
             seq.cache = self.parts.model.new_cache(1, len(seq.req.prompt) + seq.req.max_tokens)
+            self._reuse_prefix(seq)
             self.running.append(seq)
         self.metrics.running.set(len(self.running))
         self.metrics.waiting.set(len(self.waiting))
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        entry, n = self.prefixes.match(seq.req.prompt)
+        if entry is not None:
+            seed(seq.cache, entry.cache, n)
+            seq.fed = seq.cached = n
+            self.metrics.prefix_tokens.inc(n)
+
+    def _keep_prefix(self, seq: Sequence) -> None:
+        """A finished request's cache, for a later prompt that starts the same way."""
+        c = seq.cache
+        if not self.prefixes.budget or c.length < MIN_REUSE:
+            return
+        kept = self.parts.model.new_cache(1, c.length)  # only what it holds, not the request's capacity
+        seed(kept, c, c.length)
+        self.prefixes.put((seq.req.prompt + seq.out)[:c.length], kept)
+
+    def _constrain(self, seq: Sequence) -> bool:
+        try:
+            seq.constraint = self._grammars().constraint(seq.req.grammar)
+            return True
+        except Exception as e:  # checked at request time; a failure here ends this request only
+            self._finish(seq, ErrorEvent(f"grammar: {e}"), "error")
+            return False
 
     def step(self) -> None:
         """Schedule -> run -> postprocess, for every running sequence at once."""
@@ -240,13 +231,19 @@ class Engine:
         p = self.parts
         dev = p.model.device
         steps = [(torch.tensor([toks], dtype=torch.int64, device=dev), s.cache) for s, toks in batch]  # [1, T_i]
-        before_used, before_fetched = p.observer.bytes, p.source.stats().get("bytes_fetched", 0)
+        client = getattr(p.source, "client", None)
+        before_used, before = p.observer.bytes, expert_counters(p.source.stats(), getattr(client, "bytes_received", None))
         logits = p.model.forward_many(steps, p.source, p.observer)  # [S, V]
+        after = expert_counters(p.source.stats(), getattr(client, "bytes_received", None))
+        deltas = {k: max(0.0, after[k] - before[k]) / len(batch) for k in after}
+        used = p.observer.bytes - before_used
+        for s, _ in batch:
+            s.share.add(used / len(batch), deltas)
         m = self.metrics
         m.steps.inc()
         m.step_sequences.observe(len(batch))
-        m.expert_used.inc(p.observer.bytes - before_used)
-        m.expert_fetched.inc(max(0, p.source.stats().get("bytes_fetched", 0) - before_fetched))
+        m.expert_used.inc(used)
+        m.expert_fetched.inc(deltas["expert_bytes_fetched"] * len(batch))
         return logits
 
     def _postprocess(self, batch: list[tuple[Sequence, list[int]]], logits: torch.Tensor) -> None:
@@ -259,7 +256,7 @@ class Engine:
             self._sample(seq, logits[row:row + 1])  # [1, V]
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
-        tok = int(seq.sampler(logits)[0])
+        tok = int(seq.sampler(self._adjusted(seq, logits))[0])
         now = time.perf_counter()
         m = self.metrics
         if seq.t_last:
@@ -267,14 +264,31 @@ class Engine:
         else:
             m.ttft.observe(now - seq.t_submit)
         seq.t_last = now
-        if tok in self.parts.stop_ids:
+        if tok in self.parts.stop_ids and not (seq.req.ignore_eos and seq.constraint is None):
             self._finish(seq, DoneEvent("stop"), "stop")
+            return
+        if seq.constraint is not None and not seq.constraint.accept(tok):
+            self._finish(seq, ErrorEvent(f"grammar rejected token {tok}: {seq.constraint.error}"), "error")
             return
         seq.out.append(tok)
         m.generation_tokens.inc()
         self._emit(seq, token_event(tok, logits[0], seq.req.logprobs))
-        if len(seq.out) >= seq.req.max_tokens:
+        if seq.constraint is not None and seq.constraint.finished:
+            self._finish(seq, DoneEvent("stop"), "stop")
+        elif len(seq.out) >= seq.req.max_tokens:
             self._finish(seq, DoneEvent("length"), "length")
+
+    def _adjusted(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+        """logits [1, V] after the request's logit bias, penalties, grammar mask and ignore_eos."""
+        p = seq.req.sampling
+        if not (p.adjusts or seq.constraint is not None or seq.req.ignore_eos):
+            return logits
+        out = adjust_logits(logits.detach().float().cpu(), p, seq.req.prompt, seq.out)  # [1, V]
+        if seq.constraint is not None:
+            out = seq.constraint.mask(out)
+        elif seq.req.ignore_eos:
+            out[0, sorted(self.parts.stop_ids)] = float("-inf")
+        return out
 
     def _emit(self, seq: Sequence, ev: Event) -> None:
         try:
@@ -285,8 +299,15 @@ class Engine:
     def _finish(self, seq: Sequence, ev: Event, outcome: str) -> None:
         if seq in self.running:
             self.running.remove(seq)
-        seq.cache = None  # the KV cache goes with the request
+        if outcome == "cancelled" and seq.stopped_by_text:
+            outcome = "stop"
+        if outcome in ("stop", "length") and seq.cache is not None and not seq.prefilling:
+            self._keep_prefix(seq)
+        seq.cache = seq.constraint = None  # the request's own reference goes; the prefix cache may keep it
+        if isinstance(ev, DoneEvent):
+            ev = DoneEvent(ev.finish, seq.share.json(), seq.cached)
         self.metrics.requests.labels(outcome).inc()
+        self.metrics.observe_share(seq.share)
         self.metrics.running.set(len(self.running))
         self._emit(seq, ev)
 
@@ -313,7 +334,8 @@ class Engine:
                 self._finish(seq, ev, "cancelled")
 
 
-def open_parts(cfg: ServeConfig, layout: ModelLayout, stop_ids: frozenset[int]) -> Parts:
+def open_parts(cfg: ServeConfig, layout: ModelLayout, stop_ids: frozenset[int],
+               name: str = "moestream-serve") -> Parts:
     """Model, expert source and observer for a `ServeConfig`, opened as `moestream generate` opens
     them (called on the engine thread, which then owns them)."""
     from ..cli import open_resident, open_streamed, use_threads
@@ -323,16 +345,6 @@ def open_parts(cfg: ServeConfig, layout: ModelLayout, stop_ids: frozenset[int]) 
     use_threads(dc.threads)  # this (the engine) thread's compute
     model = load_model(layout, dc.torch_device, dc.torch_dtype, progress=dc.progress,
                        keep_quantized=dc.resolved_slot_format == "quant")
-    source, hook = (open_resident if dc.resident else open_streamed)(dc, layout, model)
+    source, hook = open_resident(dc, layout, model) if dc.resident else open_streamed(dc, layout, model, name)
     blob_bytes = [layout.experts.blob_bytes(i) for i in range(layout.hparams.n_layer)]
     return Parts(model, source, StepExperts(blob_bytes, hook), stop_ids)
-
-
-def token_event(tok: int, logits: torch.Tensor, n_top: int | None) -> TokenEvent:
-    """The sampled token, with its logprob and the `n_top` most likely ones when asked (logits [V])."""
-    if n_top is None:
-        return TokenEvent(tok)
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [V]
-    top = torch.topk(logp, n_top) if n_top > 0 else None
-    pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
-    return TokenEvent(tok, float(logp[tok]), pairs)

@@ -7,6 +7,7 @@ Names follow Prometheus conventions: a `moestream_serve_` prefix, base units in 
 |---|---|---|
 | moestream_serve_requests_total{outcome} | counter | finished requests: stop, length, cancelled, error |
 | moestream_serve_prompt_tokens_total | counter | prompt tokens prefilled |
+| moestream_serve_prefix_cached_tokens_total | counter | prompt tokens taken from the prefix cache instead |
 | moestream_serve_generation_tokens_total | counter | tokens generated |
 | moestream_serve_time_to_first_token_seconds | histogram | request accepted -> first token sampled |
 | moestream_serve_time_per_output_token_seconds | histogram | between consecutive tokens of one request |
@@ -15,6 +16,12 @@ Names follow Prometheus conventions: a `moestream_serve_` prefix, base units in 
 | moestream_serve_expert_used_bytes_total | counter | bytes of the distinct experts each step used |
 | moestream_serve_expert_fetched_bytes_total | counter | expert bytes the source fetched (streamed; 0 resident) |
 | moestream_serve_running_sequences / _waiting_sequences | gauge | batch now / queued |
+| moestream_serve_request_expert_fetched_bytes | histogram | per request: its share of the expert bytes fetched |
+| moestream_serve_request_expert_stall_seconds | histogram | per request: its share of the time stalled on experts |
+| moestream_serve_request_prefetch_hidden_share | histogram | per request: misses whose I/O prefetch hid |
+
+A request's share: each step's change of the source's counters split equally among the step's
+sequences (they share one fetch per layer), so the shares of all requests add up to the counters.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ class ServeMetrics:
             self.requests.labels(o)  # present at 0 from the start, so rates work
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        self.prefix_tokens = Counter(p + "prefix_cached_tokens", "Prompt tokens taken from the prefix cache "
+                                     "(not prefilled)", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Request accepted to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(p + "time_per_output_token_seconds", "Time between consecutive tokens of a request",
@@ -57,6 +66,20 @@ class ServeMetrics:
                                       registry=r)
         self.running = Gauge(p + "running_sequences", "Sequences in the running batch", registry=r)
         self.waiting = Gauge(p + "waiting_sequences", "Requests waiting for a place in the batch", registry=r)
+
+        self.req_fetched = Histogram(p + "request_expert_fetched_bytes", "Per request: expert bytes fetched (share)",
+                                     buckets=tuple(2.0 ** i for i in range(10, 36, 2)), registry=r)
+        self.req_stall = Histogram(p + "request_expert_stall_seconds", "Per request: time stalled on experts (share)",
+                                   buckets=LATENCY_BUCKETS, registry=r)
+        self.req_hidden = Histogram(p + "request_prefetch_hidden_share", "Per request: share of misses prefetch hid",
+                                    buckets=(0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
+
+    def observe_share(self, share) -> None:
+        """A finished request's ExpertShare (engine.py)."""
+        j = share.json()
+        self.req_fetched.observe(j["expert_bytes_fetched"])
+        self.req_stall.observe(j["expert_stall_s"])
+        self.req_hidden.observe(j["prefetch_hidden_share"])
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

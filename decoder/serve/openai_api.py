@@ -6,28 +6,30 @@ field); nothing here touches the engine.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from ..generation.sampling import SamplingParams
-from ..generation.tokenizer import GGUFTokenizer
-from .engine import GenRequest, TokenEvent, random_seed
+from ..generation import grammar as gr
+from ..generation.tokenizer import GGUFTokenizer, TokenizerError
+from . import tools as tl
+from .engine import GenRequest, TokenEvent
+from .fields import ApiError, boolean, choices_n, error_body, integer, refuse_unknown, sampling_params, stops
 
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.kind, self.param, self.code)
+__all__ = ["ApiError", "error_body", "Served", "Job", "completion_job", "chat_job"]
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+@dataclass
+class Served:
+    """What request validation needs to know of the served model."""
+
+    tok: GGUFTokenizer
+    model_id: str
+    limit: int  # prompt + completion tokens
+    grammars: Callable[[], gr.GrammarBook]  # built on first use (one per server)
 
 
 @dataclass
@@ -40,64 +42,9 @@ class Job:
     stream: bool
     include_usage: bool
     id: str = ""
+    n: int = 1
+    tool_format: str | None = None  # parse the reply's tool calls in this format
     created: int = field(default_factory=lambda: int(time.time()))
-
-
-# -- field checks ------------------------------------------------------------------------------
-def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ApiError(400, f"{name} must be a number, got {v!r}", name)
-    if v < low or v > high or (low_open and v == low):
-        raise ApiError(400, f"{name} must be in {'(' if low_open else '['}{low}, {high}], got {v}", name)
-    return float(v)
-
-
-def _int(body: dict, name: str, default: int | None, low: int, high: int | None = None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError(400, f"{name} must be an integer, got {v!r}", name)
-    if v < low or (high is not None and v > high):
-        raise ApiError(400, f"{name} must be in [{low}, {high if high is not None else 'inf'}], got {v}", name)
-    return v
-
-
-def _stops(body: dict) -> list[str]:
-    v = body.get("stop")
-    if v is None:
-        return []
-    stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > 4:
-        raise ApiError(400, "stop must be a string or a list of at most 4 strings", "stop")
-    return [s for s in stops if s]
-
-
-def _unsupported(body: dict) -> None:
-    if _int(body, "n", 1, 1) != 1:
-        raise ApiError(400, "only n=1 is supported", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
-            raise ApiError(400, f"{name} is not supported (only 0)", name)
-    if body.get("echo"):
-        raise ApiError(400, "echo is not supported", "echo")
-    if body.get("suffix"):
-        raise ApiError(400, "suffix is not supported", "suffix")
-    if body.get("tools") or body.get("functions"):
-        raise ApiError(400, "tools are not supported", "tools")
-
-
-def sampling_params(body: dict) -> SamplingParams:
-    top_k = _int(body, "top_k", 0, -1)
-    seed = _int(body, "seed", None, -2**63)
-    return SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                          top_k=max(0, top_k),  # -1 (vLLM's "off") and 0 both mean off
-                          top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-                          seed=random_seed() if seed is None else seed % 2**63,
-                          min_p=_number(body, "min_p", 0.0, 0.0, 1.0))
 
 
 def check_model(body: dict, model_id: str) -> None:
@@ -110,7 +57,7 @@ def check_model(body: dict, model_id: str) -> None:
 def max_tokens(body: dict, prompt_len: int, limit: int, default: int | None) -> int:
     """Completion length, checked against the context: OpenAI's context_length_exceeded 400."""
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    asked = _int(body, name, None, 1)
+    asked = integer(body, name, None, 1)
     n = asked if asked is not None else (default if default is not None else limit - prompt_len)
     if prompt_len + max(n, 1) > limit:
         raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -119,25 +66,55 @@ def max_tokens(body: dict, prompt_len: int, limit: int, default: int | None) -> 
     return n
 
 
-def _job(kind: str, body: dict, prompt: list[int], limit: int, default_max: int | None, logprobs: int | None) -> Job:
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, f"stream must be a boolean, got {stream!r}", "stream")
+def response_grammar(body: dict, served: Served) -> str | None:
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict):
+        raise ApiError(400, "response_format must be an object {type: ...}", "response_format")
+    return checked(served, lambda: gr.schema_of(rf), "response_format")
+
+
+def checked(served: Served, make: Callable[[], str], param: str) -> str | None:
+    """A grammar made and compiled against the model's vocabulary, or a 400 naming `param`."""
+    try:
+        g = make()
+        if g:
+            served.grammars().check(g)
+        return g or None
+    except (gr.GrammarError, tl.ToolError) as e:
+        raise ApiError(400, f"{param}: {e}", param) from None
+
+
+def _job(kind: str, body: dict, served: Served, prompt: list[int], default_max: int | None,
+         logprobs: int | None, grammar: str | None, tool_format: str | None = None) -> Job:
+    stream = boolean(body, "stream")
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise ApiError(400, "stream_options must be an object", "stream_options")
-    req = GenRequest(prompt, max_tokens(body, len(prompt), limit, default_max), sampling_params(body), logprobs)
+    n = choices_n(body, kind)
+    req = GenRequest(prompt, max_tokens(body, len(prompt), served.limit, default_max),
+                     sampling_params(body, served.tok.vocab_size), logprobs, grammar=grammar,
+                     ignore_eos=boolean(body, "ignore_eos"))
     prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
-    return Job(kind, req, _stops(body), stream, bool(opts.get("include_usage")), prefix + uuid.uuid4().hex)
+    return Job(kind, req, stops(body), stream, bool(opts.get("include_usage")), prefix + uuid.uuid4().hex, n,
+               tool_format)
+
+
+def choice_requests(job: Job) -> list[GenRequest]:
+    """One engine request per choice: `n` choices sample with seeds seed, seed + 1, ..."""
+    s = job.req.sampling
+    return [dataclasses.replace(job.req, sampling=dataclasses.replace(s, seed=(s.seed + i) % 2**63))
+            for i in range(job.n)]
 
 
 # -- requests ----------------------------------------------------------------------------------
-def completion_job(body: dict, tok: GGUFTokenizer, model_id: str, limit: int) -> Job:
-    check_model(body, model_id)
-    _unsupported(body)
-    prompt = completion_prompt(body.get("prompt"), tok)
-    logprobs = _int(body, "logprobs", None, 0, 20)
-    return _job("completion", body, prompt, limit, 16, logprobs)  # 16: OpenAI's default for completions
+def completion_job(body: dict, served: Served) -> Job:
+    refuse_unknown(body, "completion")
+    check_model(body, served.model_id)
+    prompt = completion_prompt(body.get("prompt"), served.tok)
+    logprobs = integer(body, "logprobs", None, 0, 20)
+    return _job("completion", body, served, prompt, 16, logprobs, response_grammar(body, served))  # 16: OpenAI's
 
 
 def completion_prompt(p: Any, tok: GGUFTokenizer) -> list[int]:
@@ -146,9 +123,7 @@ def completion_prompt(p: Any, tok: GGUFTokenizer) -> list[int]:
     if isinstance(p, str):
         ids = tok.encode(p)
     elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        bad = [t for t in p if not 0 <= t < tok.vocab_size]
-        if bad:
-            raise ApiError(400, f"prompt token ids {bad[:5]} are not in the vocabulary of {tok.vocab_size}", "prompt")
+        check_ids(p, tok.vocab_size, "prompt")
         ids = list(p)
     else:
         raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
@@ -157,32 +132,101 @@ def completion_prompt(p: Any, tok: GGUFTokenizer) -> list[int]:
     return ids
 
 
-def chat_job(body: dict, tok: GGUFTokenizer, model_id: str, limit: int) -> Job:
-    check_model(body, model_id)
-    _unsupported(body)
-    text = render_messages(body.get("messages"), tok)
+def check_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ApiError(400, f"{param} token ids {bad[:5]} are not in the vocabulary of {vocab_size}", param)
+
+
+def chat_job(body: dict, served: Served) -> Job:
+    refuse_unknown(body, "chat")
+    check_model(body, served.model_id)
+    fmt, mode, tools, forced = tool_setup(body, served)
+    text = render_messages(body.get("messages"), served.tok, tools if mode != "none" else None)
     logprobs = None
     if body.get("logprobs"):
-        logprobs = _int(body, "top_logprobs", 0, 0, 20)
+        logprobs = integer(body, "top_logprobs", 0, 0, 20)
     elif body.get("top_logprobs") is not None:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    return _job("chat", body, tok.encode(text), limit, None, logprobs)
+    grammar = response_grammar(body, served)
+    if forced and grammar:
+        raise ApiError(400, "response_format cannot be combined with a forced tool_choice", "response_format")
+    return _job("chat", body, served, served.tok.encode(text), None, logprobs, forced or grammar,
+                fmt if mode != "none" else None)
 
 
-def render_messages(messages: Any, tok: GGUFTokenizer) -> str:
+def tool_setup(body: dict, served: Served) -> tuple[str | None, str, list | None, str | None]:
+    """(format, mode, the OpenAI tools list for the template, forced-call grammar)."""
+    raw = body.get("tools")
+    if raw is None:
+        if body.get("tool_choice") not in (None, "none", "auto"):
+            raise ApiError(400, "tool_choice needs tools", "tool_choice")
+        return None, "none", None, None
+    try:
+        tools = tl.function_tools(raw)
+    except tl.ToolError as e:
+        raise ApiError(400, str(e), "tools") from None
+    fmt = tl.detect_format(served.tok.chat_template)
+    if fmt is None:
+        raise ApiError(400, "tools: this model's chat template has no tool-call format (start the server with "
+                            "--chat-template FILE giving one that has)", "tools")
+    try:
+        mode, picked = tl.chosen_tools(tools, body.get("tool_choice"))
+    except tl.ToolError as e:
+        raise ApiError(400, str(e), "tool_choice") from None
+    parallel = boolean(body, "parallel_tool_calls", True)
+    forced = (checked(served, lambda: tl.forced_grammar(fmt, picked, parallel), "tool_choice")
+              if mode == "forced" else None)
+    return fmt, mode, raw, forced
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def render_messages(messages: Any, tok: GGUFTokenizer, tools: list | None = None) -> str:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a string role", "messages")
-        clean.append({"role": m["role"], "content": message_text(m.get("content"), i)})
-    from ..generation.tokenizer import TokenizerError
-
+    clean = [template_message(m, i) for i, m in enumerate(messages)]
     try:
-        return tok.render_chat(clean, add_generation_prompt=True)
+        return tok.render_chat(clean, add_generation_prompt=True, tools=tools)
     except TokenizerError as e:
         raise ApiError(400, str(e), "messages") from None
+
+
+def template_message(m: Any, i: int) -> dict:
+    """One message as chat templates read it (HF's convention: tool-call arguments as objects)."""
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+        role = m.get("role") if isinstance(m, dict) else None
+        raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}", "messages")
+    role = "system" if m["role"] == "developer" else m["role"]
+    calls = m.get("tool_calls") if role == "assistant" else None
+    if calls is not None:
+        out = {"role": role, "content": "" if m.get("content") is None else message_text(m["content"], i),
+               "tool_calls": [history_call(c, i) for c in calls] if isinstance(calls, list) else bad_calls(i)}
+    else:
+        out = {"role": role, "content": message_text(m.get("content"), i)}
+    if role == "tool":
+        out["tool_call_id"] = str(m.get("tool_call_id", ""))
+    if isinstance(m.get("name"), str):
+        out["name"] = m["name"]
+    return out
+
+
+def bad_calls(i: int) -> list:
+    raise ApiError(400, f"messages[{i}].tool_calls must be a list", "messages")
+
+
+def history_call(c: Any, i: int) -> dict:
+    f = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+        raise ApiError(400, f"messages[{i}].tool_calls entries must be {{id, type, function: {{name, arguments}}}}",
+                       "messages")
+    args = f.get("arguments", "{}")
+    try:
+        args = json.loads(args) if isinstance(args, str) else args
+    except json.JSONDecodeError:
+        pass  # a template prints it as it came
+    return {"id": c.get("id", ""), "type": "function", "function": {"name": f["name"], "arguments": args}}
 
 
 def message_text(content: Any, i: int) -> str:
@@ -196,13 +240,21 @@ def message_text(content: Any, i: int) -> str:
 
 
 # -- responses ---------------------------------------------------------------------------------
-def usage(job: Job, completion_tokens: int) -> dict[str, int]:
-    p = len(job.req.prompt)
-    return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
+def usage(job: Job, completion_tokens: int, experts: dict | None = None, cached: int = 0) -> dict[str, Any]:
+    """OpenAI's counts (cached_tokens: prompt tokens the prefix cache gave), and the `moestream`
+    extension: this request's share of the expert traffic."""
+    p = len(job.req.prompt) * job.n
+    out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": completion_tokens,
+                           "total_tokens": p + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+    if experts is not None:
+        out["moestream"] = experts
+    return out
 
 
-def logprobs_json(job: Job, events: list[TokenEvent], token_text: Any) -> dict | None:
-    """Completions: {tokens, token_logprobs, top_logprobs, text_offset}; chat: {content: [...]}."""
+def logprobs_json(job: Job, events: list[TokenEvent], token_text: Any, offset: int = 0) -> dict | None:
+    """Completions: {tokens, token_logprobs, top_logprobs, text_offset}; chat: {content: [...]}.
+    `text_offset`: each token's character offset in the completion text (from `offset`, the text
+    of the choice's earlier chunks when streaming), as vLLM counts it without echo."""
     if job.req.logprobs is None:
         return None
     if job.kind == "chat":
@@ -211,22 +263,33 @@ def logprobs_json(job: Job, events: list[TokenEvent], token_text: Any) -> dict |
             return {"token": s, "logprob": lp, "bytes": list(s.encode())}
         return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
                             for e in events]}
-    return {"tokens": [token_text(e.token) for e in events], "token_logprobs": [e.logprob for e in events],
+    texts = [token_text(e.token) for e in events]
+    offsets = []
+    for t in texts:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": texts, "token_logprobs": [e.logprob for e in events],
             "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in events] if job.req.logprobs else None,
-            "text_offset": []}
+            "text_offset": offsets}
 
 
 def choice(job: Job, text: str | None, logprobs: dict | None, finish: str | None, delta: bool,
-           first: bool = False) -> dict:
+           first: bool = False, index: int = 0, calls: list[tl.ToolCall] | None = None,
+           call_base: int = 0) -> dict:
+    """One choice of a reply (`delta`: a streamed chunk's; `call_base`: calls sent in earlier chunks)."""
     if job.kind == "completion":
-        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     if delta:
         d: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
         if text:
             d["content"] = text
-        return {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}
-    return {"index": 0, "message": {"role": "assistant", "content": text or ""}, "logprobs": logprobs,
-            "finish_reason": finish}
+        if calls:
+            d["tool_calls"] = [c.json(call_base + i) for i, c in enumerate(calls)]
+        return {"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish}
+    msg: dict[str, Any] = {"role": "assistant", "content": text or ("" if not calls else None)}
+    if calls:
+        msg["tool_calls"] = [c.json() for c in calls]
+    return {"index": index, "message": msg, "logprobs": logprobs, "finish_reason": finish}
 
 
 def envelope(job: Job, model_id: str, choices: list[dict], chunk: bool, usage_: dict | None = None) -> dict:

@@ -12,14 +12,14 @@ import sys
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("moestream.decoder.demo", "make a tiny model, start a daemon, generate streamed text"),
+    "demo": ("moestream.decoder.demo", "the shipped tiny model, a private daemon, streamed text"),
     "generate": ("moestream.decoder.cli", "generate text from a GGUF MoE (resident or streamed from moestream-iod)"),
     "make-model": ("moestream.authoring.make_model", "write a tiny GGUF MoE with random weights"),
     "inspect": ("moestream.tools.inspect", "print a GGUF MoE's architecture and expert index"),
     "status": ("moestream.tools.status", "show a running moestream-iod's status"),
     "warm": ("moestream.tools.warm", "fill a daemon's arena with the experts a trace or its history says are hot"),
     "iod": ("moestream.iod.main", "run the I/O daemon (same as moestream-iod)"),
-    "bench": ("moestream.bench", "benchmarks: `bench io` (daemon delivery), `bench decode` (tok/s)"),
+    "bench": ("moestream.bench", "benchmarks: `bench io`, `decode`, `kernels`, `serve`, `capped`"),
     "serve": ("moestream.decoder.serve.main", "serve a model over HTTP with OpenAI's API (continuous batching)"),
     "chat": ("moestream.decoder.serve.chat", "chat with a model in the terminal (its chat template, streamed replies)"),
     "simulate": ("moestream.authoring.policy_sim", "replay a routing trace through LFU, LRU and Belady caches"),

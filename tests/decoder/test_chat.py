@@ -70,3 +70,74 @@ def test_ctrl_c_stops_the_reply_not_the_program():
     assert " [stopped]" in text
     tokens = int(text.split("last reply: ")[1].split(" tokens")[0])
     assert 0 < tokens < 200
+
+
+def test_a_second_turn_reuses_the_first_and_a_full_context_says_what_it_dropped():
+    """Turn 2 prefills only its new tokens (the engine's prefix cache); once the 256-token context
+    is full the oldest messages go, with a notice."""
+    long = "word " * 60  # ~60 tokens a message: four turns overflow the context
+    lines = f"hello there\n/stats\n{long}\n{long}\n{long}\n{long}\n/stats\n/quit\n"
+    r = subprocess.run(CHAT + ["--max-tokens", "8"], input=lines, capture_output=True, text=True, timeout=300,
+                       check=False)
+    assert r.returncode == 0, r.stderr
+    stats = [ln for ln in r.stdout.splitlines() if "last reply" in ln]
+    assert "0 reused" in stats[0]  # the first turn has nothing to reuse
+    assert "[context full (256 tokens): dropped the oldest" in r.stdout
+    assert "Traceback" not in r.stderr
+
+
+def test_turn_two_prefill_covers_only_new_tokens_in_process():
+    from moestream.decoder.serve.chat import Chat, build_parser
+    from moestream.decoder.serve.config import ServeConfig
+    from moestream.decoder.serve.main import open_engine
+    import io
+
+    args = build_parser().parse_args(["--model", str(MODEL), "--resident", "--temperature", "0", "--max-tokens", "6"])
+    _, tok, engine, limit = open_engine(ServeConfig(model=str(MODEL), resident=True), "moestream-chat")
+    try:
+        chat = Chat(engine, tok, limit, args)
+        chat.reset()
+        out = io.StringIO()
+        chat.say("one two three", out)
+        first = chat.last
+        chat.say("four five", out)
+        assert first.cached_tokens == 0
+        assert chat.last.cached_tokens >= first.prompt_tokens  # turn 1's prompt came from the cache
+        assert chat.last.prompt_tokens - chat.last.cached_tokens < chat.last.prompt_tokens - first.prompt_tokens
+    finally:
+        engine.close()
+
+
+def test_a_terminal_gets_line_editing():
+    """At a terminal, Left arrow moves the cursor (readline): "/noe", Left, "p" is the line "/nope"."""
+    import os
+    import pty
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(CHAT, stdin=follower, stdout=follower, stderr=follower, close_fds=True)
+    os.close(follower)
+    seen = b""
+
+    def read_until(token: bytes, timeout: float = 120) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while token not in seen:
+            assert time.monotonic() < deadline and proc.poll() is None, seen
+            try:
+                seen += os.read(leader, 4096)
+            except OSError:
+                break
+
+    try:
+        read_until(b"> ")
+        os.write(leader, b"/noe\x1b[Dp\r")
+        read_until(b"unknown command")
+        read_until(b"> ", 30)
+        os.write(leader, b"/quit\r")
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(leader)
+    assert b"unknown command /nope" in seen, seen

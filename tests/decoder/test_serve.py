@@ -62,6 +62,7 @@ def server(tmp_path_factory):
         # prefilled in chunks beside the others' decode (4 tokens a step)
         srv = spawn_server(MODEL, ["--iod", daemon.endpoint], tmp / "serve.log",
                            ["--max-seqs", "3", "--max-step-tokens", "4"])
+        srv.daemon = daemon
         try:
             yield srv
         finally:
@@ -170,7 +171,19 @@ def test_metrics_parse_with_the_prometheus_text_parser(server, client):
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 17}, "n"),
+    ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "functions": []}, "functions"),
+    ({"prompt": "x", "guided_json": {}}, "guided_json"),
+    ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}, "response_format"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"prompt": [1, 999999]}, "prompt"),
     ({"prompt": 5}, "prompt"),
@@ -224,6 +237,25 @@ def test_client_disconnect_cancels_the_request(server, stream):
         time.sleep(0.1)
     made = m["moestream_serve_generation_tokens_total"] - before["moestream_serve_generation_tokens_total"]
     assert made < 240 and m["moestream_serve_running_sequences"] == 0
+
+
+def test_usage_carries_the_requests_expert_traffic_the_daemon_counted(server, client):
+    """`usage.moestream`: the shares of requests run one after another add up to what the daemon
+    served this client over them (both count each expert blob's bytes once per delivery)."""
+    from moestream.tools.status import get_status
+
+    def served() -> int:
+        (me,) = [c for c in get_status(server.daemon.status_endpoint)["clients"] if c["name"] == "moestream-serve"]
+        return me["bytes_served"]
+
+    model_id = client.models.list().data[0].id
+    before, total = served(), 0
+    for prompt in ("while True:", "x = [", "print("):
+        r = client.completions.create(model=model_id, prompt=prompt, max_tokens=6, temperature=0)
+        total += r.usage.moestream["expert_bytes_fetched"]
+        assert r.usage.moestream["steps"] >= 6 and r.usage.moestream["expert_bytes_used"] > 0
+    time.sleep(0.3)  # prefetches issued in the last step may land after its reply
+    assert total > 0 and abs(served() - before - total) <= 3  # the shares are rounded to whole bytes
 
 
 def test_health_and_models(server):
