@@ -49,6 +49,8 @@ class ClientCounters:
     replies_dropped: int = 0  # `ready`s that could not be queued (client not reading): no lease kept
     over_quota: int = 0  # requests that had to wait (parked) for room within the client's lease quota
     deadline: int = 0  # requests answered `deadline` (no arena room within queue_deadline_s)
+    recalled: int = 0  # leases the daemon asked back (another share needed the room)
+    revoked: int = 0  # recalled leases not given back within recall_grace_s, taken back
 
 
 @dataclass
@@ -66,6 +68,7 @@ class Stats:
     recent_reads: deque = field(default_factory=deque)  # (t_done, nbytes) in the last window
     clients_seen: int = 0
     clients_expired: int = 0
+    clients_died: int = 0  # dropped at once: their process exited (peers.DeathWatch)
 
     def read_done(self, nbytes: int) -> None:
         now = time.monotonic()
@@ -124,7 +127,7 @@ def build_status(server: Server, hottest: int = 10) -> dict[str, Any]:
         "fairness": server.fairness(),
         "latency": {"all": percentiles(st.latency_all), "miss": percentiles(st.latency_miss)},
         "clients": [c.describe() for c in server.clients.values()],
-        "clients_seen": st.clients_seen, "clients_expired": st.clients_expired,
+        "clients_seen": st.clients_seen, "clients_expired": st.clients_expired, "clients_died": st.clients_died,
         "hottest": [[k[0], k[1], n] for k, n in st.hot.most_common(hottest)],
     }
 
