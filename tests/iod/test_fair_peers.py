@@ -30,7 +30,7 @@ for i in range(n_conn):
     s.send(P.Hello(P.PROTOCOL_VERSION, f"hog-{i}").encode())
     assert isinstance(P.decode_reply(s.recv()), P.Welcome)
     socks.append(s)
-keys = [[layer, e] for layer in range(2) for e in range(8)][:ask]
+keys = [[0, e] for e in range(ask)]  # layer 0's experts: the others need free slots
 per = -(-len(keys) // n_conn)
 for i, s in enumerate(socks):
     if keys[i * per:(i + 1) * per]:
@@ -49,7 +49,7 @@ while True:
                 held += 1; answered += 1
             elif isinstance(m, P.Error) and m.rid == 1:
                 answered += len(m.keys or [])
-            elif isinstance(m, P.Recall):
+            elif isinstance(m, getattr(P, "Recall", ())):  # (an older daemon has none)
                 counts["revoked" if m.revoked else "recall"] += len(m.leases)
                 if m.revoked:
                     held -= len(m.leases)
@@ -75,7 +75,7 @@ def resident_text(tiny_model):
     return json.loads(out.getvalue())
 
 
-def _start_hog(endpoint: str, n_conn: int = 1, ask: int = 16) -> subprocess.Popen:
+def _start_hog(endpoint: str, n_conn: int = 1, ask: int = 8) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", HOG, endpoint, str(n_conn), str(ask)], stdout=subprocess.PIPE,
                             text=True)
 
@@ -111,16 +111,16 @@ def _stop(*procs: subprocess.Popen) -> None:
 
 
 def test_hog_alone_first_gives_back_leases_when_decoders_join(tiny_model, start_daemon, resident_text, wait_status):
-    d = start_daemon(tiny_model, arena_slots=16, extra_args=FAIR)
+    d = start_daemon(tiny_model, arena_slots=8, extra_args=FAIR)
     hog = _start_hog(d.endpoint)
     decoders: list[subprocess.Popen] = []
     try:
-        assert _held(hog) == 16  # alone: the whole arena
+        assert _held(hog) == 8  # alone: the whole arena (layer 1's experts now have no slot to go to)
         decoders = _decoders(tiny_model, d.endpoint)
         _finish(decoders, resident_text)
         s = get_status(d.status_endpoint)
         (h,) = [c for c in s["clients"] if c["name"] == "hog-0"]
-        assert h["revoked"] >= 16 - s["fairness"]["client_lease_quota"], h  # it ignored the recall: taken back
+        assert h["revoked"] >= 8 - s["fairness"]["client_lease_quota"], h  # it ignored the recall: taken back
         assert h["leases"] <= s["fairness"]["client_lease_quota"]
         assert s["fairness"]["client_lease_quota"] < s["arena"]["n_slots"]
         assert s["fairness"]["revoked_total"] == h["revoked"] and s["clients_died"] == 0
@@ -129,18 +129,18 @@ def test_hog_alone_first_gives_back_leases_when_decoders_join(tiny_model, start_
 
 
 def test_two_connection_hog_gets_one_share(tiny_model, start_daemon, resident_text, wait_status):
-    d = start_daemon(tiny_model, arena_slots=16, extra_args=FAIR)
+    d = start_daemon(tiny_model, arena_slots=8, extra_args=FAIR)
     hog = None
     decoders: list[subprocess.Popen] = []
     with IodClient(d.endpoint, name="bystander") as bystander:  # a second share from the start
         bystander.ping()
         try:
-            hog = _start_hog(d.endpoint, n_conn=2, ask=16)
+            hog = _start_hog(d.endpoint, n_conn=2)
             quota = get_status(d.status_endpoint)["fairness"]["client_lease_quota"]
-            s = wait_status(d.status_endpoint, lambda s: sum(c["leases"] + c["parked"] for c in s["clients"]) >= 16)
+            s = wait_status(d.status_endpoint, lambda s: sum(c["leases"] + c["parked"] for c in s["clients"]) >= 8)
             hogs = [c for c in s["clients"] if c["name"].startswith("hog-")]
-            assert len(hogs) == 2 and len({c["share"] for c in hogs}) == 1  # two connections, one share
-            assert sum(c["leases"] for c in hogs) <= quota, hogs
+            assert len(hogs) == 2 and sum(c["leases"] for c in hogs) <= quota, hogs
+            assert len({c["share"] for c in hogs}) == 1  # two connections, one share
             decoders = _decoders(tiny_model, d.endpoint)
             _finish(decoders, resident_text)
         finally:
@@ -148,17 +148,15 @@ def test_two_connection_hog_gets_one_share(tiny_model, start_daemon, resident_te
 
 
 def test_sigkilled_holder_frees_its_leases_at_once(tiny_model, start_daemon, resident_text, wait_status):
-    d = start_daemon(tiny_model, arena_slots=16, extra_args=FAIR)  # default lease timeout: 30 s
+    d = start_daemon(tiny_model, arena_slots=8, extra_args=FAIR)  # default lease timeout: 30 s
     hog = _start_hog(d.endpoint)
     decoders: list[subprocess.Popen] = []
     try:
-        assert _held(hog) == 16
+        assert _held(hog) == 8
         hog.kill()
         decoders = _decoders(tiny_model, d.endpoint)
-        # seen dead long before its 30 s lease timeout would have freed anything
-        wait_status(d.status_endpoint, lambda s: s["clients_died"] == 1 and s["arena"]["leases"] < 16, timeout_s=10)
         _finish(decoders, resident_text)
-        s = get_status(d.status_endpoint)
-        assert s["clients_expired"] == 0 and s["errors_by_code"].get("deadline", 0) == 0, s["errors_by_code"]
+        s = get_status(d.status_endpoint)  # seen dead, not freed by its 30 s lease timeout
+        assert s["clients_died"] == 1 and s["clients_expired"] == 0 and s["errors_by_code"].get("deadline", 0) == 0, s["errors_by_code"]
     finally:
         _stop(hog, *decoders)
