@@ -352,6 +352,7 @@ class _IoThread(threading.Thread):
         self._close_socket(linger=0)
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT (IPv4 endpoints still work)
         mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # a dropped connection: the daemon died
         try:
             sock.connect(self.c.endpoint)

@@ -32,6 +32,9 @@ def open_model(path: Path) -> ModelLayout:
     try:
         return ModelLayout(path)
     except ModelFormatError as e:
+        if "unreadable GGUF header" in str(e):  # what gguf-py says then is numpy's view of the bytes
+            raise ConfigError(f"model {path}: its GGUF header or tensor table cannot be read: the file "
+                              f"({os.path.getsize(path)} bytes) is truncated or corrupt") from None
         raise ConfigError(str(e)) from None
     except (ValueError, OSError, IndexError, KeyError, TypeError) as e:  # the gguf reader's own
         raise ConfigError(f"model {path} is not a readable GGUF file ({type(e).__name__}: {e}); "
@@ -72,7 +75,7 @@ def check_endpoints(cfg: IodConfig) -> None:
 def _check_path_kind(path: Path) -> None:
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (a parent that cannot be made: `_make_parent` says so)
         return
     except OSError as e:
         raise ConfigError(f"ipc endpoint path {path}: {e.strerror}") from None
