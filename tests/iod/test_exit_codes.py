@@ -111,3 +111,18 @@ def test_ipv6_loopback_endpoint_serves(tiny_model, start_daemon):
     with IodClient(f"tcp://[::1]:{port}") as c:
         c.release(c.fetch([(0, 1)])[0].result(10))
     assert d.alive()
+
+
+def test_status_of_a_killed_daemon_names_its_leftover_arena(tiny_model, start_daemon):
+    from moestream.tools.status import get_status
+
+    d = start_daemon(tiny_model, arena_slots=2)
+    (arena,) = _arenas_of(d.pid)
+    d.proc.kill()
+    d.proc.wait()
+    with pytest.raises(Exception) as e:
+        get_status(d.status_endpoint, timeout_s=1)
+    still = Path("/dev/shm", arena).exists()  # (another daemon starting on this host removes it)
+    Path("/dev/shm", arena).unlink(missing_ok=True)
+    if still:
+        assert f"daemon pid {d.pid} died without cleaning up" in str(e.value) and arena in str(e.value), e.value
