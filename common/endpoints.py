@@ -55,13 +55,14 @@ def no_answer(endpoint: str, timeout_s: float) -> str:
 def _dead() -> str:
     """What a daemon that died without cleaning up left in /dev/shm, if anything."""
     from .arena import SHM_DIR, dead_arenas
+    from .units import format_size
 
     dead = dead_arenas()
     if not dead:
         return ""
     name, pid, size = dead[-1]
     more = f" (and {len(dead) - 1} more)" if len(dead) > 1 else ""
-    return (f"; daemon pid {pid} died without cleaning up: its arena {SHM_DIR}/{name} ({size >> 20} MiB){more} is "
+    return (f"; daemon pid {pid} died without cleaning up: its arena {SHM_DIR}/{name} ({format_size(size)}){more} is "
             "still there (the next daemon start removes it)")
 
 
