@@ -109,7 +109,10 @@ def recv_bounded(sock: zmq.Socket, max_frames: int, max_bytes: int,
     while sock.getsockopt(zmq.RCVMORE):
         if n == 1 and want_peer is not None and want_peer(frames[0]):
             frame = sock.recv(zmq.NOBLOCK, copy=False)  # a Frame carries the connection's metadata
-            peer = Peer.of(frame.get("Peer-Address"))
+            try:
+                peer = Peer.of(frame.get("Peer-Address"))
+            except zmq.ZMQError:  # no such property (an older libzmq, an unusual transport)
+                peer = None
             frame = frame.bytes
         else:
             frame = sock.recv(zmq.NOBLOCK)

@@ -163,6 +163,7 @@ class ArenaExperts(ExpertSource):
     # -- ExpertSource ----------------------------------------------------------------------
     def begin_step(self) -> None:
         self._deferred.clear()
+        self._deadline_since.clear()
         self.prefetches.clear()
 
     def prefetch_ahead(self, predictions: Predictions, defer: bool = False,
@@ -189,13 +190,15 @@ class ArenaExperts(ExpertSource):
             for leases in self._arrivals(layer, pending, retries):
                 t0 = time.perf_counter()
                 try:
-                    outputs.update(self._compute(layer, x, groups, weights, leases))
+                    computed = self._compute(layer, x, groups, weights, leases)
                 finally:
                     self.client.release_many(list(leases.values()))
                 self.c["compute_s"] += time.perf_counter() - t0
-                for e in [e for e, lease in leases.items() if self.client.voided(lease)]:
-                    outputs.pop(e, None)  # computed from a lost daemon's slot: not to be trusted
-                    self._refetch(layer, e, "voided", pending, retries)
+                for e, lease in leases.items():
+                    if e in computed and not self.client.voided(lease):
+                        outputs[e] = computed[e]
+                    else:  # computed from a lost daemon's (or a revoked) slot: not to be trusted
+                        self._refetch(layer, e, "voided", pending, retries)
         except BaseException:
             self.prefetches.give_up(list(pending))  # `_arrivals` keeps `pending` to what is still owed
             raise
@@ -274,13 +277,14 @@ class ArenaExperts(ExpertSource):
 
     def _refetch(self, layer: int, e: int, why: str, pending: dict[cf.Future, int], retries: dict[int, int],
                  exc: BaseException | None = None) -> None:
-        """Fetch `e` again `now` (dropped, refused as busy, cancelled, or its lease voided)."""
-        if why == P.ErrorCode.DEADLINE.value:
+        """Fetch `e` again `now` (dropped, refused as busy or for lack of room, cancelled, or its
+        lease voided)."""
+        if why == P.ErrorCode.DEADLINE.value:  # bounded by time, not by count
             self._waited_deadline(layer, e, exc)
-        elif retries.get(e, 0) + 1 > MAX_RETRIES:
-            raise IodUnavailable(f"expert ({layer}, {e}) refused {MAX_RETRIES} times in a row: {exc or why}")
-        if why != P.ErrorCode.DEADLINE.value:
+        else:
             retries[e] = retries.get(e, 0) + 1
+            if retries[e] > MAX_RETRIES:
+                raise IodUnavailable(f"expert ({layer}, {e}) refused {MAX_RETRIES} times in a row: {exc or why}")
         if why == P.ErrorCode.BUSY.value:
             time.sleep(min(0.001 * 2 ** retries[e], 0.1))  # the daemon's queue is full: back off
         pending[self.client.fetch([(layer, e)], "now")[0]] = e
@@ -303,8 +307,8 @@ class ArenaExperts(ExpertSource):
                  leases: dict[int, Lease]) -> dict[int, torch.Tensor]:
         """The outputs of the leased experts, computed where they lie in the arena; none when the
         leases were voided meanwhile (the caller fetches them again)."""
-        epoch = self.client.epoch  # leases of an older one are void: left out, fetched again by the caller
-        current = {e: lease for e, lease in leases.items() if lease.epoch == epoch}
+        # void leases (an older connection's, or revoked) are left out: fetched again by the caller
+        current = {e: lease for e, lease in leases.items() if not self.client.voided(lease)}
         try:
             base = self._base_for(next(iter(current.values()))) if current else None
         except LeaseVoided:  # lost since: all of them are void now
