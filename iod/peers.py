@@ -37,8 +37,8 @@ ShareKey = tuple  # ("uid", 1000) | ("pid", 4242) | ("connection", identity)
 
 
 def share_key(fair_by: str, peer: Peer | None, ident: bytes) -> ShareKey:
-    if peer is None or fair_by == "connection":
-        return ("connection", ident)
+    if peer is None or fair_by == "connection" or (fair_by == "pid" and peer.pid == 0):
+        return ("connection", ident)  # (pid 0: a peer in another pid namespace)
     return ("uid", peer.uid) if fair_by == "uid" else ("pid", peer.pid)
 
 
@@ -67,12 +67,6 @@ class Shares:
     def claims(self, c: ClientState) -> int:
         return sum(m.claims() for m in self.of(c))
 
-    def held(self, key: ShareKey) -> int:
-        return sum(m.held for m in self.members.get(key, []))
-
-    def label(self, key: ShareKey) -> str:
-        kind, who = key
-        return f"{kind} {who}" if kind != "connection" else f"client {self.members[key][0].name!r}"
 
 
 class DeathWatch:
