@@ -61,3 +61,21 @@ def test_recalled_leases_kept_are_revoked_and_void(tiny_model, start_daemon, wai
         s = wait_status(d.status_endpoint, lambda s: s["arena"]["leases"] == 0)
     assert s["errors_by_code"].get("not_leased", 0) == 0
     assert keeper.recalls["revoked"] == 8 - quota
+
+
+def test_a_demand_waiting_on_a_full_arena_is_served_in_bounded_time(tiny_model, start_daemon, wait_status):
+    """Two shares fill the arena within their quotas and keep it; a third share's fetch is not left
+    to its `deadline`: the others are recalled down to a fair share and what they keep is revoked."""
+    d = start_daemon(tiny_model, arena_slots=8, extra_args=ARGS)
+    with IodClient(d.endpoint, name="a") as a, IodClient(d.endpoint, name="b") as b, \
+            IodClient(d.endpoint, name="c") as c:
+        held_a = [f.result(10) for f in a.fetch([(0, e) for e in range(4)])]
+        held_b = [f.result(10) for f in b.fetch([(0, e) for e in range(4, 8)])]
+        assert get_status(d.status_endpoint)["arena"]["free_slots"] == 0
+        got = c.fetch([(1, 0)])[0].result(30)  # the daemon's queue deadline is 5 s: served, not `deadline`
+        s = get_status(d.status_endpoint)
+        assert s["errors_by_code"].get("deadline", 0) == 0 and s["fairness"]["revoked_total"] > 0
+        assert s["fairness"]["fair_share"] == 2  # max(top-k 2, 8 slots // 3 shares)
+        c.release(got)
+        a.release_many(held_a)
+        b.release_many(held_b)
