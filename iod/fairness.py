@@ -108,6 +108,33 @@ class Fairness:
             self.s.send(c.ident, P.Recall(keys, self.grace_s, revoked=True).encode())
         return bool(by_client)
 
-    def stats(self) -> dict:
-        return {"shares": len(self.s.shares), "fair_by": self.s.cfg.fair_by, "fair_share": self.fair_share(),
+    # -- for people ----------------------------------------------------------------------------
+    def quota_int(self) -> int | None:
+        return None if math.isinf(self.quota) else int(self.quota)
+
+    def quota_text(self, c: ClientState) -> str:
+        """Why `c` waits: what its share holds and claims, against the quota."""
+        group = self.s.shares.of(c)
+        held = sum(m.held for m in group)
+        whose = f"its share ({c.share_text()}, {len(group)} connections)" if len(group) > 1 else "it"
+        return (f"{whose} holds {held} leases and has {self.s.shares.claims(c) - held} requests in progress, its "
+                f"quota is {self.quota} of the arena's {self.s.arena.n_slots} slots (client_lease_share "
+                f"{self.s.cfg.client_lease_share:g})")
+
+    def holders_text(self) -> str:
+        """Who pins the arena: leases by client (the biggest first), and reads in progress."""
+        held = sorted(((c.held, P.escape(c.name)) for c in self.s.clients.values() if c.held), reverse=True)
+        shown = ", ".join(f"{name!r} {n}" for n, name in held[:4]) + (", ..." if len(held) > 4 else "")
+        return (f"all {self.s.arena.n_slots} slots are leased or loading ({len(self.s.sched.reading)} reading; "
+                f"leases: {shown or 'none'}; each share ({self.s.cfg.fair_by}) may hold "
+                f"{self.quota_int() or 'all of them'}, {self.revoked} leases revoked so far)")
+
+    def status(self) -> dict:
+        """The `fairness` part of `status`."""
+        s = self.s
+        return {"client_lease_share": s.cfg.client_lease_share, "client_lease_quota": self.quota_int(),
+                "queue_deadline_s": s.cfg.queue_deadline_s,
+                "parked": sum(c.n_parked() for c in s.clients.values()),
+                "over_quota_total": s.stats.totals.over_quota, "deadline_total": s.stats.totals.deadline,
+                "shares": len(s.shares), "fair_by": s.cfg.fair_by, "fair_share": self.fair_share(),
                 "recall_grace_s": self.grace_s, "recalled_total": self.recalled, "revoked_total": self.revoked}

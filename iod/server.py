@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import time
 
@@ -236,7 +235,7 @@ class Server:
             c = self.clients.get(ident)
             if c is None:
                 continue
-            quota = self._quota_text(c)  # before the expired ones leave the parked count
+            quota = self.fair.quota_text(c)  # before the expired ones leave the parked count
             for w in c.expire_parked("now", now - self.cfg.queue_deadline_s):
                 self._answer_deadline(w, f"waited {now - w.since:.1f}s over this client's lease quota: "
                                       f"{quota}; release leases to go on")
@@ -244,7 +243,7 @@ class Server:
                 self._answer_error(w, P.ErrorCode.DROPPED, f"stale prefetch (parked {now - w.since:.1f}s over "
                                    f"this client's lease quota: {quota})")
         for load, waited in self.sched.expire_starved(self.cfg.queue_deadline_s, now):
-            why = f"no arena slot free for {waited:.1f}s: {self._holders_text()}"
+            why = f"no arena slot free for {waited:.1f}s: {self.fair.holders_text()}"
             for w in load.waiters:
                 self._answer_deadline(w, why)
             load.waiters = []
@@ -256,31 +255,9 @@ class Server:
             self.stats.totals.deadline += 1
         self._answer_error(w, P.ErrorCode.DEADLINE, message)
 
-    def _quota_text(self, c: ClientState) -> str:
-        group = self.shares.of(c)
-        held = sum(m.held for m in group)
-        whose = f"its share ({c.share_text()}, {len(group)} connections)" if len(group) > 1 else "it"
-        return (f"{whose} holds {held} leases and has {self.shares.claims(c) - held} requests in progress, its "
-                f"quota is {self.fair.quota} of the arena's {self.arena.n_slots} slots (client_lease_share "
-                f"{self.cfg.client_lease_share:g})")
-
-    def _quota(self) -> int | None:
-        return None if math.isinf(self.fair.quota) else int(self.fair.quota)
-
-    def _holders_text(self) -> str:
-        """Who pins the arena: leases by client (the biggest first), and reads in progress."""
-        held = sorted(((c.held, P.escape(c.name)) for c in self.clients.values() if c.held), reverse=True)
-        shown = ", ".join(f"{name!r} {n}" for n, name in held[:4]) + (", ..." if len(held) > 4 else "")
-        return (f"all {self.arena.n_slots} slots are leased or loading ({len(self.sched.reading)} reading; "
-                f"leases: {shown or 'none'}; each client may hold {self._quota() or 'all of them'})")
-
     def fairness(self) -> dict:
         """The `fairness` part of `status`."""
-        return {"client_lease_share": self.cfg.client_lease_share, "client_lease_quota": self._quota(),
-                "queue_deadline_s": self.cfg.queue_deadline_s,
-                "parked": sum(c.n_parked() for c in self.clients.values()),
-                "over_quota_total": self.stats.totals.over_quota, "deadline_total": self.stats.totals.deadline,
-                **self.fair.stats()}
+        return self.fair.status()
 
     # -- socket plumbing ----------------------------------------------------------------------
     def _drain(self) -> None:
@@ -372,7 +349,7 @@ class Server:
         a = self.arena
         self.send(ident, P.Welcome(P.PROTOCOL_VERSION, self.layout.fingerprint.as_dict(), a.name, a.n_slots,
                                     a.slot_bytes, self.layout.experts.summary(), self.heartbeat_s,
-                                    self.cfg.lease_timeout_s, self._quota() or 0,
+                                    self.cfg.lease_timeout_s, self.fair.quota_int() or 0,
                                     self.cfg.queue_deadline_s).encode())
 
     def _add_client(self, ident: bytes, msg: P.Hello, peer: Peer | None) -> None:
@@ -430,7 +407,7 @@ class Server:
         self.stats.hot[w.key] += 1
         if c.must_park(priority, self.fair.quota_for(c), self.shares.claims(c)):
             if priority == "cached":  # a guess: worth a lease now or never
-                self._answer_error(w, P.ErrorCode.NOT_CACHED, f"not leased: {self._quota_text(c)}")
+                self._answer_error(w, P.ErrorCode.NOT_CACHED, f"not leased: {self.fair.quota_text(c)}")
                 return
             w.since = time.monotonic()
             c.parked[priority].append(w)
