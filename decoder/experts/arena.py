@@ -351,8 +351,9 @@ def describe_stats(st: dict[str, Any]) -> str:
              f"delivered, stall {st['stall_s'] * 1e3:.1f} ms, compute {st['compute_s'] * 1e3:.1f} ms"
              + (f", {st['refetched']} refetched" if st["refetched"] else "")]
     if st.get("deadlines"):
-        lines.append(f"waited for arena room: {st['deadlines']} times the daemon's queue deadline passed "
-                     f"(~{st['deadline_wait_s']:.1f} s), asked again each time; last: {st['waited_on']}")
+        each = st["deadline_wait_s"] / st["deadlines"]
+        lines.append(f"waited for arena room: {st['deadlines']} requests waited out the daemon's queue deadline "
+                     f"({each:g} s each) and were asked again; last: {st['waited_on']}")
     if st.get("recalls", {}).get("recalled"):
         r = st["recalls"]
         lines.append(f"recalls: the daemon asked {r['recalled']} leases back for other peers "
