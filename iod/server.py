@@ -10,9 +10,9 @@ Fairness between peers (a user or a process, known from the kernel: peers.py): e
 leases plus requests in progress stay within its quota (`IodConfig.lease_quota`) while another
 share is connected; requests past it are parked with the client and admitted as the share's own
 leases go back (`pump`), and leases held past it are recalled, then revoked (fairness.py). A
-peer process that dies loses its leases at once (peers.DeathWatch). No request waits for arena room longer than
-`queue_deadline_s`: a parked `now` request, or a `now` load that found every slot leased for
-that long, is answered `deadline` saying who holds what (parked `ahead` ones go stale as
+peer process that dies loses its leases at once (peers.DeathWatch). No request waits for arena
+room longer than `queue_deadline_s`: a parked `now` request, or a `now` load that found every
+slot leased for that long, is answered `deadline` saying who holds what (parked `ahead` ones go stale as
 queued prefetches do). Prefetch leases never take the arena's last reserved slots: an `ahead`
 or `cached` hit on an unleased slot is refused when only the reserve is free.
 """

@@ -1,13 +1,15 @@
 """Issue 22, item 3: what a hostile client costs the daemon is bounded by bytes, and given back.
 
-Raw ZeroMQ DEALERs against a real daemon: a message of 400 frames of 1 MiB, and a client that
-floods 4096-key fetches and never reads a reply. The daemon's resident memory must stay within
+Raw ZeroMQ DEALERs against a real daemon: a message of 400 frames of 1 MiB, and a client process
+that floods 4096-key fetches, never reads a reply, and exits. The daemon's resident memory must stay within
 64 MiB of where it started meanwhile, come back within 8 MiB once the client is gone, and
 other clients must still be answered.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import zmq
@@ -69,35 +71,50 @@ def test_a_message_of_400_one_mib_frames_costs_nothing_lasting(tiny_model, start
     assert rss - start < 8 * MiB, f"{rss / MiB:.0f} MiB after, {start / MiB:.0f} MiB before"
 
 
-def test_a_client_that_floods_and_never_reads_is_bounded_by_bytes(tiny_model, start_daemon):
+# Floods for `seconds`: 20 KB fetches of 4096 keys (all decoded; out of range past expert 8) and
+# fetches the daemon must queue and serve, never reading a reply; then exits (the client "leaves").
+FLOOD = r"""
+import sys, time, zmq
+from moestream.common import protocol as P
+s = zmq.Context.instance().socket(zmq.DEALER)
+for opt, v in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 1), (zmq.RCVBUF, 4096)):
+    s.setsockopt(opt, v)
+s.connect(sys.argv[1])
+s.send(P.Hello(P.PROTOCOL_VERSION, "flood").encode())
+wide = [[0, e] for e in range(P.MAX_KEYS)]
+valid = [[layer, e] for layer in range(2) for e in range(8)]
+t_end, rid, sent = time.monotonic() + float(sys.argv[2]), 0, 0
+while time.monotonic() < t_end:
+    rid += 1
+    try:
+        s.send(P.Fetch(rid, wide if rid % 2 else valid).encode(), zmq.NOBLOCK)
+        sent += 1
+    except zmq.Again:
+        time.sleep(0.001)
+print(sent, flush=True)
+"""
+
+
+def test_a_client_that_floods_and_never_reads_is_bounded_by_bytes(tiny_model, start_daemon, wait_status):
     d = start_daemon(tiny_model, arena_slots=8)
     start = _baseline(d)
-    wide = [[0, e] for e in range(P.MAX_KEYS)]  # the issue's 20 KB fetches (all decoded; out of range past 8)
-    valid = [[layer, e] for layer in range(2) for e in range(8)]  # and ones the daemon must queue and serve
-    flood = _dealer(d.endpoint, SNDHWM=0, RCVHWM=1, RCVBUF=4096)  # never reads what comes back
-    other = IodClient(d.endpoint, name="other")
-    peak, rid, sent = 0, 0, 0
-    try:
-        flood.send(P.Hello(P.PROTOCOL_VERSION, "flood").encode())
-        t_end = time.monotonic() + 6
-        while time.monotonic() < t_end:
-            for _ in range(200):
-                rid += 1
-                try:
-                    flood.send(P.Fetch(rid, wide if rid % 2 else valid).encode(), zmq.NOBLOCK)
-                    sent += 1
-                except zmq.Again:
-                    break
-            peak = max(peak, _rss(d.pid)["VmRSS"])
-            other.ping(30)  # the others are still answered meanwhile
-        assert sent > 1000, sent
+    flood = subprocess.Popen([sys.executable, "-c", FLOOD, d.endpoint, "6"], stdout=subprocess.PIPE, text=True)
+    peak = 0
+    with IodClient(d.endpoint, name="other") as other:
+        try:
+            wait_status(d.status_endpoint, lambda s: any(c["name"] == "flood" for c in s["clients"]), timeout_s=30)
+            while flood.poll() is None:
+                peak = max(peak, _rss(d.pid)["VmRSS"])
+                other.ping(30)  # the others are still answered meanwhile
+                time.sleep(0.05)
+            assert int(flood.communicate()[0]) > 1000
+        finally:
+            if flood.poll() is None:
+                flood.kill()
+                flood.communicate()
         assert peak - start < 64 * MiB, f"{peak / MiB:.0f} MiB during, {start / MiB:.0f} MiB before"
-        st = get_status(d.status_endpoint)
-        (me,) = [c for c in st["clients"] if c["name"] == "flood"]
-        assert me["errors"] > 0 and me["requests"] > 0
-    finally:
-        flood.close()
-    other.ping(10)
-    other.close()
+        s = wait_status(d.status_endpoint, lambda s: not any(c["name"] == "flood" for c in s["clients"]))
+        assert s["clients_died"] == 1 and s["errors_by_code"].get("out_of_range", 0) > 0
+        other.ping(10)
     rss = _settled(d.pid, start)
     assert rss - start < 8 * MiB, f"{rss / MiB:.0f} MiB after, {start / MiB:.0f} MiB before"
