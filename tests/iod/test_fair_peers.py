@@ -6,12 +6,14 @@ ZeroMQ DEALERs in its own process (it never releases and ignores recalls), and t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import pytest
 
 from moestream.common.client import IodClient
 from moestream.decoder import cli
+from moestream.tools.spawn import spawn_daemon
 from moestream.tools.status import get_status
 
 PROMPT, N_NEW = "7,77,177,277,377", "6"
@@ -20,14 +22,18 @@ FAIR = ["--fair-by", "pid"]  # every process here runs as one uid: one share per
 # A peer that leases everything it can over `n` connections, never releases, keeps pinging (so no
 # lease timeout saves anyone) and ignores `recall`. Prints "held N" once its fetches are answered.
 HOG = r"""
-import sys, time, zmq
+import os, sys, time, zmq
 from moestream.common import protocol as P
 endpoint, n_conn, ask = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+if sys.argv[4:] == ["nobody"]:  # another user (root only): what the default, one share per uid, is for
+    os.setgroups([]); os.setgid(65534); os.setuid(65534)
 ctx = zmq.Context()
 socks = []
 for i in range(n_conn):
     s = ctx.socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 0); s.connect(endpoint)
     s.send(P.Hello(P.PROTOCOL_VERSION, f"hog-{i}").encode())
+    if not s.poll(20000):
+        sys.exit("hog: no welcome")
     assert isinstance(P.decode_reply(s.recv()), P.Welcome)
     socks.append(s)
 keys = [[0, e] for e in range(ask)]  # layer 0's experts: the others need free slots
@@ -75,9 +81,9 @@ def resident_text(tiny_model):
     return json.loads(out.getvalue())
 
 
-def _start_hog(endpoint: str, n_conn: int = 1, ask: int = 8) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", HOG, endpoint, str(n_conn), str(ask)], stdout=subprocess.PIPE,
-                            text=True)
+def _start_hog(endpoint: str, n_conn: int = 1, ask: int = 8, *as_user: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", HOG, endpoint, str(n_conn), str(ask), *as_user],
+                            stdout=subprocess.PIPE, text=True)
 
 
 def _held(hog: subprocess.Popen) -> int:
@@ -126,6 +132,27 @@ def test_hog_alone_first_gives_back_leases_when_decoders_join(tiny_model, start_
         assert s["fairness"]["revoked_total"] == h["revoked"] and s["clients_died"] == 0
     finally:
         _stop(hog, *decoders)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the hog as another user")
+def test_hog_of_another_user_under_the_default_fairness(tiny_model, resident_text):
+    """The default shares by uid: a hog running as nobody (in the socket group) against root's decoders."""
+    import grp
+
+    d = spawn_daemon(tiny_model, arena_slots=8, extra_args=["--socket-group", grp.getgrgid(65534).gr_name])
+    os.chmod(d.run_dir, 0o711)  # (a fresh temp dir: nobody may pass through it to the sockets)
+    hog = _start_hog(d.endpoint, 2, 8, "nobody")  # two connections, too
+    decoders: list[subprocess.Popen] = []
+    try:
+        assert _held(hog) == 8
+        decoders = _decoders(tiny_model, d.endpoint)
+        _finish(decoders, resident_text)
+        s = get_status(d.status_endpoint)
+        hogs = [c for c in s["clients"] if c["name"].startswith("hog-")]
+        assert {c["share"] for c in hogs} == {"uid 65534"} and sum(c["revoked"] for c in hogs) > 0, hogs
+    finally:
+        _stop(hog, *decoders)
+        d.stop()
 
 
 def test_two_connection_hog_gets_one_share(tiny_model, start_daemon, resident_text, wait_status):
