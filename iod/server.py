@@ -176,7 +176,7 @@ class Server:
             except Exception:  # noqa: BLE001
                 log.exception("fairness work failed")
 
-    def _trim(self, slack: int = 4 << 20) -> None:
+    def _trim(self, slack: int = 1 << 20) -> None:
         """Give freed heap back once it grew (a hostile burst, a big client gone): glibc keeps it."""
         anon = rss_anon()
         if anon > self._trimmed_anon + slack:
