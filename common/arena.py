@@ -24,6 +24,24 @@ class ArenaError(RuntimeError):
     pass
 
 
+def dead_arenas() -> list[tuple[str, int, int]]:
+    """(name, pid, bytes) of arenas in /dev/shm whose daemon process is gone (killed, OOM): what
+    `moestream status` mentions when no daemon answers. Read-only: it takes no lock (that would race
+    a daemon creating its arena); the next daemon start removes them (`Arena.remove_stale`)."""
+    out = []
+    for name in sorted(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else []:
+        if not _NAME_RE.match(name):
+            continue
+        pid = int(name.split("-")[1])
+        if os.path.exists(f"/proc/{pid}"):
+            continue
+        try:
+            out.append((name, pid, os.stat(os.path.join(SHM_DIR, name)).st_size))
+        except OSError:
+            continue
+    return out
+
+
 def _check_geometry(n_slots: int, slot_bytes: int) -> None:
     if n_slots < 1 or slot_bytes < 1 or slot_bytes % mmap.PAGESIZE:
         raise ArenaError(f"bad arena geometry: {n_slots} slots of {slot_bytes} bytes "

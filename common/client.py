@@ -21,6 +21,11 @@ Leases are counted per connection (`epoch`): a loss voids every lease of the old
 daemon's slots may be reused; its arena is not the new one), `part_view` of a void lease raises
 `LeaseVoided`, releasing one is a no-op, and an expert source fetches it again. Dead is final:
 every request fails with `IodUnavailable` saying why.
+
+Recalls (the daemon needs room for another peer): a `recall` names leases to hand back soon;
+they are collected for the expert source (`take_recalled`), which releases those it is not
+computing from. A `recall` with `revoked` says the daemon took them back: they are void like
+a lost connection's (`voided`, `LeaseVoided`), and releasing them is a no-op.
 """
 
 from __future__ import annotations
@@ -143,6 +148,9 @@ class IodClient:
         self.bytes_received = 0  # blob bytes of every `ready` (used, prefetched or handed back); I/O thread writes
         self._dead: IodUnavailable | None = None
         self._held: Counter = Counter()  # (slot, generation) -> leases of this epoch held
+        self._recalled: set[tuple[int, int]] = set()  # asked back by the daemon, not yet taken
+        self._revoked: set[tuple[int, int]] = set()  # taken back by the daemon (this epoch)
+        self.recalls = {"recalled": 0, "revoked": 0}  # leases, since start
         self.arena: ArenaView | None = None
         self.welcome: dict = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -184,14 +192,24 @@ class IodClient:
         return futures
 
     def voided(self, lease: Lease) -> bool:
-        """Whether `lease` was granted on a connection since lost (its slot must not be read)."""
-        return lease.epoch != self.epoch
+        """Whether `lease` was granted on a connection since lost, or revoked by the daemon (its
+        slot must not be read)."""
+        return lease.epoch != self.epoch or (lease.slot, lease.generation) in self._revoked
+
+    def take_recalled(self) -> set[tuple[int, int]]:
+        """The (slot, generation) leases the daemon asked back since the last call (release the
+        ones not being computed from; the others go back anyway once computed)."""
+        with self._lock:
+            out, self._recalled = self._recalled, set()
+        return out
 
     def arena_of(self, lease: Lease) -> ArenaView:
         """The arena `lease` lives in; raises LeaseVoided when its connection was lost."""
         with self._lock:
             if lease.epoch != self.epoch or self.arena is None:
                 raise LeaseVoided(f"lease of expert {lease.layer, lease.expert} voided by a lost connection")
+            if (lease.slot, lease.generation) in self._revoked:
+                raise LeaseVoided(f"lease of expert {lease.layer, lease.expert} taken back by the daemon")
             return self.arena
 
     def slot_view(self, lease: Lease) -> memoryview:
@@ -213,10 +231,11 @@ class IodClient:
         leases are skipped: the daemon that granted them is gone or has forgotten us."""
         with self._lock:
             epoch = self.epoch
-            keys = [(lease.slot, lease.generation) for lease in leases if lease.epoch == epoch]
+            keys = [(lease.slot, lease.generation) for lease in leases
+                    if lease.epoch == epoch and (lease.slot, lease.generation) not in self._revoked]
             for lease in leases:
                 key = (lease.slot, lease.generation)
-                if lease.epoch == epoch and self._held.get(key, 0) < keys.count(key):
+                if key in keys and self._held.get(key, 0) < keys.count(key):
                     raise ValueError(f"lease {lease.layer, lease.expert} (slot {lease.slot}) is not held")
             for key in keys:
                 self._held[key] -= 1
@@ -280,6 +299,8 @@ class IodClient:
             if state in (State.RECONNECTING, State.DEAD) and self.state is State.CONNECTED:
                 self.epoch += 1  # every lease of the lost connection is void
                 self._held.clear()
+                self._recalled.clear()
+                self._revoked.clear()
             self.state = state
             if dead is not None:
                 self._dead = dead
@@ -332,6 +353,7 @@ class _IoThread(threading.Thread):
         self._close_socket(linger=0)
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT (IPv4 endpoints still work)
         mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # a dropped connection: the daemon died
         try:
             sock.connect(self.c.endpoint)
@@ -556,6 +578,8 @@ class _IoThread(threading.Thread):
             self._on_ready(msg)
         elif isinstance(msg, P.Error):
             self._on_error(msg)
+        elif isinstance(msg, P.Recall):
+            self._on_recall(msg)
         elif isinstance(msg, P.Pong):
             fut = self.pings.pop(int(msg.t), None)
             if fut is not None and not fut.done():
@@ -585,6 +609,22 @@ class _IoThread(threading.Thread):
             fut.set_result(lease)
         except cf.InvalidStateError:  # cancelled meanwhile: hand the slot straight back
             c.release(lease)
+
+    def _on_recall(self, m: P.Recall) -> None:
+        c = self.c
+        keys = {(int(p[0]), int(p[1])) for p in m.leases}
+        with c._lock:
+            keys &= set(c._held)  # what we still hold (released meanwhile: nothing to do)
+            if m.revoked:
+                for key in keys:
+                    del c._held[key]
+                c._revoked |= keys
+                c._recalled -= keys
+            else:
+                c._recalled |= keys
+            c.recalls["revoked" if m.revoked else "recalled"] += len(keys)
+        if m.revoked and keys:
+            log.info("moestream-iod took back %d leases (recalled, not released within %gs)", len(keys), m.grace_s)
 
     def _on_error(self, m: P.Error) -> None:
         if m.code in (P.ErrorCode.SHUTTING_DOWN.value, P.ErrorCode.NO_HELLO.value):

@@ -48,8 +48,22 @@ def no_answer(endpoint: str, timeout_s: float) -> str:
     path = ipc_path(endpoint)
     head = f"no answer from moestream-iod at {endpoint} within {timeout_s}s"
     if path is not None and not os.path.lexists(path):
-        return f"{head}: there is no socket at {path} (is the daemon running, and is this its endpoint?)"
-    return f"{head} (is the daemon running, and is this its endpoint?)"
+        return f"{head}: there is no socket at {path} (is the daemon running, and is this its endpoint?)" + _dead()
+    return f"{head} (is the daemon running, and is this its endpoint?)" + _dead()
+
+
+def _dead() -> str:
+    """What a daemon that died without cleaning up left in /dev/shm, if anything."""
+    from .arena import SHM_DIR, dead_arenas
+    from .units import format_size
+
+    dead = dead_arenas()
+    if not dead:
+        return ""
+    name, pid, size = dead[-1]
+    more = f" (and {len(dead) - 1} more)" if len(dead) > 1 else ""
+    return (f"; daemon pid {pid} died without cleaning up: its arena {SHM_DIR}/{name} ({format_size(size)}){more} is "
+            "still there (the next daemon start removes it)")
 
 
 def _group_hint(path: str) -> str:

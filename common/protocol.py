@@ -6,7 +6,11 @@ and lists. `decode` turns bytes into a typed message or raises `ProtocolError` c
 `ErrorCode` for the `error` reply, so a bad message never reaches the daemon's logic.
 
     client -> daemon: hello, fetch, release, cancel, ping, bye      (status socket: status)
-    daemon -> client: welcome, ready (one per expert), error, pong  (status socket: status_reply)
+    daemon -> client: welcome, ready (one per expert), error, pong, recall  (status socket: status_reply)
+
+`recall` is additive (an older client logs it as an unknown reply and ignores it): the daemon
+asks for leases back (`revoked` false: release them within `grace_s` if you are not computing
+from them), or says it took them back (`revoked` true: their slots may be reused now).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ class ErrorCode(str, enum.Enum):
     NO_HELLO = "no_hello"  # request before hello (or the daemon restarted and forgot us)
     DUPLICATE_ID = "duplicate_id"  # fetch id already in use by this client
     BUSY = "busy"  # queue full: retry later
-    DEADLINE = "deadline"  # waited queue_deadline_s for arena room (this client's lease quota, or a full arena)
+    DEADLINE = "deadline"  # waited queue_deadline_s for arena room (this client's lease quota, or a full arena):
+    # the daemon is fine, the arena was busy; a decoder asks again (within its own total bound)
     DROPPED = "dropped"  # stale `ahead` work dropped
     NOT_CACHED = "not_cached"  # a `cached` fetch of an expert the arena does not hold (nothing is read)
     IO_ERROR = "io_error"  # the read failed
@@ -168,6 +173,7 @@ class Welcome(Message):
     # leases (+ requests in progress) one client may claim while others are connected; 0: no quota.
     # A client that holds prefetched leases keeps them under this, or its own demand waits on them.
     lease_quota: int = 0
+    queue_deadline_s: float = 0.0  # how long the daemon lets a request wait for arena room before `deadline`
 
 
 @dataclass
@@ -278,6 +284,16 @@ class Error(Message):
 
 
 @dataclass
+class Recall(Message):
+    """Leases the daemon wants back: another peer needs the room (this one is over its quota)."""
+
+    op: ClassVar[str] = "recall"
+    leases: list  # [[slot, generation], ...]
+    grace_s: float = 0.0  # how long the client has to release them before they are revoked
+    revoked: bool = False  # true: taken back already, the slots may hold other experts now
+
+
+@dataclass
 class Status(Message):
     op: ClassVar[str] = "status"
     hottest: int = 10  # how many of the most requested experts the reply lists (`moestream warm --top N`)
@@ -294,7 +310,7 @@ class StatusReply(Message):
 
 
 REQUESTS: dict[str, type[Message]] = {c.op: c for c in (Hello, Fetch, Release, Cancel, Ping, Bye, Status)}
-REPLIES: dict[str, type[Message]] = {c.op: c for c in (Welcome, Ready, Error, Pong, StatusReply)}
+REPLIES: dict[str, type[Message]] = {c.op: c for c in (Welcome, Ready, Error, Pong, StatusReply, Recall)}
 
 
 def _unpack(frame: bytes, limit: int) -> dict[str, Any]:

@@ -1,8 +1,10 @@
 """The daemon's view of one connected client: its leases, pending requests and counters.
 
 Fairness: a client's *claims* are its leases plus its requests in progress (queued, reading or
-joined). Past its quota (`IodConfig.lease_quota`) further requests are *parked* here, in
-arrival order (`now` ones before `ahead` ones), until the client's own releases make room.
+joined); a share's claims (peers.py: the clients of one user or process) are its clients'. Past
+the share's quota (`IodConfig.lease_quota`) further requests are *parked* here, in arrival order
+(`now` ones before `ahead` ones), until the share's own releases make room. Leases the daemon
+recalled (fairness.py) are kept with the time they were recalled, until released or revoked.
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ from .status import ClientCounters
 class ClientState:
     ident: bytes
     name: str
-    pid: int
+    pid: int  # as the client says (for people); `peer_pid` is the kernel's
     last_seen: float
+    share: tuple = ()  # peers.share_key: whose share of the arena this client uses
+    peer_pid: int = 0  # SO_PEERCRED pid (0: unknown, e.g. tcp)
     leases: Counter = field(default_factory=Counter)  # (slot, generation) -> count
+    leased_at: dict[tuple[int, int], float] = field(default_factory=dict)  # first grant: oldest recalled first
+    recalled: dict[tuple[int, int], float] = field(default_factory=dict)  # lease -> when it was recalled
     pending: dict[int, int] = field(default_factory=dict)  # rid -> keys not yet answered
     outstanding: int = 0  # sum of `pending`: experts requested and not yet answered (capped per client)
     held: int = 0  # sum of `leases`
@@ -32,8 +38,13 @@ class ClientState:
 
     def describe(self) -> dict:
         return {"name": self.name, "pid": self.pid, "idle_s": round(time.monotonic() - self.last_seen, 3),
-                "leases": self.held, "pending_requests": len(self.pending),
+                "peer_pid": self.peer_pid, "share": self.share_text(),
+                "leases": self.held, "recalled": len(self.recalled), "pending_requests": len(self.pending),
                 "outstanding": self.outstanding, "parked": self.n_parked(), **vars(self.n)}
+
+    def share_text(self) -> str:
+        """'uid 1000', 'pid 4242' or 'connection' (a share of its own)."""
+        return f"{self.share[0]} {self.share[1]}" if self.share and self.share[0] != "connection" else "connection"
 
     def n_parked(self) -> int:
         return len(self.parked["now"]) + len(self.parked["ahead"])
@@ -42,15 +53,15 @@ class ClientState:
         """Leases held plus requests admitted and not yet answered (what the quota bounds)."""
         return self.held + self.outstanding - self.n_parked() - self.unsorted
 
-    def must_park(self, priority: str, quota: float) -> bool:
-        """Whether a new request waits here: over quota, or behind earlier parked ones (a `now`
-        only behind `now` ones: demand goes first)."""
+    def must_park(self, priority: str, quota: float, claims: int) -> bool:
+        """Whether a new request waits here: its share's `claims` at the quota, or behind earlier
+        parked ones (a `now` only behind `now` ones: demand goes first)."""
         behind = self.parked["now"] or (priority != "now" and self.parked["ahead"])
-        return bool(behind) or self.claims() >= quota
+        return bool(behind) or claims >= quota
 
-    def unpark(self, quota: float) -> Waiter | None:
-        """The next parked request, if the client has room for it now (`now` first)."""
-        if self.claims() >= quota:
+    def unpark(self, quota: float, claims: int) -> Waiter | None:
+        """The next parked request, if the share has room for it now (`now` first)."""
+        if claims >= quota:
             return None
         for q in (self.parked["now"], self.parked["ahead"]):
             if q:
@@ -73,8 +84,23 @@ class ClientState:
         return n
 
     def add_lease(self, slot: int, generation: int) -> None:
-        self.leases[(slot, generation)] += 1
+        key = (slot, generation)
+        self.leases[key] += 1
+        self.leased_at.setdefault(key, time.monotonic())
         self.held += 1
+
+    def oldest_unrecalled(self, n: int) -> list[tuple[int, int]]:
+        """Up to `n` leases not recalled yet, the longest held first (a decoder's idle prefetches)."""
+        keys = sorted((t, k) for k, t in self.leased_at.items() if k not in self.recalled)
+        return [k for _, k in keys[:n]]
+
+    def take_back(self, key: tuple[int, int]) -> int:
+        """Forget every lease of `key` (revoked); returns how many there were."""
+        n = self.leases.pop(key, 0)
+        self.leased_at.pop(key, None)
+        self.recalled.pop(key, None)
+        self.held -= n
+        return n
 
     def drop_lease(self, slot: int, generation: int) -> bool:
         """Forget one lease; False if this client does not hold it."""
@@ -84,6 +110,8 @@ class ClientState:
             return False
         if n == 1:
             del self.leases[key]
+            self.leased_at.pop(key, None)
+            self.recalled.pop(key, None)
         else:
             self.leases[key] = n - 1
         self.held -= 1

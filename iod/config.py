@@ -15,6 +15,8 @@ from typing import Any
 from moestream.common import units
 from moestream.common.protocol import DEFAULT_ENDPOINT, DEFAULT_STATUS_ENDPOINT
 
+from .limits import memory_limit
+from .peers import FAIR_BY
 from .readers import BACKENDS, MAX_DEPTH
 
 DEFAULT_CONFIG = Path("/etc/moestream/iod.toml")
@@ -35,9 +37,10 @@ def parse_size(text: str | int) -> int:
 
 
 def parse_memory(text: str | int) -> int:
-    """A size, or a percentage of this machine's physical memory ('50%')."""
+    """A size, or a percentage ('50%') of what this process may use: physical memory, or its
+    memory cgroup's limit where that is smaller (limits.py)."""
     try:
-        return units.parse_size(text, percent_of=units.physical_memory())
+        return units.parse_size(text, percent_of=memory_limit().bytes)
     except ValueError as e:
         raise ConfigError(f"memory: {e}") from None
 
@@ -70,7 +73,8 @@ class IodConfig:
     allow_abstract: bool = False  # ipc://@name (Linux abstract sockets: no file, so no permissions apply)
     max_queued: int = 65536  # queued expert loads (now + ahead) before `busy`/`dropped`
     max_queued_per_client: int = 16384  # one client's experts requested and not yet answered, before `busy`
-    max_replies_queued: int = 65536  # replies waiting for one client to read them; past this they are dropped
+    max_requests_total: int = 131072  # all clients' experts requested and not yet answered (~250 B each), before `busy`
+    max_replies_queued: int = 20000  # replies (~1 KiB at most) waiting for one client to read them; then dropped
     ahead_max_age_s: float = 5.0  # queued `ahead` work older than this is dropped as stale
     now_reserve: float = 0.25  # share of read places and of arena slots prefetches may not take
     # Fairness between clients (see `lease_quota`): one client's leases plus its requests in
@@ -80,6 +84,11 @@ class IodConfig:
     # it is answered `deadline`.
     client_lease_share: float = 0.5
     queue_deadline_s: float = 5.0
+    # Whose share that is (iod/peers.py): "uid" (one per user, from the kernel's peer credentials),
+    # "pid" (one per process) or "connection"; and how long a recalled lease may stay before the
+    # daemon takes it back (iod/fairness.py).
+    fair_by: str = "uid"
+    recall_grace_s: float = 1.0
     # Request counts per expert kept on disk (iod/history.py), for `moestream warm --top N` after a restart
     history_file: Path | None = None
     history_interval_s: float = 60.0
@@ -88,12 +97,13 @@ class IodConfig:
     def lease_quota(self, n_slots: int, top_k: int) -> int | None:
         """Leases plus requests in progress one client may have: `client_lease_share` of the
         slots, but never fewer than one token's top-k (a layer's demand must fit) and never more
-        than the arena; None (no quota) for a share of 1. Half by default: two clients fit side
+        than the arena less a top-k (or half of it); None (no quota) for a share of 1. Half by default: two clients fit side
         by side, and the decoder's own prefetch limit (half the arena less a top-k) leaves each
         decoder a top-k of its quota for demand."""
         if self.client_lease_share >= 1:
             return None
-        return max(1, min(n_slots, max(top_k, int(n_slots * self.client_lease_share))))
+        room = n_slots - min(top_k, n_slots // 2)  # never the whole arena: another share's layer must fit
+        return max(1, min(room, max(top_k, int(n_slots * self.client_lease_share))))
 
     def reserved(self, capacity: int) -> int:
         """How many of `capacity` read places or arena slots are kept for `now` work."""
@@ -118,8 +128,10 @@ class IodConfig:
         if len(given) > 1:
             raise ConfigError(f"give one of memory, arena_bytes, arena_slots, not {' and '.join(given)}")
         _positive(self, "arena_bytes", "arena_slots", "memory", "queue_depth", "lease_timeout_s", "max_queued",
-                  "max_queued_per_client", "max_replies_queued", "ahead_max_age_s", "queue_deadline_s",
-                  "history_interval_s")
+                  "max_queued_per_client", "max_requests_total", "max_replies_queued", "ahead_max_age_s", "queue_deadline_s",
+                  "history_interval_s", "recall_grace_s")
+        if self.fair_by not in FAIR_BY:
+            raise ConfigError(f"fair_by {self.fair_by!r} not one of {', '.join(FAIR_BY)}")
         if self.metrics_port is not None and not (isinstance(self.metrics_port, int) and 0 < self.metrics_port < 65536):
             raise ConfigError(f"metrics_port must be a TCP port in 1..65535, got {self.metrics_port!r}")
         if isinstance(self.now_reserve, bool) or not 0 <= self.now_reserve < 1:
@@ -160,8 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
         "through a shared-memory arena (ZeroMQ + msgpack). Options override the TOML config file.",
         epilog="Config-file-only keys: max_queued (queued expert reads before `busy`, default 65536), "
         "max_queued_per_client (one client's requested experts not yet answered before `busy`, default 16384), "
+        "max_requests_total (the same for all clients together, default 131072), "
         "max_replies_queued (replies waiting for one client to read them before they are dropped, leaving no "
-        "lease, default 65536), "
+        "lease, default 20000), "
         "ahead_max_age_s (queued prefetches older than this are dropped, default 5). "
         "now_reserve (share of read places and of arena slots prefetches may not take, default 0.25). "
         "history_interval_s (seconds between saves of the history file, default 60). "
@@ -175,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--status-endpoint", metavar="URL", help=f"ZeroMQ endpoint answering `status` (default {DEFAULT_STATUS_ENDPOINT})")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--memory", metavar="SIZE", help="the daemon's whole memory budget, e.g. 12GiB or 50%% (of physical "
-                   "memory): the arena gets it less the daemon's own use, in whole slots")
+                   "memory, or of this process's memory cgroup limit where smaller): the arena gets it less the daemon's own use, in whole slots")
     g.add_argument("--arena-bytes", metavar="SIZE", help="shared-memory arena (host cache tier) size, e.g. 4GiB (default 1GiB, capped at all experts)")
     g.add_argument("--arena-slots", type=int, metavar="N", help="arena size in slots of one expert blob each")
     a("--backend", choices=BACKENDS, help="reader: io_uring, a preadv thread pool, or auto (uring, else threads with a note)")
@@ -188,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
       "the whole arena). Requests past it wait for the client's own releases. Default "
       "0.5: two clients fit side by side, and a decoder's prefetch limit (half the arena less a top-k) leaves it room "
       "for demand; 1 turns the quota off (one client may lease the whole arena and queue more)")
+    a("--fair-by", choices=FAIR_BY, help="what one share of the arena belongs to: a user (uid, the default), a "
+      "process (pid), or each connection; known from the kernel on ipc (tcp connections are each their own)")
+    a("--recall-grace", type=float, dest="recall_grace_s", metavar="SECONDS",
+      help="how long a lease the daemon recalled (its share is over quota while others wait) may stay before "
+      "the daemon takes it back (default 1)")
     a("--queue-deadline", type=float, dest="queue_deadline_s", metavar="SECONDS",
       help="longest a request waits for arena room (its client over quota, or every slot leased) before it is "
       "answered with the error `deadline` (default 5)")
@@ -274,7 +292,7 @@ def _read_toml(path: Path | None) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config {path}: {e}") from None
     out = {k.replace("-", "_"): v for k, v in data.items()}
-    for key in ("lease_timeout", "queue_deadline"):  # the CLI spellings
+    for key in ("lease_timeout", "queue_deadline", "recall_grace"):  # the CLI spellings
         if key in out:
             out[f"{key}_s"] = out.pop(key)
     return out

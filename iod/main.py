@@ -1,9 +1,12 @@
 """`moestream-iod`: load the model index, create the arena, bind the sockets, serve until SIGTERM.
 
-Exit codes: 0 after a clean SIGTERM/SIGINT drain; 1 fatal runtime error (bad model file,
-arena or socket trouble), one clear line on stderr; 2 bad configuration (including an ipc
-endpoint path that exists and is not a socket: it is never removed, and a socket_group that
-does not exist). Nothing is left in /dev/shm or on disk either way. SIGHUP is logged and
+Exit codes: 0 after a clean SIGTERM/SIGINT drain; 2 a configuration error, found before the
+arena exists where it can be (the model file missing, unreadable, not a GGUF or not a MoE
+model; a bad option or config file; an endpoint that is not a socket, in a directory that
+cannot be made, already served by another daemon, or that cannot be bound; an unknown
+socket_group; an arena that does not fit in the memory this process may use: startup.py);
+1 a runtime failure (reads, the arena, the loop). One clear line on stderr either way, and
+nothing left in /dev/shm or on disk. SIGHUP is logged and
 ignored (no config reload: restart). Under systemd, log lines carry journald priorities (logs.py).
 """
 
@@ -15,23 +18,22 @@ import grp
 import logging
 import os
 import signal
-import socket
-import stat
 import sys
-from pathlib import Path
 
 import zmq
 
 from moestream.common.arena import Arena, ArenaError
-from moestream.common.layout import ModelFormatError, ModelLayout
+from moestream.common.layout import ModelFormatError
 from moestream.common.units import format_size
 
 from . import logs
 from .config import ConfigError, IodConfig, load_config, resolve_slots
+from .limits import memory_limit
 from .logs import error_line
 from .notify import notify
 from .readers import ReadError, open_reader
 from .server import Server
+from .startup import check_endpoints, check_group, fit_arena, is_socket, open_model
 
 log = logging.getLogger("moestream.iod")
 # What the daemon's own memory grows by after it measured itself at start (reader threads, ZeroMQ
@@ -80,13 +82,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(cfg: IodConfig) -> int:
-    _check_endpoint_paths(cfg)  # before anything is created: a wrong path is a configuration error
-    _check_group(cfg)
-    layout = ModelLayout(cfg.model)
+    check_endpoints(cfg)  # before anything is created: a wrong path is a configuration error
+    check_group(cfg)
+    layout = open_model(cfg.model)
     slot_bytes = layout.experts.slot_bytes(cfg.direct)
     overhead = own_memory() + OVERHEAD_MARGIN
-    n_slots = resolve_slots(cfg, slot_bytes, layout.experts.n_blobs, overhead_bytes=overhead,
-                            min_slots=max(MIN_BUDGET_SLOTS, layout.hparams.n_expert_used))
+    min_slots = max(MIN_BUDGET_SLOTS, layout.hparams.n_expert_used)
+    n_slots = resolve_slots(cfg, slot_bytes, layout.experts.n_blobs, overhead_bytes=overhead, min_slots=min_slots)
+    n_slots = fit_arena(cfg, n_slots, slot_bytes, overhead, memory_limit(), min(min_slots, n_slots))
     if cfg.memory is not None:
         log.info("memory budget %s: daemon %s (measured at start + margin), arena %d slots = %s",
                  format_size(cfg.memory), format_size(overhead), n_slots, format_size(n_slots * slot_bytes))
@@ -104,7 +107,6 @@ def run(cfg: IodConfig) -> int:
         ctx = zmq.Context()
         stack.callback(ctx.destroy, 200)
         server = Server(cfg, layout, reader, arena, ctx, daemon_bytes=overhead)
-        _clear_stale_sockets(cfg)
         stack.callback(_remove_socket_files, cfg)  # only now: never delete another daemon's files
         _bind(server, cfg)
         log.info("serving %s%s (%d layers x %d experts) on %s: arena %s, %d slots x %d bytes, reader %s",
@@ -163,18 +165,12 @@ def _loop_factory():
         return asyncio.new_event_loop
 
 
-def _clear_stale_sockets(cfg: IodConfig) -> None:
-    for path in cfg.ipc_paths():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _clear_stale(path)
-
-
 def _bind(server: Server, cfg: IodConfig) -> None:
     old = os.umask(0o777 & ~cfg.socket_mode)  # the socket files are born with the right mode
     try:
         server.bind()
-    except zmq.ZMQError as e:
-        raise FatalError(f"cannot bind {cfg.endpoint} / {cfg.status_endpoint}: {e}") from None
+    except zmq.ZMQError as e:  # e.g. a tcp port in use, an address not on this host
+        raise ConfigError(f"cannot bind {cfg.endpoint} / {cfg.status_endpoint}: {e}") from None
     finally:
         os.umask(old)
     if cfg.socket_group:
@@ -182,61 +178,9 @@ def _bind(server: Server, cfg: IodConfig) -> None:
             os.chown(path, -1, grp.getgrnam(cfg.socket_group).gr_gid)
 
 
-def _check_endpoint_paths(cfg: IodConfig) -> None:
-    """An ipc endpoint may only name a socket (stale or live) or nothing: never unlink anything else."""
-    for path in cfg.ipc_paths():
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            continue
-        except OSError as e:
-            raise ConfigError(f"ipc endpoint path {path}: {e.strerror}") from None
-        if not stat.S_ISSOCK(st.st_mode):
-            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) \
-                else "a regular file" if stat.S_ISREG(st.st_mode) else "not a socket"
-            raise ConfigError(f"ipc endpoint path {path} exists and is {kind}, not a socket: "
-                              "refusing to replace it (choose another endpoint path or remove it yourself)")
-
-
-def _check_group(cfg: IodConfig) -> None:
-    """An unknown socket_group is a configuration error (exit 2: systemd must not restart-loop it)."""
-    if cfg.socket_group is None:
-        return
-    try:
-        grp.getgrnam(cfg.socket_group)
-    except KeyError:
-        raise ConfigError(f"socket_group {cfg.socket_group!r} does not exist: create it (e.g. useradd --system "
-                          f"--user-group {cfg.socket_group}), or leave socket_group out to give the sockets "
-                          "and the arena the daemon's own group") from None
-
-
-def _is_socket(path: Path) -> bool:
-    try:
-        return stat.S_ISSOCK(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _clear_stale(path: Path) -> None:
-    """Remove a socket file left by a crashed daemon; refuse to steal a live one or touch a non-socket."""
-    if not path.exists() and not path.is_symlink():
-        return
-    if not _is_socket(path):
-        raise ConfigError(f"ipc endpoint path {path} exists and is not a socket: refusing to replace it")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        try:
-            s.connect(str(path))
-        except (ConnectionRefusedError, FileNotFoundError):
-            path.unlink(missing_ok=True)
-            return
-        except OSError as e:
-            raise FatalError(f"{path} exists and is not a usable socket: {e.strerror}") from None
-    raise FatalError(f"another daemon is listening on {path}")
-
-
 def _remove_socket_files(cfg: IodConfig) -> None:
     for path in cfg.ipc_paths():
-        if _is_socket(path):  # only ever a socket: never a file that replaced ours meanwhile
+        if is_socket(path):  # only ever a socket: never a file that replaced ours meanwhile
             with contextlib.suppress(OSError):
                 path.unlink()
 

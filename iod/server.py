@@ -6,11 +6,13 @@ fill arena slots and hand completions back with `loop.call_soon_threadsafe`; eac
 `ready` goes out as soon as its bytes are in the arena. Every bad message gets an `error`
 reply; nothing a client sends can stop the loop.
 
-Fairness between clients: each client's leases plus requests in progress stay within its
-quota (`IodConfig.lease_quota`); requests past it are parked with the client and admitted as
-its own leases go back (`_pump`). No request waits for arena room longer than
-`queue_deadline_s`: a parked `now` request, or a `now` load that found every slot leased for
-that long, is answered `deadline` saying who holds what (parked `ahead` ones go stale as
+Fairness between peers (a user or a process, known from the kernel: peers.py): each share's
+leases plus requests in progress stay within its quota (`IodConfig.lease_quota`) while another
+share is connected; requests past it are parked with the client and admitted as the share's own
+leases go back (`pump`), and leases held past it are recalled, then revoked (fairness.py). A
+peer process that dies loses its leases at once (peers.DeathWatch). No request waits for arena
+room longer than `queue_deadline_s`: a parked `now` request, or a `now` load that found every
+slot leased for that long, is answered `deadline` saying who holds what (parked `ahead` ones go stale as
 queued prefetches do). Prefetch leases never take the arena's last reserved slots: an `ahead`
 or `cached` hit on an unleased slot is refused when only the reserve is free.
 """
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import time
 
@@ -31,11 +32,14 @@ from moestream.common.layout import ModelLayout
 
 from .clients import ClientState
 from .config import IodConfig
+from .fairness import Fairness
 from .history import History
 from .host_cache import HostCache
+from .limits import rss_anon, trim_heap
+from .peers import DeathWatch, Shares, share_key
 from .readers import Reader, plan_reads
 from .scheduler import Load, Scheduler, Waiter
-from .sockets import Oversize, drain, router
+from .sockets import Oversize, Peer, drain, router
 from .status import Stats, StatusEndpoint, build_status
 
 log = logging.getLogger("moestream.iod")
@@ -65,9 +69,11 @@ class Server:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._drain_scheduled = self._draining = False
         self.heartbeat_s = min(5.0, cfg.lease_timeout_s / 4)
-        quota = cfg.lease_quota(arena.n_slots, layout.hparams.n_expert_used)
-        self.quota: float = math.inf if quota is None else quota  # claims per client (see ClientState)
+        self.shares = Shares()
+        self.fair = Fairness(self)
+        self.deaths = DeathWatch(self._peer_exited)
         self._parked: set[bytes] = set()  # clients with parked requests
+        self._trimmed_anon = 0  # anonymous memory after the last heap trim
         self.history = self._open_history()
         self.metrics = None
         self._metrics_http: asyncio.AbstractServer | None = None
@@ -107,16 +113,18 @@ class Server:
         log.info("metrics on http://127.0.0.1:%d/metrics", self.cfg.metrics_port)
 
     async def serve(self, stop: asyncio.Event) -> None:
-        self.loop = asyncio.get_running_loop()
+        self.loop = self.deaths.loop = asyncio.get_running_loop()
         self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
         self.status.start(self.loop)
         self._drain()
-        tick = self.loop.create_task(self._ticker())
+        tick, fair = self.loop.create_task(self._ticker()), self.loop.create_task(self._fair_ticker())
         try:
             await stop.wait()
             await self._shutdown()
         finally:
             tick.cancel()
+            fair.cancel()
+            self.deaths.close()
             self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
             self.status.stop()
             if self._metrics_http is not None:
@@ -136,7 +144,7 @@ class Server:
         while self.sched.reading and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         for ident in list(self.clients):
-            self._send(ident, P.Error(P.ErrorCode.SHUTTING_DOWN.value, "daemon is shutting down").encode())
+            self.send(ident, P.Error(P.ErrorCode.SHUTTING_DOWN.value, "daemon is shutting down").encode())
 
     async def _ticker(self) -> None:
         period = min(1.0, self.cfg.lease_timeout_s / 4, self.cfg.queue_deadline_s / 4)
@@ -148,12 +156,32 @@ class Server:
                     next_save = time.monotonic() + self.cfg.history_interval_s
                     self.save_history()
                 self._expire_clients()
+                self.deaths.poll()
                 self.sched.drop_stale()
                 self._expire_waits()
                 self.cache.step()  # hotness decays with time: the daemon does not see tokens
-                self._pump()
+                self.pump()
+                self._trim()
             except Exception:  # noqa: BLE001 — one bad tick must not end lease expiry for good
                 log.exception("periodic work failed")
+
+    async def _fair_ticker(self, period: float = 0.1) -> None:
+        """Recalls and revocations on time (fairness.py): a demand waiting on another share's
+        leases is served within about recall_grace_s, well inside queue_deadline_s."""
+        while True:
+            await asyncio.sleep(period)
+            try:
+                if len(self.shares) > 1:
+                    self.fair.enforce()
+            except Exception:  # noqa: BLE001
+                log.exception("fairness work failed")
+
+    def _trim(self, slack: int = 1 << 20) -> None:
+        """Give freed heap back once it grew (a hostile burst, a big client gone): glibc keeps it."""
+        anon = rss_anon()
+        if anon > self._trimmed_anon + slack:
+            trim_heap()
+            self._trimmed_anon = rss_anon()
 
     def _expire_clients(self) -> None:
         cutoff = time.monotonic() - self.cfg.lease_timeout_s
@@ -163,23 +191,37 @@ class Server:
             self.stats.clients_expired += 1
             self._drop_client(c)
 
+    def _peer_exited(self, pid: int) -> None:
+        """A peer process exited: its connections are gone, whatever its sockets' state."""
+        gone = [c for c in self.clients.values() if c.peer_pid == pid]
+        for c in gone:
+            log.info("client %s (pid %d) exited: freeing %d leases", P.escape(c.name), pid, c.held)
+            self.stats.clients_died += 1
+            self._drop_client(c)
+
     def _drop_client(self, c: ClientState) -> None:
-        self.clients.pop(c.ident, None)
+        if self.clients.pop(c.ident, None) is None:
+            return
+        self.shares.remove(c)
+        if c.peer_pid and not any(x.peer_pid == c.peer_pid for x in self.clients.values()):
+            self.deaths.unwatch(c.peer_pid)
         self._parked.discard(c.ident)
         self.sched.remove_waiters(lambda w: w.client == c.ident)
         for (slot, gen), n in c.leases.items():
             for _ in range(n):
                 self.cache.release(slot, gen)
         c.leases.clear()
+        c.leased_at.clear()
+        c.recalled.clear()
         c.held = 0
-        self._pump()
+        self.pump()
 
     # -- fairness -----------------------------------------------------------------------------
-    def _pump(self) -> None:
+    def pump(self) -> None:
         """Admit parked requests of clients that have room again, then start what reads can start."""
         for ident in [] if self.closing else list(self._parked):
             c = self.clients.get(ident)
-            while c is not None and (w := c.unpark(self._quota_for(c))) is not None:
+            while c is not None and (w := c.unpark(self.fair.quota_for(c), self.shares.claims(c))) is not None:
                 self._admit(c, w, w.priority)
             if c is None or not c.n_parked():
                 self._parked.discard(ident)
@@ -193,7 +235,7 @@ class Server:
             c = self.clients.get(ident)
             if c is None:
                 continue
-            quota = self._quota_text(c)  # before the expired ones leave the parked count
+            quota = self.fair.quota_text(c)  # before the expired ones leave the parked count
             for w in c.expire_parked("now", now - self.cfg.queue_deadline_s):
                 self._answer_deadline(w, f"waited {now - w.since:.1f}s over this client's lease quota: "
                                       f"{quota}; release leases to go on")
@@ -201,7 +243,7 @@ class Server:
                 self._answer_error(w, P.ErrorCode.DROPPED, f"stale prefetch (parked {now - w.since:.1f}s over "
                                    f"this client's lease quota: {quota})")
         for load, waited in self.sched.expire_starved(self.cfg.queue_deadline_s, now):
-            why = f"no arena slot free for {waited:.1f}s: {self._holders_text()}"
+            why = f"no arena slot free for {waited:.1f}s: {self.fair.holders_text()}"
             for w in load.waiters:
                 self._answer_deadline(w, why)
             load.waiters = []
@@ -213,33 +255,9 @@ class Server:
             self.stats.totals.deadline += 1
         self._answer_error(w, P.ErrorCode.DEADLINE, message)
 
-    def _quota_text(self, c: ClientState) -> str:
-        return (f"it holds {c.held} leases and has {c.claims() - c.held} requests in progress, its quota is "
-                f"{self.quota} of the arena's {self.arena.n_slots} slots (client_lease_share "
-                f"{self.cfg.client_lease_share:g})")
-
-    def _quota_for(self, c: ClientState) -> float:
-        """A client alone on the daemon may use the whole arena: there is nobody to be fair to, and a
-        decoder holding prefetched leases must not wait for its own demand behind them. With others
-        connected each gets its share (a client over it then waits for its own leases to go back)."""
-        return self.quota if len(self.clients) > 1 or c.ident not in self.clients else math.inf
-
-    def _quota(self) -> int | None:
-        return None if math.isinf(self.quota) else int(self.quota)
-
-    def _holders_text(self) -> str:
-        """Who pins the arena: leases by client (the biggest first), and reads in progress."""
-        held = sorted(((c.held, P.escape(c.name)) for c in self.clients.values() if c.held), reverse=True)
-        shown = ", ".join(f"{name!r} {n}" for n, name in held[:4]) + (", ..." if len(held) > 4 else "")
-        return (f"all {self.arena.n_slots} slots are leased or loading ({len(self.sched.reading)} reading; "
-                f"leases: {shown or 'none'}; each client may hold {self._quota() or 'all of them'})")
-
     def fairness(self) -> dict:
         """The `fairness` part of `status`."""
-        return {"client_lease_share": self.cfg.client_lease_share, "client_lease_quota": self._quota(),
-                "queue_deadline_s": self.cfg.queue_deadline_s,
-                "parked": sum(c.n_parked() for c in self.clients.values()),
-                "over_quota_total": self.stats.totals.over_quota, "deadline_total": self.stats.totals.deadline}
+        return self.fair.status()
 
     # -- socket plumbing ----------------------------------------------------------------------
     def _drain(self) -> None:
@@ -248,7 +266,7 @@ class Server:
         self._drain_scheduled = False
         self._draining = True
         try:
-            more = drain(self.sock, self._handle_frames, DRAIN_BATCH)
+            more = drain(self.sock, self._handle_frames, DRAIN_BATCH, want_peer=self._unknown)
         finally:
             self._draining = False
         if more:
@@ -259,7 +277,7 @@ class Server:
             self._drain_scheduled = True
             self.loop.call_soon(self._drain)
 
-    def _send(self, ident: bytes, body: bytes) -> bool:
+    def send(self, ident: bytes, body: bytes) -> bool:
         """Queue one reply; False if it was dropped (peer gone, or its queue at the high-water mark)."""
         try:
             self.sock.send_multipart([ident, body], zmq.NOBLOCK, copy=True)
@@ -271,7 +289,10 @@ class Server:
             self._schedule_drain()
         return sent
 
-    def _handle_frames(self, frames: list[bytes], over: Oversize | None = None) -> None:
+    def _unknown(self, ident: bytes) -> bool:
+        return ident not in self.clients
+
+    def _handle_frames(self, frames: list[bytes], over: Oversize | None = None, peer: Peer | None = None) -> None:
         ident = frames[0]
         try:
             if over is not None:  # already dropped unbuffered: only say why
@@ -279,7 +300,7 @@ class Server:
                 raise P.ProtocolError(code, over.describe(2))
             if len(frames) != 2:
                 raise P.ProtocolError(P.ErrorCode.BAD_MESSAGE, f"expected 1 frame, got {len(frames) - 1}")
-            self._dispatch(ident, P.decode_request(frames[1]))
+            self._dispatch(ident, P.decode_request(frames[1]), peer)
         except P.ProtocolError as e:
             self._error(ident, e.code, e.message, e.rid)
         except Exception as e:  # noqa: BLE001 — a bug answers `internal`, the loop carries on
@@ -293,19 +314,19 @@ class Server:
         c = self.clients.get(ident)
         if c is not None:
             c.n.errors += 1
-        self._send(ident, P.Error(code.value, message, rid, keys).encode())
+        self.send(ident, P.Error(code.value, message, rid, keys).encode())
 
     # -- requests -----------------------------------------------------------------------------
-    def _dispatch(self, ident: bytes, msg: P.Message) -> None:
+    def _dispatch(self, ident: bytes, msg: P.Message, peer: Peer | None = None) -> None:
         c = self.clients.get(ident)
         if c is not None:
             c.last_seen = time.monotonic()
         if isinstance(msg, P.Ping):
-            self._send(ident, P.Pong(msg.t).encode())
+            self.send(ident, P.Pong(msg.t).encode())
         elif isinstance(msg, P.Hello):
-            self._hello(ident, msg)
+            self._hello(ident, msg, peer)
         elif isinstance(msg, P.Status):
-            self._send(ident, P.StatusReply(build_status(self, msg.hottest)).encode())
+            self.send(ident, P.StatusReply(build_status(self, msg.hottest)).encode())
         elif c is None:
             rid = msg.rid if isinstance(msg, P.Fetch) else None
             raise P.ProtocolError(P.ErrorCode.NO_HELLO, f"send hello before {msg.op}", rid)
@@ -318,18 +339,29 @@ class Server:
         elif isinstance(msg, P.Bye):
             self._drop_client(c)
 
-    def _hello(self, ident: bytes, msg: P.Hello) -> None:
+    def _hello(self, ident: bytes, msg: P.Hello, peer: Peer | None) -> None:
         if msg.version != P.PROTOCOL_VERSION:
             raise P.ProtocolError(P.ErrorCode.BAD_VERSION, f"protocol version {msg.version}, daemon speaks {P.PROTOCOL_VERSION}")
         if self.closing:
             raise P.ProtocolError(P.ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
         if ident not in self.clients:
-            self.clients[ident] = ClientState(ident, msg.name or f"client-{msg.pid}", msg.pid, time.monotonic())
-            self.stats.clients_seen += 1
+            self._add_client(ident, msg, peer)
         a = self.arena
-        self._send(ident, P.Welcome(P.PROTOCOL_VERSION, self.layout.fingerprint.as_dict(), a.name, a.n_slots,
+        self.send(ident, P.Welcome(P.PROTOCOL_VERSION, self.layout.fingerprint.as_dict(), a.name, a.n_slots,
                                     a.slot_bytes, self.layout.experts.summary(), self.heartbeat_s,
-                                    self.cfg.lease_timeout_s, self._quota() or 0).encode())
+                                    self.cfg.lease_timeout_s, self.fair.quota_int() or 0,
+                                    self.cfg.queue_deadline_s).encode())
+
+    def _add_client(self, ident: bytes, msg: P.Hello, peer: Peer | None) -> None:
+        c = ClientState(ident, msg.name or f"client-{msg.pid}", msg.pid, time.monotonic(),
+                        share=share_key(self.cfg.fair_by, peer, ident), peer_pid=peer.pid if peer else 0)
+        shares_before = len(self.shares)
+        self.clients[ident] = c
+        self.shares.add(c)
+        self.stats.clients_seen += 1
+        self.deaths.watch(c.peer_pid)
+        if len(self.shares) > shares_before > 0:  # a second share: the first one's leases fall under the quota
+            self.fair.enforce()
 
     def _fetch(self, c: ClientState, msg: P.Fetch) -> None:
         if self.closing:
@@ -342,6 +374,13 @@ class Server:
             self.stats.totals.busy += 1
             raise P.ProtocolError(P.ErrorCode.BUSY, f"{c.outstanding} experts requested and not yet answered; "
                                   f"{len(msg.keys)} more would pass this client's limit of {cap}", msg.rid)
+        total = sum(x.outstanding for x in self.clients.values())
+        if total + len(msg.keys) > self.cfg.max_requests_total:  # and what all of them can, together
+            c.n.busy += 1
+            self.stats.totals.busy += 1
+            raise P.ProtocolError(P.ErrorCode.BUSY, f"{total} experts requested by all clients and not yet "
+                                  f"answered; {len(msg.keys)} more would pass the daemon's limit of "
+                                  f"{self.cfg.max_requests_total} (max_requests_total)", msg.rid)
         index = self.layout.experts
         n_layer, n_expert = index.n_layer, index.n_expert
         for layer, expert in msg.keys:
@@ -360,15 +399,15 @@ class Server:
                 self._fetch_one(c, Waiter(c.ident, msg.rid, key, t0, msg.priority), msg.priority)
         finally:
             c.unsorted = 0
-        self._pump()
+        self.pump()
 
     def _fetch_one(self, c: ClientState, w: Waiter, priority: str) -> None:
         c.n.requests += 1
         self.stats.totals.requests += 1
         self.stats.hot[w.key] += 1
-        if c.must_park(priority, self._quota_for(c)):
+        if c.must_park(priority, self.fair.quota_for(c), self.shares.claims(c)):
             if priority == "cached":  # a guess: worth a lease now or never
-                self._answer_error(w, P.ErrorCode.NOT_CACHED, f"not leased: {self._quota_text(c)}")
+                self._answer_error(w, P.ErrorCode.NOT_CACHED, f"not leased: {self.fair.quota_text(c)}")
                 return
             w.since = time.monotonic()
             c.parked[priority].append(w)
@@ -412,7 +451,7 @@ class Server:
         n = self.sched.remove_waiters(lambda w: w.client == c.ident and w.rid == msg.rid, keys)
         n += c.remove_parked(lambda w: w.rid == msg.rid and (keys is None or w.key in keys))
         c.answered(msg.rid, n)
-        self._pump()
+        self.pump()
 
     def _release(self, c: ClientState, msg: P.Release) -> None:
         bad = []
@@ -423,7 +462,7 @@ class Server:
             c.n.releases += 1
             self.stats.totals.releases += 1
             self.cache.release(slot, generation)
-        self._pump()
+        self.pump()
         if bad:  # the others were released: one bad pair does not cost the client its good ones
             raise P.ProtocolError(P.ErrorCode.NOT_LEASED, f"{', '.join(bad[:4])} not leased to you")
 
@@ -434,7 +473,7 @@ class Server:
         c.answered(w.rid)
         info = self.cache.slots[slot]
         ready = P.Ready(w.rid, w.key[0], w.key[1], slot, info.generation, info.parts)
-        if not self._send(c.ident, ready.encode()):
+        if not self.send(c.ident, ready.encode()):
             c.n.replies_dropped += 1
             self.stats.totals.replies_dropped += 1
             return
@@ -495,7 +534,7 @@ class Server:
                     self.stats.latency_miss.append(now - w.t0)
                     self._serve(c, w, load.slot, miss=True)
             self.cache.unpin_load(load.slot)
-        self._pump()
+        self.pump()
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:  # noqa: ANN001

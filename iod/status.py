@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,29 @@ class ClientCounters:
     replies_dropped: int = 0  # `ready`s that could not be queued (client not reading): no lease kept
     over_quota: int = 0  # requests that had to wait (parked) for room within the client's lease quota
     deadline: int = 0  # requests answered `deadline` (no arena room within queue_deadline_s)
+    recalled: int = 0  # leases the daemon asked back (another share needed the room)
+    revoked: int = 0  # recalled leases not given back within recall_grace_s, taken back
+
+
+class Samples:
+    """The last `n` latency samples in a preallocated ring of doubles: a million requests cost no
+    memory past its 8 * n bytes, and no float objects scattered through the heap (which would keep
+    the pages of a hostile burst's freed requests from going back to the system)."""
+
+    def __init__(self, n: int = LATENCY_SAMPLES):
+        self._a = array("d", bytes(8 * n))
+        self._next = self._len = 0
+
+    def append(self, x: float) -> None:
+        self._a[self._next] = x
+        self._next = (self._next + 1) % len(self._a)
+        self._len = min(self._len + 1, len(self._a))
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self):
+        return iter(self._a[: self._len] if self._len < len(self._a) else self._a)
 
 
 @dataclass
@@ -61,11 +85,12 @@ class Stats:
     bytes_read: int = 0
     errors_by_code: Counter = field(default_factory=Counter)
     hot: Counter = field(default_factory=Counter)  # (layer, expert) -> requests
-    latency_all: deque = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
-    latency_miss: deque = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
+    latency_all: Samples = field(default_factory=Samples)
+    latency_miss: Samples = field(default_factory=Samples)
     recent_reads: deque = field(default_factory=deque)  # (t_done, nbytes) in the last window
     clients_seen: int = 0
     clients_expired: int = 0
+    clients_died: int = 0  # dropped at once: their process exited (peers.DeathWatch)
 
     def read_done(self, nbytes: int) -> None:
         now = time.monotonic()
@@ -82,7 +107,7 @@ class Stats:
         return sum(recent) / window / 1e6
 
 
-def percentiles(samples: deque) -> dict[str, float | int]:
+def percentiles(samples: Samples) -> dict[str, float | int]:
     if not samples:
         return {"n": 0, "p50_ms": 0.0, "p99_ms": 0.0}
     s = sorted(samples)
@@ -124,7 +149,7 @@ def build_status(server: Server, hottest: int = 10) -> dict[str, Any]:
         "fairness": server.fairness(),
         "latency": {"all": percentiles(st.latency_all), "miss": percentiles(st.latency_miss)},
         "clients": [c.describe() for c in server.clients.values()],
-        "clients_seen": st.clients_seen, "clients_expired": st.clients_expired,
+        "clients_seen": st.clients_seen, "clients_expired": st.clients_expired, "clients_died": st.clients_died,
         "hottest": [[k[0], k[1], n] for k, n in st.hot.most_common(hottest)],
     }
 

@@ -159,6 +159,17 @@ class AheadPrefetches:
         self._deferred.clear()
 
     # -- giving up -------------------------------------------------------------------------
+    def hand_back_recalled(self) -> None:
+        """Lazy landing keeps landed prefetches' leases until their layer: give back those the
+        daemon recalled (another peer needs the room); they are fetched `now` if used."""
+        recalled = self.client.take_recalled()
+        if not recalled or self.landing != "lazy":
+            return
+        for mine in self._futures.values():
+            back = [e for e, f in mine.items() if f.done() and not f.cancelled() and f.exception() is None
+                    and (f.result().slot, f.result().generation) in recalled]
+            self._give_up([mine.pop(e) for e in back])
+
     def release_holds(self) -> None:
         """Give up every hold pin (the cache is full of pins and a demand miss needs a slot)."""
         for key in sorted(self._holds):

@@ -27,7 +27,11 @@ Nothing aborts for lack of room: the daemon queues what the arena cannot hold ye
 lease goes back as soon as its expert is computed, so a prompt whose layer routes to more
 experts than the arena holds is processed in pieces; a prefetch this layer joined that
 failed (dropped as stale, refused as busy) is fetched again `now`. Prefetched leases this
-decoder holds are capped (`Prefetches.limit`) so they can never fill the arena.
+decoder holds are capped (`Prefetches.limit`) so they can never fill the arena, and those the
+daemon recalls (another peer needs room) are handed back at the next layer. A `deadline` (the
+arena stayed full of others' leases for the daemon's queue deadline) is not fatal either: the
+expert is asked for again, until `fetch_timeout_s` of such waits in all (`--stats` says how long
+it waited and on whom).
 
 Each wanted expert is in one state at a time: requested (a future), computing (its lease
 held by this thread), done (its output kept, lease released) — owned by `mix`'s loop.
@@ -50,7 +54,8 @@ from ...common.layout import ModelLayout
 from .source import ExpertSource, Predictions, combine, group_by_expert
 from .resident import Mats, expert_mats, run_experts
 
-RETRYABLE = P.GIVEN_UP | {P.ErrorCode.BUSY.value}  # fetched again `now` (busy: after a back-off)
+RETRYABLE = P.GIVEN_UP | {P.ErrorCode.BUSY.value, P.ErrorCode.DEADLINE.value}  # fetched again `now`
+# (busy: after a back-off; deadline: the daemon waited for room already, within a total bound)
 MAX_RETRIES = 20  # a request refused this often in a row means the daemon is overloaded
 
 
@@ -62,7 +67,7 @@ class Prefetches:
         self.client, self.limit = client, max(0, limit)
         self._by_layer: dict[int, dict[int, cf.Future]] = {}
         self.c = dict.fromkeys(("sent", "sent_if_cached", "not_cached", "skipped", "useful", "hidden", "late",
-                                "wasted", "cancelled"), 0)
+                                "wasted", "cancelled", "recalled"), 0)
 
     def outstanding(self) -> int:
         return sum(len(m) for m in self._by_layer.values())
@@ -100,6 +105,17 @@ class Prefetches:
         self._count_unused(unused)
         self.give_up(late + unused)
         return landed
+
+    def hand_back_recalled(self) -> None:
+        """Release the landed prefetches whose leases the daemon asked back (none is being computed:
+        a layer's prefetches are taken out of here before it computes them)."""
+        recalled = self.client.take_recalled()
+        if not recalled:
+            return
+        for layer, mine in self._by_layer.items():
+            back = [e for e, f in mine.items() if _leased(f) and (f.result().slot, f.result().generation) in recalled]
+            self.c["recalled"] += len(back)
+            self.give_up([mine.pop(e) for e in back])
 
     def give_up(self, futures: list[cf.Future]) -> None:
         """Cancel what is in flight (one message) and hand back leases that came."""
@@ -139,12 +155,15 @@ class ArenaExperts(ExpertSource):
         self._base_arena: ArenaView | None = None
         self._deferred: list[tuple[Predictions, Predictions]] = []  # sent after the next layer's demand
         self._closed = False
-        self.c: dict[str, Any] = dict.fromkeys(("acquired", "demand", "refetched", "voided", "bytes_fetched"), 0)
-        self.c.update(stall_s=0.0, compute_s=0.0)
+        self.c: dict[str, Any] = dict.fromkeys(("acquired", "demand", "refetched", "voided", "bytes_fetched",
+                                                "deadlines"), 0)
+        self.c.update(stall_s=0.0, compute_s=0.0, deadline_wait_s=0.0, waited_on="")
+        self._deadline_since: dict[tuple[int, int], float] = {}  # expert -> its first `deadline` in a row
 
     # -- ExpertSource ----------------------------------------------------------------------
     def begin_step(self) -> None:
         self._deferred.clear()
+        self._deadline_since.clear()
         self.prefetches.clear()
 
     def prefetch_ahead(self, predictions: Predictions, defer: bool = False,
@@ -162,6 +181,7 @@ class ArenaExperts(ExpertSource):
             self.prefetches.send(if_cached, "cached")
 
     def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        self.prefetches.hand_back_recalled()
         groups = group_by_expert(ids)
         pending = self._request(layer, sorted(groups))
         outputs = {}
@@ -170,13 +190,15 @@ class ArenaExperts(ExpertSource):
             for leases in self._arrivals(layer, pending, retries):
                 t0 = time.perf_counter()
                 try:
-                    outputs.update(self._compute(layer, x, groups, weights, leases))
+                    computed = self._compute(layer, x, groups, weights, leases)
                 finally:
                     self.client.release_many(list(leases.values()))
                 self.c["compute_s"] += time.perf_counter() - t0
-                for e in [e for e, lease in leases.items() if self.client.voided(lease)]:
-                    outputs.pop(e, None)  # computed from a lost daemon's slot: not to be trusted
-                    self._refetch(layer, e, "voided", pending, retries)
+                for e, lease in leases.items():
+                    if e in computed and not self.client.voided(lease):
+                        outputs[e] = computed[e]
+                    else:  # computed from a lost daemon's (or a revoked) slot: not to be trusted
+                        self._refetch(layer, e, "voided", pending, retries)
         except BaseException:
             self.prefetches.give_up(list(pending))  # `_arrivals` keeps `pending` to what is still owed
             raise
@@ -186,7 +208,7 @@ class ArenaExperts(ExpertSource):
     def stats(self) -> dict[str, Any]:
         p = self.prefetches.c
         would_miss = self.c["demand"] + p["useful"]
-        return {"source": "streamed", "slot_format": "quant", **self.c,
+        return {"source": "streamed", "slot_format": "quant", **self.c, "recalls": dict(self.client.recalls),
                 "prefetch": dict(p), "hidden_share": p["hidden"] / would_miss if would_miss else 0.0}
 
     def close(self) -> None:
@@ -250,25 +272,43 @@ class ArenaExperts(ExpertSource):
         if self.client.voided(lease):  # landed before the daemon was lost (a prefetch): ask the new one
             self._refetch(layer, e, "voided", pending, retries)
             return None
+        self._deadline_since.pop((layer, e), None)
         return lease
 
     def _refetch(self, layer: int, e: int, why: str, pending: dict[cf.Future, int], retries: dict[int, int],
                  exc: BaseException | None = None) -> None:
-        """Fetch `e` again `now` (dropped, refused as busy, cancelled, or its lease voided)."""
-        retries[e] = retries.get(e, 0) + 1
-        if retries[e] > MAX_RETRIES:
-            raise IodUnavailable(f"expert ({layer}, {e}) refused {MAX_RETRIES} times in a row: {exc or why}")
+        """Fetch `e` again `now` (dropped, refused as busy or for lack of room, cancelled, or its
+        lease voided)."""
+        if why == P.ErrorCode.DEADLINE.value:  # bounded by time, not by count
+            self._waited_deadline(layer, e, exc)
+        else:
+            retries[e] = retries.get(e, 0) + 1
+            if retries[e] > MAX_RETRIES:
+                raise IodUnavailable(f"expert ({layer}, {e}) refused {MAX_RETRIES} times in a row: {exc or why}")
         if why == P.ErrorCode.BUSY.value:
             time.sleep(min(0.001 * 2 ** retries[e], 0.1))  # the daemon's queue is full: back off
         pending[self.client.fetch([(layer, e)], "now")[0]] = e
         self.c["voided" if why == "voided" else "refetched"] += 1
 
+    def _waited_deadline(self, layer: int, e: int, exc: BaseException | None) -> None:
+        """The daemon gave up waiting for arena room (`deadline`): others hold it. Ask again, until
+        `fetch_timeout_s` of such waits in a row for this expert."""
+        now = time.monotonic()
+        first = self._deadline_since.setdefault((layer, e), now - self.client.welcome.get("queue_deadline_s", 0.0))
+        message = getattr(exc, "message", str(exc))
+        self.c["deadlines"] += 1
+        self.c["deadline_wait_s"] += self.client.welcome.get("queue_deadline_s", 0.0)
+        self.c["waited_on"] = message[:300]
+        if now - first > self.fetch_timeout_s:
+            raise IodUnavailable(f"expert ({layer}, {e}): no arena room for {now - first:.0f}s "
+                                 f"(fetch timeout {self.fetch_timeout_s:g}s): {message}")
+
     def _compute(self, layer: int, x: torch.Tensor, groups: Any, weights: torch.Tensor,
                  leases: dict[int, Lease]) -> dict[int, torch.Tensor]:
         """The outputs of the leased experts, computed where they lie in the arena; none when the
         leases were voided meanwhile (the caller fetches them again)."""
-        epoch = self.client.epoch  # leases of an older one are void: left out, fetched again by the caller
-        current = {e: lease for e, lease in leases.items() if lease.epoch == epoch}
+        # void leases (an older connection's, or revoked) are left out: fetched again by the caller
+        current = {e: lease for e, lease in leases.items() if not self.client.voided(lease)}
         try:
             base = self._base_for(next(iter(current.values()))) if current else None
         except LeaseVoided:  # lost since: all of them are void now
@@ -310,6 +350,14 @@ def describe_stats(st: dict[str, Any]) -> str:
     lines = [f"experts: {st['acquired']} used, {st['demand']} fetched now, {st['bytes_fetched'] / 2**20:.1f} MiB "
              f"delivered, stall {st['stall_s'] * 1e3:.1f} ms, compute {st['compute_s'] * 1e3:.1f} ms"
              + (f", {st['refetched']} refetched" if st["refetched"] else "")]
+    if st.get("deadlines"):
+        each = st["deadline_wait_s"] / st["deadlines"]
+        lines.append(f"waited for arena room: {st['deadlines']} requests waited out the daemon's queue deadline "
+                     f"({each:g} s each) and were asked again; last: {st['waited_on']}")
+    if st.get("recalls", {}).get("recalled"):
+        r = st["recalls"]
+        lines.append(f"recalls: the daemon asked {r['recalled']} leases back for other peers "
+                     f"({st['prefetch']['recalled']} idle prefetches handed back), took back {r['revoked']}")
     if p["sent"] or p["sent_if_cached"] or p["skipped"]:
         lines.append(f"prefetch: {p['sent']} sent ahead, {p['sent_if_cached']} if cached ({p['not_cached']} were "
                      f"not), {p['useful']} useful ({p['hidden']} in time, {p['late']} late), {p['wasted']} wasted, "

@@ -66,7 +66,7 @@ class StreamedExperts(AcquireSource):
         self._bypassed: dict[int, set[int]] = {}  # layer -> experts served without a slot (no pin)
         self._closed = False
         self.c = dict.fromkeys(("acquired", "hits", "misses", "bypassed", "refetched", "demand_bytes",
-                                "ahead_bytes"), 0)
+                                "ahead_bytes", "deadlines"), 0)
         self.stall_s = 0.0
         self._arena: Any = None  # the client's arena mapping as registered with CUDA
         self._register_arena()
@@ -112,6 +112,7 @@ class StreamedExperts(AcquireSource):
 
     def acquire(self, layer: int, experts: Sequence[int]) -> dict[int, ExpertWeights]:
         wanted = sorted({int(e) for e in experts})
+        self.ahead.hand_back_recalled()
         self.ahead.score(layer, wanted)
         present, missing = self.cache.pin_present(layer, wanted)  # one lock for the layer
         used = self.ahead.take(layer, present, missing)
@@ -245,13 +246,21 @@ class StreamedExperts(AcquireSource):
     def _leased_parts(self, layer: int, e: int, fut: cf.Future) -> tuple[Lease, dict[str, memoryview]]:
         """`fut`'s lease and views of its parts; fetched again `now` while a daemon restart voided it
         (the client reconnected: the lease's slot belongs to the lost daemon) or the daemon gave up
-        the prefetch it joined (`dropped`/`not_cached`: stale or over this client's quota)."""
+        the prefetch it joined (`dropped`/`not_cached`: stale or over this client's quota), or the
+        arena stayed full of others' leases for its queue deadline (`deadline`: asked again until
+        `fetch_timeout_s` of such waits)."""
+        waited = 0.0
         while True:
             try:
                 lease = self._result(fut, (layer, e))
                 return lease, {name: self.client.part_view(lease, name) for name in lease.parts}
             except IodRequestError as exc:
-                if exc.code not in P.GIVEN_UP:
+                if exc.code == P.ErrorCode.DEADLINE.value:
+                    waited += self.client.welcome.get("queue_deadline_s", 0.0)
+                    self.c["deadlines"] += 1
+                    if waited > self.fetch_timeout_s:
+                        raise IodUnavailable(f"expert {(layer, e)}: no arena room for {waited:.0f}s: {exc}") from None
+                elif exc.code not in P.GIVEN_UP:
                     raise
             except LeaseVoided:
                 pass

@@ -116,7 +116,7 @@ def _arenas_of(pid: int) -> list[str]:
 def _assert_fails_cleanly(model: Path, tmp_path: Path, match: str) -> None:
     with pytest.raises(DaemonStartError, match=match) as e:
         spawn_daemon(model, run_dir=tmp_path / "run", arena_slots=2, ready_timeout_s=20)
-    assert "code 1" in str(e.value)
+    assert "code 2" in str(e.value)  # a configuration error: systemd must not restart it
     assert e.value.pid and not _arenas_of(e.value.pid)
     assert not (tmp_path / "run" / "iod.sock").exists()
 
@@ -136,8 +136,8 @@ def test_one_clear_line_on_fatal_error(tmp_path):
     out = subprocess.run([sys.executable, "-m", "moestream.iod.main", "--model", str(tmp_path / "nope.gguf"),
                           "--endpoint", f"ipc://{tmp_path}/a.sock", "--status-endpoint", f"ipc://{tmp_path}/s.sock"],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1
-    assert out.stderr.strip().splitlines() == [f"moestream-iod: error: {tmp_path / 'nope.gguf'}: no such file"]
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"moestream-iod: error: model {tmp_path / 'nope.gguf'}: no such file"]
 
 
 def test_bad_config_exits_2(tiny_model, tmp_path):
@@ -152,8 +152,8 @@ def test_second_daemon_on_same_endpoint_refused(tiny_model, start_daemon, tmp_pa
     p = subprocess.Popen([sys.executable, "-m", "moestream.iod.main", "--model", str(tiny_model), "--arena-slots", "2", *ep],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _, err = p.communicate(timeout=60)
-    assert p.returncode == 1 and "another daemon is listening" in err
-    # it failed after creating its arena: the arena is gone again, and no status socket was made
+    assert p.returncode == 2 and "another daemon is listening" in err
+    # refused before creating anything: no arena, and no status socket was made
     assert not _arenas_of(p.pid)
     assert not (tmp_path / "other.sock").exists()
     assert get_status(d.status_endpoint)["pid"] == d.pid  # the first one is untouched

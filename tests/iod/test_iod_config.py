@@ -123,9 +123,11 @@ def test_tcp_binds_to_loopback_unless_allowed(tmp_path, ep, ok):
 
 
 @pytest.mark.parametrize("share,n_slots,top_k,quota", [(0.5, 8, 2, 4), (0.5, 3, 2, 2), (0.1, 100, 8, 10),
-                                                     (0.01, 100, 8, 8), (0.5, 1, 2, 1), (1.0, 8, 2, None)])
+                                                     (0.01, 100, 8, 8), (0.5, 1, 2, 1), (1.0, 8, 2, None),
+                                                     (0.5, 4, 4, 2), (0.9, 32, 4, 28), (0.5, 32, 4, 16)])
 def test_lease_quota(share, n_slots, top_k, quota):
-    """A share of the slots, never below a top-k, never above the arena; a share of 1 is no quota."""
+    """A share of the slots, never below a top-k, never the whole arena (4 slots, top-k 4: 2, not 4;
+    another share's layer must fit beside it); a share of 1 is no quota."""
     cfg = load_config(["--model", "m", "--client-lease-share", str(share), "--queue-deadline", "2.5"])
     assert cfg.lease_quota(n_slots, top_k) == quota and cfg.queue_deadline_s == 2.5
 

@@ -170,7 +170,8 @@ def test_outstanding_requests_per_client_are_capped(tiny_model, start_daemon, tm
 def test_greedy_client_cannot_starve_another(tiny_model, start_daemon, tmp_path, wait_status):
     """A client that asks for the whole arena and keeps pinging gets its quota (half the slots)
     and a `deadline` error for the rest; another client's fetch still completes."""
-    d = start_daemon(tiny_model, arena_slots=4, extra_args=["--queue-deadline", "1"])
+    # both clients live in this process: one share each only with fairness by connection
+    d = start_daemon(tiny_model, arena_slots=4, extra_args=["--queue-deadline", "1", "--fair-by", "connection"])
     with IodClient(d.endpoint, name="greedy") as greedy, IodClient(d.endpoint, name="other") as other:
         asked = greedy.fetch([(0, e) for e in range(4)])
         held = [f.result(10) for f in asked[:2]]  # quota: max(top-k 2, half of 4 slots) = 2
@@ -347,7 +348,7 @@ def test_a_group_member_can_read_the_arena_but_never_write_it(tiny_model, start_
 def test_a_client_alone_may_use_the_whole_arena(tiny_model, start_daemon, wait_status):
     """The quota is for sharing: a decoder alone on the daemon (its prefetched leases held while
     its demand comes) gets every slot; a second client brings the share back."""
-    d = start_daemon(tiny_model, arena_slots=4)
+    d = start_daemon(tiny_model, arena_slots=4, extra_args=["--fair-by", "connection"])
     with IodClient(d.endpoint, name="alone") as alone:
         held = [f.result(5) for f in alone.fetch([(0, e) for e in range(4)])]  # quota would be 2
         with IodClient(d.endpoint, name="second") as second:

@@ -67,6 +67,7 @@ def test_unit_essentials() -> None:
     assert keys["ExecStart"] == "/usr/local/bin/moestream-iod --config /etc/moestream/iod.toml"
     assert keys["Restart"] == "on-failure"
     assert keys["RestartPreventExitStatus"] == "2"  # a configuration error is not retried in a loop
+    assert int(keys["StartLimitBurst"]) <= 5 and int(keys["StartLimitIntervalSec"]) >= 30  # nor a crash loop
     assert keys["User"] == keys["Group"] == "moestream"
     assert keys["RuntimeDirectory"] == "moestream"
     assert keys["ProtectSystem"] == "strict" and keys["ProtectHome"] == "read-only"
