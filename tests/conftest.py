@@ -13,8 +13,14 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 from hypothesis import settings
 from leakcheck import leaked_shm, session_processes, shm_entries
+
+# Triton makes its kernels interpreted or compiled when they are defined (their module's first
+# import, maybe at collection): without CUDA, every test module importing them gets the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # CI runs the same examples every time (no example database, no random seed).
 settings.register_profile("ci", derandomize=True, database=None)

@@ -226,11 +226,12 @@ def test_the_commands_refuse_a_bad_part_in_one_line(models, tmp_path, kind):
     parts = copy_parts(models, tmp_path / "m")
     blame, text = _broken(kind, models, parts, tmp_path)
     sock = f"ipc://{tmp_path}/iod"
-    for prog, cmd in (("moestream inspect", ["-m", "moestream", "inspect", str(parts[-1])]),
-                      ("moestream-iod: error", ["-m", "moestream.iod.main", "--model", str(parts[-1]),
-                                                "--endpoint", f"{sock}.sock", "--status-endpoint", f"{sock}-s.sock"])):
+    for prog, code, cmd in (("moestream inspect", 1, ["-m", "moestream", "inspect", str(parts[-1])]),
+                            ("moestream-iod: error", 2, ["-m", "moestream.iod.main", "--model", str(parts[-1]),
+                                                         "--endpoint", f"{sock}.sock", "--status-endpoint",
+                                                         f"{sock}-s.sock"])):  # the daemon: 2, a configuration error
         out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=60)
-        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert out.returncode == code and "Traceback" not in out.stderr, out.stderr
         (line,) = out.stderr.strip().splitlines()
         assert line.startswith(f"{prog}: {blame.name}: ") and text in line, line
 
