@@ -132,10 +132,12 @@ def test_deterministic(n: int) -> None:
     np.testing.assert_array_equal(qk.swiglu_expert(x, *mats).view(np.uint32), first.view(np.uint32))
 
 
-def test_fused_path_is_independent_of_threads_and_batch() -> None:
+@pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K), ids=lambda q: q.name)
+def test_fused_path_is_independent_of_threads_and_batch(qtype: Q) -> None:
     """Each output row is one thread's fixed-order sum: same bits for any thread count, and a
-    row's result does not depend on the other rows of the batch."""
-    mats, x = expert(Q.Q8_0), rows(6)  # rows 0-3 are dotted four at a time, 4-5 one by one
+    row's result does not depend on the other rows of the batch (the single-pass dots of
+    cpu_rows_dot, Q8_0 .. Q6_K, and the decode-then-dot path of the other types, Q2_K)."""
+    mats, x = expert(qtype), rows(6)  # rows 0-3 are dotted four at a time, 4-5 one by one
     threads = qk.numba.get_num_threads()
     try:
         many = qk.swiglu_expert(x, *mats)
