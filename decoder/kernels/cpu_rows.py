@@ -40,6 +40,7 @@ from . import cpu_rows_iq as _iq
 from . import cpu_rows_q as rq
 from .cpu_rows_base import _JIT, _U, _as_f32, _e2m1x2, _f16, _fi, _i8, _opaque
 from .cpu_rows_dot import fused_dots, has_fused
+from .cpu_simd import addr
 
 # Every type decode_row handles (one `elif` each there; its row decoder here or in a sibling file)
 NATIVE = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4, Q.F32, Q.F16, Q.BF16,
@@ -349,21 +350,30 @@ def _act(g, u, act):
     return g / (np.float32(1.0) + np.exp(-g)) * u
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)  # inlined: called per weight row with arrays (an NRT pair each otherwise)
 def _row_dots(q, data, off, n_in, x, row_idx, r0, r1, res, wbuf):
     """res[r - r0] = (the weight row of type q at data[off:]) . x[row_idx[r]] for r in r0 .. r1 - 1.
 
     The FUSED types take the single-pass dots (cpu_rows_dot), four activation rows per pass over
-    the weight bytes; the others decode the row into wbuf [n_in] once, then dot4 / dot."""
+    the weight bytes (a group of 2-3 repeats its first row); the others decode the row into
+    wbuf [n_in] once, then dot4 / dot."""
     r = r0
     if has_fused(q):
+        p, xa, stride = addr(data), addr(x), np.int64(x.shape[1]) * 4  # x: C-contiguous float32 rows
         while r < r1:
             nx = min(4, r1 - r)
-            x0 = x[row_idx[r]]
-            x1 = x[row_idx[r + 1]] if nx > 1 else x0
-            x2 = x[row_idx[r + 2]] if nx > 2 else x0
-            x3 = x[row_idx[r + 3]] if nx > 3 else x0
-            fused_dots(q, data, off, n_in, x0, x1, x2, x3, nx, res[r - r0:], wbuf)
+            x0 = xa + row_idx[r] * stride
+            x1 = xa + row_idx[r + 1] * stride if nx > 1 else x0
+            x2 = xa + row_idx[r + 2] * stride if nx > 2 else x0
+            x3 = xa + row_idx[r + 3] * stride if nx > 3 else x0
+            d0, d1, d2, d3 = fused_dots(q, p, off, n_in, x0, x1, x2, x3, nx)
+            res[r - r0] = d0
+            if nx > 1:
+                res[r - r0 + 1] = d1
+            if nx > 2:
+                res[r - r0 + 2] = d2
+            if nx > 3:
+                res[r - r0 + 3] = d3
             r += nx
         return
     decode_row(q, data, off, n_in, wbuf)

@@ -9,8 +9,8 @@ AVX-512, two ymm with AVX2, four xmm on plain x86-64 or NEON, so the code stays 
 needs no compiler at install time. Every operation is an exact IEEE operation in a fixed order
 (no fast-math flags): a sum comes out the same whichever kernel (1 or 4 activation rows) ran it.
 
-Loads are unaligned and unchecked, like numba's own unchecked indexing: the callers stay
-inside the rows they were given.
+Loads read integer addresses (`addr(arr)` plus an offset), unaligned and unchecked, like
+numba's own unchecked indexing: the callers stay inside the rows they were given.
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ def _i64(builder, v):
     return v if v.type.width == 64 else builder.sext(v, _I64)
 
 
-def _ptr(context, builder, arr_ty, arr, idx, elem):
-    """Pointer to element idx of a 1-D array, as `elem`*."""
-    a = context.make_array(arr_ty)(context, builder, arr)
-    return builder.bitcast(builder.gep(a.data, [_i64(builder, idx)]), elem.as_pointer())
+def _ptr(builder, addr, idx, elem):
+    """Pointer to element idx of `elem`s starting at the integer address `addr`."""
+    base = builder.inttoptr(_i64(builder, addr), elem.as_pointer())
+    return builder.gep(base, [_i64(builder, idx)])
 
 
 def _splat(builder, scalar, vec_ty):
@@ -65,54 +65,83 @@ def _splat(builder, scalar, vec_ty):
     return builder.shuffle_vector(v, ir.Constant(vec_ty, ir.Undefined), ir.Constant(_VI, [0] * LANES))
 
 
-def _is_arr(a, dtype=None) -> bool:
-    return isinstance(a, types.Array) and a.ndim == 1 and (dtype is None or a.dtype == dtype)
+def _ints(*tys) -> bool:
+    return all(isinstance(t, types.Integer) for t in tys)
 
 
-# -- loads -------------------------------------------------------------------------------------
+# -- addresses and loads ---------------------------------------------------------------------------
+# The kernels pass plain integer addresses, not arrays, into the per-row functions: an array
+# argument costs an NRT incref/decref pair per call wherever numba cannot prune them (it could
+# not in the type dispatch), which took more time than the dot itself.
 @intrinsic
-def ld_f32(typingctx, arr, idx):
-    """arr[idx:idx + 16] (float32) as a vector."""
-    if not _is_arr(arr, types.float32) or not isinstance(idx, types.Integer):
+def addr(typingctx, arr):
+    """The address of arr's first element, as an int64."""
+    if not isinstance(arr, types.Array):
         return None
 
     def codegen(context, builder, sig, args):
-        return builder.load(_ptr(context, builder, sig.args[0], args[0], args[1], _VF), align=4)
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.ptrtoint(a.data, _I64)
 
-    return vecf(arr, idx), codegen
+    return types.int64(arr), codegen
+
+
+@intrinsic
+def ld_f32(typingctx, p, idx):
+    """The 16 float32 at address p, elements idx .. idx + 15, as a vector."""
+    if not _ints(p, idx):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(builder.bitcast(_ptr(builder, args[0], args[1], _F32), _VF.as_pointer()), align=4)
+
+    return vecf(p, idx), codegen
 
 
 def _ld_bytes(signed: bool):
-    def typer(typingctx, arr, off):
-        if not _is_arr(arr, types.uint8) or not isinstance(off, types.Integer):
+    def typer(typingctx, p, off):
+        if not _ints(p, off):
             return None
 
         def codegen(context, builder, sig, args):
-            v = builder.load(_ptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(_I8, LANES)), align=1)
+            q = builder.bitcast(_ptr(builder, args[0], args[1], _I8), ir.VectorType(_I8, LANES).as_pointer())
+            v = builder.load(q, align=1)
             return builder.sext(v, _VI) if signed else builder.zext(v, _VI)
 
-        return veci(arr, off), codegen
+        return veci(p, off), codegen
 
     return typer
 
 
 ld_i8 = intrinsic(_ld_bytes(True))
-ld_i8.__doc__ = "The 16 bytes at arr[off:] (uint8 array) read as int8, widened to int32 lanes."
+ld_i8.__doc__ = "The 16 bytes at address p + off read as int8, widened to int32 lanes."
 ld_u8 = intrinsic(_ld_bytes(False))
-ld_u8.__doc__ = "The 16 bytes at arr[off:] (uint8 array), zero-extended to int32 lanes."
+ld_u8.__doc__ = "The 16 bytes at address p + off, zero-extended to int32 lanes."
 
 
 @intrinsic
-def f16_at(typingctx, arr, off):
-    """The little-endian float16 at arr[off:off + 2] (uint8 array), widened exactly to float32."""
-    if not _is_arr(arr, types.uint8) or not isinstance(off, types.Integer):
+def u8_at(typingctx, p, off):
+    """The byte at address p + off, as an int32."""
+    if not _ints(p, off):
         return None
 
     def codegen(context, builder, sig, args):
-        h = builder.load(_ptr(context, builder, sig.args[0], args[0], args[1], _I16), align=1)
-        return builder.fpext(builder.bitcast(h, ir.HalfType()), _F32)
+        return builder.zext(builder.load(_ptr(builder, args[0], args[1], _I8)), _I32)
 
-    return types.float32(arr, off), codegen
+    return types.int32(p, off), codegen
+
+
+@intrinsic
+def f16_at(typingctx, p, off):
+    """The little-endian float16 at address p + off, widened exactly to float32."""
+    if not _ints(p, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        q = builder.bitcast(_ptr(builder, args[0], args[1], _I8), _I16.as_pointer())
+        return builder.fpext(builder.bitcast(builder.load(q, align=1), ir.HalfType()), _F32)
+
+    return types.float32(p, off), codegen
 
 
 # -- float vectors -------------------------------------------------------------------------------
