@@ -65,6 +65,11 @@ if os.environ.setdefault("NUMBA_THREADING_LAYER_PRIORITY", _PRIORITY) == _PRIORI
 # 0.70-0.77, n=24 0.86-1.00, n=32 1.05-1.34.
 DENSE_MIN_ROWS = 28
 
+# Weight bytes below which a kernel call runs on the calling thread alone (a one-thread region,
+# no pool thread woken): waking the pool costs ~10 us idle and a scheduler time slice when a
+# peer thread's core is busy; a 256 KB Q8_0 matrix takes ~25 us on one thread here.
+SERIAL_BYTES = 384 << 10
+
 
 # -- Python side ------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -96,6 +101,8 @@ class QMatrix:
             raise ValueError(f"QMatrix {name} [{self.n_out} x {self.n_in}]: expected {self.n_out} rows x "
                              f"{self.n_in // block} blocks x {type_size} B = {want} bytes, got {d.size}")
         object.__setattr__(self, "addr", d.__array_interface__["data"][0])  # for `expert_table`
+        object.__setattr__(self, "_ro", _readonly(d))
+        object.__setattr__(self, "_qts", np.full((1, 3), int(self.qtype), np.int64))
 
     @property
     def nbytes(self) -> int:
@@ -103,7 +110,7 @@ class QMatrix:
 
     def readonly(self) -> np.ndarray:
         """A read-only base-class view of the bytes (no copy): one numba signature for all callers."""
-        return _readonly(self.data)
+        return self._ro
 
 
 _SIZES = {int(q): size for q, size in GGML_QUANT_SIZES.items()}
@@ -279,13 +286,44 @@ def _run_fused(x: np.ndarray, table: ExpertTable, row_ptr: np.ndarray, row_idx: 
     n_rows = int(row_ptr[-1])
     y = np.empty((n_rows, table.d), np.float32)  # [R, d]
     if n_rows:
-        (gbase, ubase, dbase), offs, qts, threads = table.bases, table.offsets, table.qtypes, numba.get_num_threads()
+        (gbase, ubase, dbase), offs, qts = table.bases, table.offsets, table.qtypes
+        used = sum(1 for e in range(len(table.mats)) if row_ptr[e + 1] > row_ptr[e])
+        threads = _threads_for(used * table.mats[0][0].nbytes)
         h = np.empty((n_rows, table.ff), np.float32)  # [R, ff]
-        gate_up_kernel(gbase, ubase, offs, qts, _readonly(x), row_ptr, row_idx, table.ff, table.d, h, threads,
-                       table.bias_gu, table.has_bias, act)
-        down_kernel(dbase, offs, qts, _readonly(h), row_ptr, table.d, table.ff, y, threads, table.bias_d,
-                    table.has_bias)
+        _gate_up(gbase, ubase, offs, qts, _readonly(x), row_ptr, row_idx, table.ff, table.d, h, threads,
+                 table.bias_gu, table.has_bias, act)
+        _down(dbase, offs, qts, _readonly(h), row_ptr, table.d, table.ff, y, threads, table.bias_d, table.has_bias)
     return y
+
+
+def _threads_for(nbytes: int) -> int:
+    """Threads for a kernel call reading ~nbytes of one matrix's weights: 1 below SERIAL_BYTES."""
+    return 1 if nbytes < SERIAL_BYTES else numba.get_num_threads()
+
+
+@contextmanager
+def _pool(threads: int):
+    """numba's threads for this thread's next parallel region: with one, the region runs on the
+    caller alone and wakes no pool thread (numba's per-thread count, restored after)."""
+    prev = numba.get_num_threads()
+    if threads == prev:
+        yield
+        return
+    numba.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(prev)
+
+
+def _gate_up(gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, threads, bias, has_bias, act) -> None:
+    with _pool(threads):
+        gate_up_kernel(gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, threads, bias, has_bias, act)
+
+
+def _down(ddata, offs, qts, h, row_ptr, n_out, n_in, y, threads, bias, has_bias) -> None:
+    with _pool(threads):
+        down_kernel(ddata, offs, qts, h, row_ptr, n_out, n_in, y, threads, bias, has_bias)
 
 
 def swiglu_expert(x: np.ndarray, gate: QMatrix, up: QMatrix, down: QMatrix,
@@ -317,11 +355,11 @@ def swiglu_expert(x: np.ndarray, gate: QMatrix, up: QMatrix, down: QMatrix,
     qts = np.array([[int(gate.qtype), int(up.qtype), int(down.qtype)]], np.int64)  # [1, 3]
     row_ptr = np.array([0, n], np.int64)
     h = np.empty((n, ff), np.float32)  # [n, ff]
-    threads = numba.get_num_threads()
-    gate_up_kernel(gate.readonly(), up.readonly(), _ZERO_OFFS, qts, _readonly(x), row_ptr, _arange(n), ff, d, h,
-                   threads, bias_gu, bias is not None, code)
+    threads = _threads_for(gate.nbytes)
+    _gate_up(gate.readonly(), up.readonly(), _ZERO_OFFS, qts, _readonly(x), row_ptr, _arange(n), ff, d, h,
+             threads, bias_gu, bias is not None, code)
     y = np.empty((n, d), np.float32)  # [n, d]
-    down_kernel(down.readonly(), _ZERO_OFFS, qts, _readonly(h), row_ptr, d, ff, y, threads, bias_d, bias is not None)
+    _down(down.readonly(), _ZERO_OFFS, qts, _readonly(h), row_ptr, d, ff, y, threads, bias_d, bias is not None)
     if out is None:
         return y
     out += sc[:, None] * y
@@ -338,10 +376,9 @@ def linear(x: np.ndarray, m: QMatrix) -> np.ndarray:
     if n >= DENSE_MIN_ROWS or not has_kernel(m.qtype):
         with _quiet_readonly():
             return torch.nn.functional.linear(torch.from_numpy(x), _dense_weight(m)).numpy()  # [n, n_out]
-    y = np.empty((n, int(m.n_out)), np.float32)  # [n, n_out]
-    qts = np.full((1, 3), int(m.qtype), np.int64)
-    down_kernel(m.readonly(), _ZERO_OFFS, qts, _readonly(x), np.array([0, n], np.int64), int(m.n_out), int(m.n_in), y,
-                numba.get_num_threads(), _NO_BIAS_D, False)
+    y = np.empty((n, m.n_out), np.float32)  # [n, n_out]
+    _down(m._ro, _ZERO_OFFS, m._qts, _readonly(x), _row_ptr(n), m.n_out, m.n_in, y, _threads_for(m.nbytes),
+          _NO_BIAS_D, False)
     return y
 
 
@@ -353,6 +390,11 @@ def _arange(n: int) -> np.ndarray:
 
 
 _ARANGE = np.arange(DENSE_MIN_ROWS, dtype=np.int64)
+_ROW_PTRS = [np.array([0, n], np.int64) for n in range(64)]  # one expert of n rows (linear's n < DENSE_MIN_ROWS)
+
+
+def _row_ptr(n: int) -> np.ndarray:
+    return _ROW_PTRS[n] if n < len(_ROW_PTRS) else np.array([0, n], np.int64)
 
 
 def _check_chain(gate: QMatrix, up: QMatrix, down: QMatrix) -> None:

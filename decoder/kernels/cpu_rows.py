@@ -415,39 +415,72 @@ def _span(row_ptr, e, n_out, start, lo, hi):
     return j0, j1, start + n_out * cost
 
 
+@njit(inline="always", **_JIT)
+def _gate_up_span(w, n_workers, gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, bias, has_bias, act):
+    """Worker w of n_workers: its span of gate_up_kernel's (expert, output row) pairs."""
+    total = _total_cost(row_ptr, ff)
+    lo, hi = total * np.int64(w) // n_workers, total * (np.int64(w) + 1) // n_workers
+    wbuf = np.empty(max(d, 16), np.float32)  # [d] a decoded row (types without a fused dot)
+    rg = np.empty(_max_rows(row_ptr), np.float32)  # [n_e] gate rows' dots with the expert's rows
+    ru = np.empty_like(rg)  # [n_e] up's
+    start = 0
+    for e in range(offs.shape[0]):
+        j0, j1, start_next = _span(row_ptr, e, ff, start, lo, hi)
+        gq, uq, go, uo = qts[e, 0], qts[e, 1], offs[e, 0], offs[e, 1]
+        gb, ub = row_bytes(gq, d), row_bytes(uq, d)
+        ahead = max(1, _PREFETCH_BYTES // (gb + ub))
+        for j in range(j0, min(j1, j0 + ahead)):  # the span's first rows
+            prefetch_row(gdata, go + j * gb, gb)
+            prefetch_row(udata, uo + j * ub, ub)
+        for j in range(j0, j1):
+            if j + ahead < j1:
+                prefetch_row(gdata, go + (j + ahead) * gb, gb)
+                prefetch_row(udata, uo + (j + ahead) * ub, ub)
+            r0, r1 = row_ptr[e], row_ptr[e + 1]
+            _row_dots(gq, gdata, go + j * gb, d, x, row_idx, r0, r1, rg, wbuf)
+            _row_dots(uq, udata, uo + j * ub, d, x, row_idx, r0, r1, ru, wbuf)
+            bg = bias[e, 0, j] if has_bias else np.float32(0.0)
+            bu = bias[e, 1, j] if has_bias else np.float32(0.0)
+            for r in range(r0, r1):
+                h[r, j] = _act(rg[r - r0] + bg, ru[r - r0] + bu, act)
+        start = start_next
+
+
 @njit(parallel=True, **_JIT)
 def gate_up_kernel(gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, n_workers, bias, has_bias, act):
     """h[r] = act(gate_e @ x[row_idx[r]] + bias[e, 0], up_e @ x[row_idx[r]] + bias[e, 1]) for r in
     row_ptr[e] .. row_ptr[e + 1] - 1: expert e's gate and up at byte offsets offs[e, 0], offs[e, 1]
     of gdata, udata, types qts[e, 0], qts[e, 1]. x [N, d], h [R, ff], bias [E, 2, ff] (read only
     with has_bias; zero otherwise), act an ACT_* code; n_workers: numba's threads."""
-    total = _total_cost(row_ptr, ff)
     for w in prange(n_workers):
-        lo, hi = total * np.int64(w) // n_workers, total * (np.int64(w) + 1) // n_workers
-        wbuf = np.empty(max(d, 16), np.float32)  # [d] a decoded row (types without a fused dot)
-        rg = np.empty(_max_rows(row_ptr), np.float32)  # [n_e] gate rows' dots with the expert's rows
-        ru = np.empty_like(rg)  # [n_e] up's
-        start = 0
-        for e in range(offs.shape[0]):
-            j0, j1, start_next = _span(row_ptr, e, ff, start, lo, hi)
-            gq, uq, go, uo = qts[e, 0], qts[e, 1], offs[e, 0], offs[e, 1]
-            gb, ub = row_bytes(gq, d), row_bytes(uq, d)
-            ahead = max(1, _PREFETCH_BYTES // (gb + ub))
-            for j in range(j0, min(j1, j0 + ahead)):  # the span's first rows
-                prefetch_row(gdata, go + j * gb, gb)
-                prefetch_row(udata, uo + j * ub, ub)
-            for j in range(j0, j1):
-                if j + ahead < j1:
-                    prefetch_row(gdata, go + (j + ahead) * gb, gb)
-                    prefetch_row(udata, uo + (j + ahead) * ub, ub)
-                r0, r1 = row_ptr[e], row_ptr[e + 1]
-                _row_dots(gq, gdata, go + j * gb, d, x, row_idx, r0, r1, rg, wbuf)
-                _row_dots(uq, udata, uo + j * ub, d, x, row_idx, r0, r1, ru, wbuf)
-                bg = bias[e, 0, j] if has_bias else np.float32(0.0)
-                bu = bias[e, 1, j] if has_bias else np.float32(0.0)
-                for r in range(r0, r1):
-                    h[r, j] = _act(rg[r - r0] + bg, ru[r - r0] + bu, act)
-            start = start_next
+        _gate_up_span(w, n_workers, gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, bias, has_bias, act)
+
+
+@njit(inline="always", **_JIT)
+def _down_span(w, n_workers, ddata, offs, qts, h, row_ptr, n_out, n_in, y, bias, has_bias):
+    """Worker w of n_workers: its span of down_kernel's (expert, output row) pairs."""
+    total = _total_cost(row_ptr, n_out)
+    lo, hi = total * np.int64(w) // n_workers, total * (np.int64(w) + 1) // n_workers
+    wbuf = np.empty(max(n_in, 16), np.float32)  # [n_in] a decoded row (types without a fused dot)
+    res = np.empty(_max_rows(row_ptr), np.float32)  # [n_e]
+    ident = np.arange(h.shape[0])  # h's rows are the experts' rows in order
+    start = 0
+    for e in range(offs.shape[0]):
+        j0, j1, start_next = _span(row_ptr, e, n_out, start, lo, hi)
+        q, o = qts[e, 2], offs[e, 2]
+        b = row_bytes(q, n_in)
+        ahead = max(1, _PREFETCH_BYTES // b)
+        for j in range(j0, min(j1, j0 + ahead)):
+            prefetch_row(ddata, o + j * b, b)
+        for j in range(j0, j1):
+            if j + ahead < j1:
+                prefetch_row(ddata, o + (j + ahead) * b, b)
+            r0, r1 = row_ptr[e], row_ptr[e + 1]
+            _row_dots(q, ddata, o + j * b, n_in, h, ident, r0, r1, res, wbuf)
+            bj = bias[e, j] if has_bias else np.float32(0.0)
+            for r in range(r0, r1):
+                y[r, j] = res[r - r0] + bj
+        start = start_next
 
 
 @njit(parallel=True, **_JIT)
@@ -455,29 +488,8 @@ def down_kernel(ddata, offs, qts, h, row_ptr, n_out, n_in, y, n_workers, bias, h
     """y[r] = down_e @ h[r] + bias[e] for r in row_ptr[e] .. row_ptr[e + 1] - 1: expert e's down at
     byte offset offs[e, 2] of ddata, type qts[e, 2]. h [R, n_in], y [R, n_out], bias [E, n_out]
     (read only with has_bias)."""
-    total = _total_cost(row_ptr, n_out)
     for w in prange(n_workers):
-        lo, hi = total * np.int64(w) // n_workers, total * (np.int64(w) + 1) // n_workers
-        wbuf = np.empty(max(n_in, 16), np.float32)  # [n_in] a decoded row (types without a fused dot)
-        res = np.empty(_max_rows(row_ptr), np.float32)  # [n_e]
-        ident = np.arange(h.shape[0])  # h's rows are the experts' rows in order
-        start = 0
-        for e in range(offs.shape[0]):
-            j0, j1, start_next = _span(row_ptr, e, n_out, start, lo, hi)
-            q, o = qts[e, 2], offs[e, 2]
-            b = row_bytes(q, n_in)
-            ahead = max(1, _PREFETCH_BYTES // b)
-            for j in range(j0, min(j1, j0 + ahead)):
-                prefetch_row(ddata, o + j * b, b)
-            for j in range(j0, j1):
-                if j + ahead < j1:
-                    prefetch_row(ddata, o + (j + ahead) * b, b)
-                r0, r1 = row_ptr[e], row_ptr[e + 1]
-                _row_dots(q, ddata, o + j * b, n_in, h, ident, r0, r1, res, wbuf)
-                bj = bias[e, j] if has_bias else np.float32(0.0)
-                for r in range(r0, r1):
-                    y[r, j] = res[r - r0] + bj
-            start = start_next
+        _down_span(w, n_workers, ddata, offs, qts, h, row_ptr, n_out, n_in, y, bias, has_bias)
 
 
 @njit(parallel=True, **_JIT)
