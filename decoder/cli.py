@@ -113,6 +113,7 @@ def use_threads(n: int | None) -> None:
     except ImportError:  # a GPU-only install without the CPU kernels (e.g. .ci/gpu_check.sh)
         numba = None
     most = numba.config.NUMBA_NUM_THREADS if numba is not None else available_cpus()
+    adapt = n is None
     if n is None:
         if "NUMBA_NUM_THREADS" in os.environ:  # the user's word
             return
@@ -120,7 +121,10 @@ def use_threads(n: int | None) -> None:
     if n > most:
         raise ConfigError(f"--threads {n}: at most {most} here (the CPUs this process may use)")
     if numba is not None:
+        from .kernels import threads
+
         numba.set_num_threads(n)
+        threads.adapt(n if adapt else None)  # by default, the kernels' count follows the host's load
     torch.set_num_threads(n)
 
 

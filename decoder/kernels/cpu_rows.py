@@ -500,3 +500,19 @@ def dequant_kernel(qtype, data, n_out, n_in, w):
         decode_row(qtype, data, np.int64(j) * b, n_in, w[j])  # prange's j is unsigned
 
 
+
+
+@njit(parallel=True, **_JIT)
+def stream_read(data, n_workers):
+    """XOR of data's 8-byte words (a sized multiple of 8), each worker reading one contiguous
+    slice: a streaming read of the bytes, the memory-bandwidth bound the kernels are held to."""
+    words = data.size // 8
+    acc = np.zeros(n_workers, np.uint64)
+    for w in prange(n_workers):
+        lo, hi = words * np.int64(w) // n_workers, words * (np.int64(w) + 1) // n_workers
+        v = data[lo * 8:hi * 8].view(np.uint64)
+        s = np.uint64(0)
+        for i in range(v.size):
+            s ^= v[i]
+        acc[w] = s
+    return acc
