@@ -21,7 +21,7 @@ _ALPHA = 0.3  # weight of a new step time in a candidate's average
 
 
 class ThreadTuner:
-    def __init__(self, most: int, explore: int = 8):
+    def __init__(self, most: int, explore: int = 16):
         self.options = sorted({most, max(1, most // 2), 1}, reverse=True)  # [all, half, 1]
         self.explore = explore
         self.avg: dict[int, float] = {}
@@ -60,9 +60,19 @@ _tuner: ThreadTuner | None = None
 
 
 def adapt(most: int | None) -> None:
-    """Adapt numba's count up to `most` between decode steps (None: keep it fixed as set)."""
+    """Adapt numba's count up to `most` between decode steps (None: keep it fixed as set). The
+    tuner's averages are kept while `most` stays the same."""
     global _tuner
-    _tuner = ThreadTuner(most) if most and most > 1 else None
+    if not most or most < 2:
+        _tuner = None
+    elif _tuner is None or max(_tuner.options) != most:
+        _tuner = ThreadTuner(most)
+
+
+def set_tuner(t: ThreadTuner | None) -> None:
+    """Install `t` (or none: fixed counts) as the process's tuner."""
+    global _tuner
+    _tuner = t
 
 
 def tuner() -> ThreadTuner | None:

@@ -219,6 +219,8 @@ def test_bench_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(r["kernel_ms"] > 0 and r["reference_ms"] > 0 for r in report["results"])
     assert all(r["vs_q8_0"] > 0 and r["ns_per_weight"] > 0 for r in report["results"])
     assert [r["vs_q8_0"] for r in report["results"] if r["type"] == "Q8_0"] == [1.0, 1.0]
+    for r in report["results"]:  # the streaming-read bound of the same bytes, and the 1-call rate over it
+        assert r["bound_gb_per_s"] > 0 and r["of_bound"] == pytest.approx(r["experts_gb_per_s"] / r["bound_gb_per_s"])
 
 
 def test_bench_default_types_are_every_native_type() -> None:
