@@ -98,29 +98,47 @@ def _k4_scale(p, s, j):
     return (hi & 0xF) | ((v.u8_at(p, s + j - 4) >> 6) << 4), (hi >> 4) | ((v.u8_at(p, s + j) >> 6) << 4)
 
 
+@njit(inline="always", **_JIT)
+def _k_pair(p, ch, qh, g, d, dmin, sc, x0, x1, x2, x3, nx, e, a0, a1, a2, a3, b0, b1, b2, b3, five):
+    """Q4_K/Q5_K chunk g (32 bytes at ch): sub-block 2g from the low nibbles (elements e ..
+    e + 31), 2g + 1 from the high ones (e + 32 ..), [+ 16 * bits 2g, 2g + 1 of qh[k]]."""
+    s0, m0 = _k4_scale(p, sc, 2 * g)
+    s1, m1 = _k4_scale(p, sc, 2 * g + 1)
+    c0, c1 = v.ld_u8(p, ch), v.ld_u8(p, ch + 16)  # bytes 0-15, 16-31
+    lo0, lo1, hi0, hi1 = v.iand(c0, 15), v.iand(c1, 15), v.ishr(c0, 4), v.ishr(c1, 4)
+    if five:
+        h0, h1 = v.ishr(v.ld_u8(p, qh), 2 * g), v.ishr(v.ld_u8(p, qh + 16), 2 * g)
+        lo0, lo1 = v.ior(lo0, v.ishl(v.iand(h0, 1), 4)), v.ior(lo1, v.ishl(v.iand(h1, 1), 4))
+        hi0, hi1 = v.ior(hi0, v.ishl(v.iand(h0, 2), 3)), v.ior(hi1, v.ishl(v.iand(h1, 2), 3))
+    sa, ma = v.splat(d * np.float32(s0)), v.splat(-(dmin * np.float32(m0)))
+    sb, mb = v.splat(d * np.float32(s1)), v.splat(-(dmin * np.float32(m1)))
+    a0, a1, a2, a3 = _fma16(v.fma(v.to_f(lo0), sa, ma), x0, x1, x2, x3, nx, e, a0, a1, a2, a3)
+    b0, b1, b2, b3 = _fma16(v.fma(v.to_f(lo1), sa, ma), x0, x1, x2, x3, nx, e + 16, b0, b1, b2, b3)
+    a0, a1, a2, a3 = _fma16(v.fma(v.to_f(hi0), sb, mb), x0, x1, x2, x3, nx, e + 32, a0, a1, a2, a3)
+    b0, b1, b2, b3 = _fma16(v.fma(v.to_f(hi1), sb, mb), x0, x1, x2, x3, nx, e + 48, b0, b1, b2, b3)
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
 @njit(**_JIT)
 def _q45_k(p, off, n_in, x0, x1, x2, x3, nx, five):
     """Q4_K (five=False, 144 B) or Q5_K (176 B: 32 B of fifth bits before the nibbles): sub-block
     j (32 values) = nibbles of byte k of chunk j // 2 (low for even j) [+ 16 * bit j of qh[k]],
-    times d * scale_j, less dmin * min_j (one rounding: an fma)."""
+    times d * scale_j, less dmin * min_j (one rounding: an fma). The four chunks written out, so
+    every shift is a constant."""
     o, e = np.int64(off), np.int64(0)
     a0, b0, a1, b1, a2, b2, a3, b3 = v.zero(), v.zero(), v.zero(), v.zero(), v.zero(), v.zero(), v.zero(), v.zero()
     size = 176 if five else 144
     for _ in range(n_in // 256):
         d, dmin = v.f16_at(p, o), v.f16_at(p, o + 2)
-        q = o + 48 if five else o + 16
-        for j in range(8):  # sub-block j: elements e + 32j ..
-            sc, mn = _k4_scale(p, o + 4, j)
-            s, m = v.splat(d * np.float32(sc)), v.splat(-(dmin * np.float32(mn)))
-            ch, shift = q + 32 * (j // 2), 4 * (j % 2)
-            c0 = v.iand(v.ishr(v.ld_u8(p, ch), shift), 15)  # elements 0-15
-            c1 = v.iand(v.ishr(v.ld_u8(p, ch + 16), shift), 15)  # 16-31
-            if five:
-                c0 = v.ior(c0, v.ishl(v.iand(v.ishr(v.ld_u8(p, o + 16), j), 1), 4))
-                c1 = v.ior(c1, v.ishl(v.iand(v.ishr(v.ld_u8(p, o + 32), j), 1), 4))
-            ex = e + 32 * j
-            a0, a1, a2, a3 = _fma16(v.fma(v.to_f(c0), s, m), x0, x1, x2, x3, nx, ex, a0, a1, a2, a3)
-            b0, b1, b2, b3 = _fma16(v.fma(v.to_f(c1), s, m), x0, x1, x2, x3, nx, ex + 16, b0, b1, b2, b3)
+        q, qh, sc = (o + 48 if five else o + 16), o + 16, o + 4
+        a0, a1, a2, a3, b0, b1, b2, b3 = _k_pair(p, q, qh, 0, d, dmin, sc, x0, x1, x2, x3, nx, e,
+                                                 a0, a1, a2, a3, b0, b1, b2, b3, five)
+        a0, a1, a2, a3, b0, b1, b2, b3 = _k_pair(p, q + 32, qh, 1, d, dmin, sc, x0, x1, x2, x3, nx, e + 64,
+                                                 a0, a1, a2, a3, b0, b1, b2, b3, five)
+        a0, a1, a2, a3, b0, b1, b2, b3 = _k_pair(p, q + 64, qh, 2, d, dmin, sc, x0, x1, x2, x3, nx, e + 128,
+                                                 a0, a1, a2, a3, b0, b1, b2, b3, five)
+        a0, a1, a2, a3, b0, b1, b2, b3 = _k_pair(p, q + 96, qh, 3, d, dmin, sc, x0, x1, x2, x3, nx, e + 192,
+                                                 a0, a1, a2, a3, b0, b1, b2, b3, five)
         o += size
         e += 256
     return _sums(a0, b0, a1, b1, a2, b2, a3, b3)
