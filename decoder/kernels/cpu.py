@@ -301,10 +301,14 @@ def _threads_for(nbytes: int) -> int:
     return 1 if nbytes < SERIAL_BYTES else numba.get_num_threads()
 
 
+
 @contextmanager
 def _pool(threads: int):
     """numba's threads for this thread's next parallel region: with one, the region runs on the
     caller alone and wakes no pool thread (numba's per-thread count, restored after)."""
+    if threads != 1:  # the caller's own count (from _threads_for): nothing to change
+        yield
+        return
     prev = numba.get_num_threads()
     if threads == prev:
         yield
