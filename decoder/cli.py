@@ -88,10 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-THREADS_HELP = ("compute threads (default: the CPUs this process may keep busy: its affinity, capped by a "
-                "container's CPU quota). On a machine that other busy processes share, use fewer "
-                "than the cores: waiting kernel threads spin, and one busy process on a 2-core host took a decode "
-                "from 101 to 10 tok/s with 2 threads (64 with --threads 1)")
+THREADS_HELP = ("compute threads (default: up to the CPUs this process may keep busy, its affinity capped by a "
+                "container's CPU quota, with the CPU kernels' count adapted between decode steps: all, half or "
+                "one, whichever decodes fastest while other processes come and go). A number fixes it")
 
 
 def add_threads_arg(ap: argparse.ArgumentParser) -> None:

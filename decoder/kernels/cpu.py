@@ -14,19 +14,22 @@ a matmul.
 
 Paths, picked per expert by its number of rows n:
   n < DENSE_MIN_ROWS (28)  fused: all such experts of a call share two parallel regions, one
-        for gate and up (silu(g) * u), one for down, each thread taking one contiguous span of
-        (expert, output row) pairs of equal cost. A weight row is decoded into a per-thread
-        float32 row buffer (L1) and dotted with each of the n activation rows (four at a time);
-        the rows a few KB ahead are prefetched. Each output element is computed by one thread
-        in a fixed order, so an expert's result is bit-identical run to run, for any thread
-        count, whatever other experts share the call, and a token's result does not depend on
-        the other rows of the batch.
+        for gate and up (act(g) * u), one for down, each thread taking one contiguous span of
+        (expert, output row) pairs of equal cost; the rows a few KB ahead are prefetched. For
+        Q8_0, Q4_0, Q4_K, Q5_K and Q6_K each weight row is read once and dotted with up to four
+        activation rows in one pass (cpu_rows_dot: codes decoded into 16-lane vector registers,
+        multiply-added into accumulators held across the row); the other types decode a row
+        into a per-thread float32 buffer (L1) and dot it with each activation row. Each output
+        element is computed by one thread in a fixed order, so an expert's result is
+        bit-identical run to run, for any thread count, whatever other experts share the call,
+        and a token's result does not depend on the other rows of the batch.
   n >= DENSE_MIN_ROWS  dense (prefill): each matrix in turn is decoded by the same row decoders
         into one reused float32 buffer (parallel over rows) and multiplied by torch (BLAS):
         deterministic run to run for a given thread count.
-Activations stay float32 (never quantized); sums are float32, reassociated (vectorized), so
-results agree with float64 math on the dequantized weights to ~1e-6 of the output's scale
-(the tests allow 1e-5 * max |reference|).
+A call whose matrix is under SERIAL_BYTES runs on the calling thread alone (no pool thread is
+woken). Activations stay float32 (never quantized); sums are float32, reassociated, so results
+agree with float64 math on the dequantized weights to ~1e-6 of the output's scale (the tests
+allow 1e-5 * max |reference|).
 """
 
 from __future__ import annotations
@@ -49,12 +52,12 @@ from ...common.arch import EXPERT_ACTS
 from ..experts.source import activate
 from .cpu_rows import ACT_SWIGLU, ACT_SWIGLU_OAI, NATIVE, dequant_kernel, down_kernel, gate_up_kernel
 
-# numba's 'omp' threading layer first, also when TBB is installed: its threads spin briefly
-# between regions, so the launches start in microseconds; 'workqueue' threads sleep on a
-# condition variable and took ~0.2 ms per launch here (2x slower experts), and a layer of torch
-# ops then experts ran 40 % slower with it than with 'omp' (which stayed within 5 % of the two
-# parts timed apart). Takes effect when numba starts its pool (first parallel kernel); a
-# NUMBA_THREADING_LAYER_PRIORITY or NUMBA_THREADING_LAYER set by the user still wins.
+# numba's 'omp' threading layer first, also when TBB is installed: 'workqueue' threads sleep on
+# a condition variable and took ~0.2 ms per launch here (2x slower experts), and a layer of torch
+# ops then experts ran 40 % slower with it than with 'omp'. The decoder package sets libgomp's
+# OMP_WAIT_POLICY=PASSIVE (no spinning beside a busy process; see decoder/__init__.py). Takes
+# effect when numba starts its pool (first parallel kernel); a NUMBA_THREADING_LAYER_PRIORITY or
+# NUMBA_THREADING_LAYER set by the user still wins.
 _PRIORITY = "omp tbb workqueue"
 if os.environ.setdefault("NUMBA_THREADING_LAYER_PRIORITY", _PRIORITY) == _PRIORITY:
     numba.config.THREADING_LAYER_PRIORITY = _PRIORITY.split()

@@ -67,3 +67,23 @@ def test_bench_decode_neighbour_json(make_tiny_model, capsys: pytest.CaptureFixt
         assert set(c["tok_s"]) == {"default", "1", "2"} and all(v > 0 for v in c["tok_s"].values())
         assert c["best_fixed"] in (1, 2)
         assert c["default_over_best"] == pytest.approx(c["tok_s"]["default"] / c["tok_s"][str(c["best_fixed"])])
+
+
+def test_stacked_qkv_is_the_same_bits_as_three_calls() -> None:
+    """q, k, v stacked into one weight (one kernel call) give the bits of three separate calls."""
+    import torch
+    from moestream.decoder.bench.kernels import random_matrix
+    from moestream.decoder.models.weights import QuantWeight, stack_rows
+
+    rng = np.random.default_rng(1)
+    shapes = ((256, 128), (64, 128), (64, 128))  # q, k, v: [n_out, n_in]
+    ws = [QuantWeight(random_matrix(Q.Q8_0, *s, rng), int(Q.Q8_0), *s) for s in shapes]
+    x = torch.from_numpy(rng.standard_normal((3, 128)).astype(np.float32))  # [N, n_in]
+    apart = [w.linear(x) for w in ws]
+    fused = stack_rows(ws)
+    assert fused is not None and all(w.group is fused for w in ws)
+    together = fused.linear(x).split([s[0] for s in shapes], dim=-1)
+    for a, t, w in zip(apart, together, ws):
+        assert torch.equal(a, t) and torch.equal(a, w.linear(x))  # the views still compute alone too
+    mixed = [ws[0], QuantWeight(random_matrix(Q.Q4_0, 64, 128, rng), int(Q.Q4_0), 64, 128)]
+    assert stack_rows(mixed) is None
