@@ -18,10 +18,11 @@ from contextlib import contextmanager
 import numba
 
 _ALPHA = 0.3  # weight of a new step time in a candidate's average
+_MARGIN = 0.08  # how much faster a smaller count must be to be kept (step times vary with routing)
 
 
 class ThreadTuner:
-    def __init__(self, most: int, explore: int = 16):
+    def __init__(self, most: int, explore: int = 24):
         self.options = sorted({most, max(1, most // 2), 1}, reverse=True)  # [all, half, 1]
         self.explore = explore
         self.avg: dict[int, float] = {}
@@ -33,7 +34,8 @@ class ThreadTuner:
         untried = [n for n in self.options if n not in self.avg]
         if untried:
             return untried[0]
-        best = min(self.avg, key=self.avg.__getitem__)
+        most = self.options[0]  # fewer threads must win by a margin: idle, all cores is the rule
+        best = min(self.avg, key=lambda n: self.avg[n] * (1.0 if n == most else 1.0 + _MARGIN))
         if self.steps % self.explore == self.explore - 1:
             others = [n for n in self.options if n != best]
             return others[(self.steps // self.explore) % len(others)]
