@@ -88,10 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-THREADS_HELP = ("compute threads (default: the CPUs this process may keep busy: its affinity, capped by a "
-                "container's CPU quota). On a machine that other busy processes share, use fewer "
-                "than the cores: waiting kernel threads spin, and one busy process on a 2-core host took a decode "
-                "from 101 to 10 tok/s with 2 threads (64 with --threads 1)")
+THREADS_HELP = ("compute threads (default: up to the CPUs this process may keep busy, its affinity capped by a "
+                "container's CPU quota, with the CPU kernels' count adapted between decode steps: all, half or "
+                "one, whichever decodes fastest while other processes come and go). A number fixes it")
 
 
 def add_threads_arg(ap: argparse.ArgumentParser) -> None:
@@ -113,6 +112,7 @@ def use_threads(n: int | None) -> None:
     except ImportError:  # a GPU-only install without the CPU kernels (e.g. .ci/gpu_check.sh)
         numba = None
     most = numba.config.NUMBA_NUM_THREADS if numba is not None else available_cpus()
+    adapt = n is None
     if n is None:
         if "NUMBA_NUM_THREADS" in os.environ:  # the user's word
             return
@@ -120,7 +120,10 @@ def use_threads(n: int | None) -> None:
     if n > most:
         raise ConfigError(f"--threads {n}: at most {most} here (the CPUs this process may use)")
     if numba is not None:
+        from .kernels import threads
+
         numba.set_num_threads(n)
+        threads.adapt(n if adapt else None)  # by default, the kernels' count follows the host's load
     torch.set_num_threads(n)
 
 

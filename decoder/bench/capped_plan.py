@@ -92,5 +92,11 @@ class Plan:
     direct: bool = True  # the daemon reads with O_DIRECT: its reads are not cached beside the arena
 
     def env(self) -> dict[str, str]:
+        """Both sides' environment: the same threads, and none of the decoder package's own
+        defaults (its OMP_WAIT_POLICY would slow llama.cpp's OpenMP threads; moestream's
+        processes set it again themselves)."""
+        from .. import OWN_DEFAULTS
+
         n = str(self.threads)
-        return dict(os.environ, OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, NUMBA_NUM_THREADS=n, PYTHONUNBUFFERED="1")
+        env = {k: v for k, v in os.environ.items() if k not in OWN_DEFAULTS}
+        return dict(env, OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, NUMBA_NUM_THREADS=n, PYTHONUNBUFFERED="1")

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert format (auto: quant on cpu, raw on cuda); resident uses the same")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice); on a small, "
                    "busy CPU 1 is often fastest, since waiting OMP threads get preempted")
+    p.add_argument("--neighbour", action="store_true",
+                   help="instead of the phases: resident decode with the default (adapted) thread count against "
+                   "every fixed --threads, idle and beside one busy process (decoder/bench/neighbour.py)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 
@@ -367,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"moestream bench decode: {e}", file=sys.stderr)
         return 1
+    if args.neighbour:
+        from .neighbour import report as neighbour_report
+
+        print(json.dumps(result, indent=2) if args.json else neighbour_report(result))
+        return 0
     print(json.dumps(result, indent=2) if args.json else report(result))
     return 0
 
@@ -388,6 +396,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     with sigterm_as_exit(), contextlib.ExitStack() as stack:
         run = Run(args, args.iod, stack)
+        if args.neighbour:
+            from ...common.procfs import available_cpus
+            from .neighbour import measure as neighbour
+
+            return neighbour(run, args.threads or available_cpus())
         if args.iod and run.quant:
             raise ValueError("with the 'quant' format each phase needs its own daemon (the arena is the cache), so "
                              "bench decode starts them: drop --iod, or use --slot-format raw/dequant")

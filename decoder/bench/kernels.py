@@ -7,8 +7,10 @@ and `qkernels.swiglu_experts` computing the whole pool in one call ("1-call", as
 All are timed interleaved, each on a pool of --experts distinct random experts (so a run is not
 one expert hot in cache), --repeat times; medians are reported, per expert, with the quantized
 bytes per second the kernel reads, that rate over Q8_0's at the same rows ("x Q8_0"), the
-time per weight, and the speed-up of `swiglu_expert` over the reference. By default every type
-the CPU kernels decode natively is measured.
+time per weight, and the speed-up of `swiglu_expert` over the reference. "bound" is a streaming
+read of the same bytes on the same threads, timed in the same rounds (the memory bandwidth the
+kernels are held to, at whatever cache level the pool sits), and "of bound" the 1-call rate over
+it. By default every type the CPU kernels decode natively is measured.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ def measure(qname: str, n: int, args: argparse.Namespace, rng: np.random.Generat
     from gguf import GGMLQuantizationType as Q
 
     from ..kernels import cpu as qk
+    from ..kernels.cpu_rows import stream_read
 
     qtype, d, ff = Q[qname], args.hidden, args.expert_ff
     shapes = ((ff, d), (ff, d), (d, ff))  # gate, up, down
@@ -128,19 +131,26 @@ def measure(qname: str, n: int, args: argparse.Namespace, rng: np.random.Generat
         for r in refs:
             r()
 
+    ro, threads = qk._readonly(base[:base.size // 8 * 8]), qk.get_threads()
+
+    def bound() -> None:  # a streaming read of the same bytes, on the same threads
+        stream_read(ro, threads)
+
     t0 = time.perf_counter()
     kernel()  # warm-up: loads (or compiles) the kernels, faults the weights in
     jit_s = time.perf_counter() - t0
     experts()
     reference()
-    k_ms, e_ms, r_ms = (t / len(pool) for t in _median_ms([kernel, experts, reference], args.repeat))
+    bound()
+    k_ms, e_ms, r_ms, b_ms = (t / len(pool) for t in _median_ms([kernel, experts, reference, bound], args.repeat))
     nbytes = sum(m.nbytes for m in pool[0])
     native = qk.has_kernel(int(qtype))
     path = "fallback" if not native else ("fused" if n < qk.DENSE_MIN_ROWS else "dense")
     return {"type": qname, "rows": n, "path": path, "ns_per_weight": k_ms * 1e6 / (3 * d * ff),
             "expert_bytes": nbytes, "kernel_ms": k_ms, "reference_ms": r_ms, "gb_per_s": nbytes / k_ms / 1e6,
             "experts_call_ms": e_ms, "experts_gb_per_s": nbytes / e_ms / 1e6,
-            "speedup": r_ms / k_ms, "first_call_s": jit_s}
+            "speedup": r_ms / k_ms, "first_call_s": jit_s, "bound_gb_per_s": nbytes / b_ms / 1e6,
+            "of_bound": b_ms / e_ms}
 
 
 def _table(report: dict[str, Any]) -> str:
@@ -148,11 +158,12 @@ def _table(report: dict[str, Any]) -> str:
               f"({report['threading_layer']}), torch {report['torch_threads']}; median of {report['repeat']}"),
              f"first call (kernels loaded from numba's cache, or compiled): {report['results'][0]['first_call_s']:.2f} s",
              (f"{'type':<7}{'rows':>5}  {'path':<8}{'kernel ms':>10}{'GB/s':>7}{'x Q8_0':>8}{'ns/weight':>10}"
-              f"{'1-call ms':>10}{'GB/s':>7}{'dequant+mm ms':>15}{'speed-up':>10}")]
+              f"{'1-call ms':>10}{'GB/s':>7}{'bound':>7}{'of bound':>9}{'dequant+mm ms':>15}{'speed-up':>10}")]
     for r in report["results"]:
         ratio = "-" if r["vs_q8_0"] is None else f"{r['vs_q8_0']:.2f}"
         lines.append(f"{r['type']:<7}{r['rows']:>5}  {r['path']:<8}{r['kernel_ms']:>10.3f}{r['gb_per_s']:>7.2f}"
                      f"{ratio:>8}{r['ns_per_weight']:>10.4f}{r['experts_call_ms']:>10.3f}{r['experts_gb_per_s']:>7.2f}"
+                     f"{r['bound_gb_per_s']:>7.2f}{r['of_bound']:>9.2f}"
                      f"{r['reference_ms']:>15.3f}{r['speedup']:>9.2f}x")
     return "\n".join(lines)
 

@@ -13,6 +13,7 @@ moestream's decoder.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -76,6 +77,10 @@ def _no_extra_bufts() -> None:
 
 def llamacpp_child(spec: dict[str, Any]) -> dict[str, Any]:
     """Runs in the llama.cpp process: load, prefill, decode; counters read around each part."""
+    from .. import OWN_DEFAULTS
+
+    for k in OWN_DEFAULTS:  # the decoder package set them on import here too: llama.cpp at its defaults
+        os.environ.pop(k, None)  # (before llama_cpp loads libgomp, which reads them once)
     from llama_cpp import Llama
 
     if not spec["extra_bufts"]:

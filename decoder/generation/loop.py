@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..experts.source import ExpertSource
+from ..kernels.threads import decode_step
 from ..models.moe_transformer import LayerObserver, MoEModel
 from .sampling import Sampler, SamplingParams
 
@@ -111,7 +112,8 @@ def generate(model: MoEModel, experts: ExpertSource, prompts: Sequence[Sequence[
         running = batch.running()  # [B]
         step = torch.where(running, latest_tokens(batch), pad_id)[:, None].to(model.device)  # [B, 1]
         valid = None if bool(running.all()) else running[:, None].to(model.device)  # None: no masking, no sync
-        logits = model.forward(step, cache, experts, valid, observer, last_only=True)
+        with decode_step():  # the CPU kernels' thread count, adapted to the host's load unless fixed
+            logits = model.forward(step, cache, experts, valid, observer, last_only=True)
         result.steps += 1
     result.decode_s = time.perf_counter() - t0 - result.prefill_s
     return result

@@ -14,19 +14,22 @@ a matmul.
 
 Paths, picked per expert by its number of rows n:
   n < DENSE_MIN_ROWS (28)  fused: all such experts of a call share two parallel regions, one
-        for gate and up (silu(g) * u), one for down, each thread taking one contiguous span of
-        (expert, output row) pairs of equal cost. A weight row is decoded into a per-thread
-        float32 row buffer (L1) and dotted with each of the n activation rows (four at a time);
-        the rows a few KB ahead are prefetched. Each output element is computed by one thread
-        in a fixed order, so an expert's result is bit-identical run to run, for any thread
-        count, whatever other experts share the call, and a token's result does not depend on
-        the other rows of the batch.
+        for gate and up (act(g) * u), one for down, each thread taking one contiguous span of
+        (expert, output row) pairs of equal cost; the rows a few KB ahead are prefetched. For
+        Q8_0, Q4_0, Q4_K, Q5_K and Q6_K each weight row is read once and dotted with up to four
+        activation rows in one pass (cpu_rows_dot: codes decoded into 16-lane vector registers,
+        multiply-added into accumulators held across the row); the other types decode a row
+        into a per-thread float32 buffer (L1) and dot it with each activation row. Each output
+        element is computed by one thread in a fixed order, so an expert's result is
+        bit-identical run to run, for any thread count, whatever other experts share the call,
+        and a token's result does not depend on the other rows of the batch.
   n >= DENSE_MIN_ROWS  dense (prefill): each matrix in turn is decoded by the same row decoders
         into one reused float32 buffer (parallel over rows) and multiplied by torch (BLAS):
         deterministic run to run for a given thread count.
-Activations stay float32 (never quantized); sums are float32, reassociated (vectorized), so
-results agree with float64 math on the dequantized weights to ~1e-6 of the output's scale
-(the tests allow 1e-5 * max |reference|).
+A call whose matrix is under SERIAL_BYTES runs on the calling thread alone (no pool thread is
+woken). Activations stay float32 (never quantized); sums are float32, reassociated, so results
+agree with float64 math on the dequantized weights to ~1e-6 of the output's scale (the tests
+allow 1e-5 * max |reference|).
 """
 
 from __future__ import annotations
@@ -49,12 +52,12 @@ from ...common.arch import EXPERT_ACTS
 from ..experts.source import activate
 from .cpu_rows import ACT_SWIGLU, ACT_SWIGLU_OAI, NATIVE, dequant_kernel, down_kernel, gate_up_kernel
 
-# numba's 'omp' threading layer first, also when TBB is installed: its threads spin briefly
-# between regions, so the launches start in microseconds; 'workqueue' threads sleep on a
-# condition variable and took ~0.2 ms per launch here (2x slower experts), and a layer of torch
-# ops then experts ran 40 % slower with it than with 'omp' (which stayed within 5 % of the two
-# parts timed apart). Takes effect when numba starts its pool (first parallel kernel); a
-# NUMBA_THREADING_LAYER_PRIORITY or NUMBA_THREADING_LAYER set by the user still wins.
+# numba's 'omp' threading layer first, also when TBB is installed: 'workqueue' threads sleep on
+# a condition variable and took ~0.2 ms per launch here (2x slower experts), and a layer of torch
+# ops then experts ran 40 % slower with it than with 'omp'. The decoder package sets libgomp's
+# OMP_WAIT_POLICY=PASSIVE (no spinning beside a busy process; see decoder/__init__.py). Takes
+# effect when numba starts its pool (first parallel kernel); a NUMBA_THREADING_LAYER_PRIORITY or
+# NUMBA_THREADING_LAYER set by the user still wins.
 _PRIORITY = "omp tbb workqueue"
 if os.environ.setdefault("NUMBA_THREADING_LAYER_PRIORITY", _PRIORITY) == _PRIORITY:
     numba.config.THREADING_LAYER_PRIORITY = _PRIORITY.split()
@@ -64,6 +67,11 @@ if os.environ.setdefault("NUMBA_THREADING_LAYER_PRIORITY", _PRIORITY) == _PRIORI
 # n=16 0.77-0.87, n=24 0.82-0.93, n=32 0.95-1.08, n=48 1.17-1.34; d=2048, ff=768: n=16
 # 0.70-0.77, n=24 0.86-1.00, n=32 1.05-1.34.
 DENSE_MIN_ROWS = 28
+
+# Weight bytes below which a kernel call runs on the calling thread alone (a one-thread region,
+# no pool thread woken): waking the pool costs ~10 us idle and a scheduler time slice when a
+# peer thread's core is busy; a 256 KB Q8_0 matrix takes ~25 us on one thread here.
+SERIAL_BYTES = 384 << 10
 
 
 # -- Python side ------------------------------------------------------------------------------
@@ -96,6 +104,8 @@ class QMatrix:
             raise ValueError(f"QMatrix {name} [{self.n_out} x {self.n_in}]: expected {self.n_out} rows x "
                              f"{self.n_in // block} blocks x {type_size} B = {want} bytes, got {d.size}")
         object.__setattr__(self, "addr", d.__array_interface__["data"][0])  # for `expert_table`
+        object.__setattr__(self, "_ro", _readonly(d))
+        object.__setattr__(self, "_qts", np.full((1, 3), int(self.qtype), np.int64))
 
     @property
     def nbytes(self) -> int:
@@ -103,7 +113,7 @@ class QMatrix:
 
     def readonly(self) -> np.ndarray:
         """A read-only base-class view of the bytes (no copy): one numba signature for all callers."""
-        return _readonly(self.data)
+        return self._ro
 
 
 _SIZES = {int(q): size for q, size in GGML_QUANT_SIZES.items()}
@@ -279,13 +289,48 @@ def _run_fused(x: np.ndarray, table: ExpertTable, row_ptr: np.ndarray, row_idx: 
     n_rows = int(row_ptr[-1])
     y = np.empty((n_rows, table.d), np.float32)  # [R, d]
     if n_rows:
-        (gbase, ubase, dbase), offs, qts, threads = table.bases, table.offsets, table.qtypes, numba.get_num_threads()
+        (gbase, ubase, dbase), offs, qts = table.bases, table.offsets, table.qtypes
+        used = sum(1 for e in range(len(table.mats)) if row_ptr[e + 1] > row_ptr[e])
+        threads = _threads_for(used * table.mats[0][0].nbytes)
         h = np.empty((n_rows, table.ff), np.float32)  # [R, ff]
-        gate_up_kernel(gbase, ubase, offs, qts, _readonly(x), row_ptr, row_idx, table.ff, table.d, h, threads,
-                       table.bias_gu, table.has_bias, act)
-        down_kernel(dbase, offs, qts, _readonly(h), row_ptr, table.d, table.ff, y, threads, table.bias_d,
-                    table.has_bias)
+        _gate_up(gbase, ubase, offs, qts, _readonly(x), row_ptr, row_idx, table.ff, table.d, h, threads,
+                 table.bias_gu, table.has_bias, act)
+        _down(dbase, offs, qts, _readonly(h), row_ptr, table.d, table.ff, y, threads, table.bias_d, table.has_bias)
     return y
+
+
+def _threads_for(nbytes: int) -> int:
+    """Threads for a kernel call reading ~nbytes of one matrix's weights: 1 below SERIAL_BYTES."""
+    return 1 if nbytes < SERIAL_BYTES else numba.get_num_threads()
+
+
+
+@contextmanager
+def _pool(threads: int):
+    """numba's threads for this thread's next parallel region: with one, the region runs on the
+    caller alone and wakes no pool thread (numba's per-thread count, restored after)."""
+    if threads != 1:  # the caller's own count (from _threads_for): nothing to change
+        yield
+        return
+    prev = numba.get_num_threads()
+    if threads == prev:
+        yield
+        return
+    numba.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(prev)
+
+
+def _gate_up(gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, threads, bias, has_bias, act) -> None:
+    with _pool(threads):
+        gate_up_kernel(gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, threads, bias, has_bias, act)
+
+
+def _down(ddata, offs, qts, h, row_ptr, n_out, n_in, y, threads, bias, has_bias) -> None:
+    with _pool(threads):
+        down_kernel(ddata, offs, qts, h, row_ptr, n_out, n_in, y, threads, bias, has_bias)
 
 
 def swiglu_expert(x: np.ndarray, gate: QMatrix, up: QMatrix, down: QMatrix,
@@ -317,11 +362,11 @@ def swiglu_expert(x: np.ndarray, gate: QMatrix, up: QMatrix, down: QMatrix,
     qts = np.array([[int(gate.qtype), int(up.qtype), int(down.qtype)]], np.int64)  # [1, 3]
     row_ptr = np.array([0, n], np.int64)
     h = np.empty((n, ff), np.float32)  # [n, ff]
-    threads = numba.get_num_threads()
-    gate_up_kernel(gate.readonly(), up.readonly(), _ZERO_OFFS, qts, _readonly(x), row_ptr, _arange(n), ff, d, h,
-                   threads, bias_gu, bias is not None, code)
+    threads = _threads_for(gate.nbytes)
+    _gate_up(gate.readonly(), up.readonly(), _ZERO_OFFS, qts, _readonly(x), row_ptr, _arange(n), ff, d, h,
+             threads, bias_gu, bias is not None, code)
     y = np.empty((n, d), np.float32)  # [n, d]
-    down_kernel(down.readonly(), _ZERO_OFFS, qts, _readonly(h), row_ptr, d, ff, y, threads, bias_d, bias is not None)
+    _down(down.readonly(), _ZERO_OFFS, qts, _readonly(h), row_ptr, d, ff, y, threads, bias_d, bias is not None)
     if out is None:
         return y
     out += sc[:, None] * y
@@ -338,10 +383,9 @@ def linear(x: np.ndarray, m: QMatrix) -> np.ndarray:
     if n >= DENSE_MIN_ROWS or not has_kernel(m.qtype):
         with _quiet_readonly():
             return torch.nn.functional.linear(torch.from_numpy(x), _dense_weight(m)).numpy()  # [n, n_out]
-    y = np.empty((n, int(m.n_out)), np.float32)  # [n, n_out]
-    qts = np.full((1, 3), int(m.qtype), np.int64)
-    down_kernel(m.readonly(), _ZERO_OFFS, qts, _readonly(x), np.array([0, n], np.int64), int(m.n_out), int(m.n_in), y,
-                numba.get_num_threads(), _NO_BIAS_D, False)
+    y = np.empty((n, m.n_out), np.float32)  # [n, n_out]
+    _down(m._ro, _ZERO_OFFS, m._qts, _readonly(x), _row_ptr(n), m.n_out, m.n_in, y, _threads_for(m.nbytes),
+          _NO_BIAS_D, False)
     return y
 
 
@@ -353,6 +397,11 @@ def _arange(n: int) -> np.ndarray:
 
 
 _ARANGE = np.arange(DENSE_MIN_ROWS, dtype=np.int64)
+_ROW_PTRS = [np.array([0, n], np.int64) for n in range(64)]  # one expert of n rows (linear's n < DENSE_MIN_ROWS)
+
+
+def _row_ptr(n: int) -> np.ndarray:
+    return _ROW_PTRS[n] if n < len(_ROW_PTRS) else np.array([0, n], np.int64)
 
 
 def _check_chain(gate: QMatrix, up: QMatrix, down: QMatrix) -> None:

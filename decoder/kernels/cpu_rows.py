@@ -39,6 +39,8 @@ from ...common.arch import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from . import cpu_rows_iq as _iq
 from . import cpu_rows_q as rq
 from .cpu_rows_base import _JIT, _U, _as_f32, _e2m1x2, _f16, _fi, _i8, _opaque
+from .cpu_rows_dot import fused_dots, has_fused
+from .cpu_simd import addr
 
 # Every type decode_row handles (one `elif` each there; its row decoder here or in a sibling file)
 NATIVE = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4, Q.F32, Q.F16, Q.BF16,
@@ -348,32 +350,47 @@ def _act(g, u, act):
     return g / (np.float32(1.0) + np.exp(-g)) * u
 
 
-@njit(**_JIT)
-def _gate_up_rows(wg, wu, x, row_idx, r0, r1, n_in, h, j, bg, bu, act):
-    """h[r, j] = act(wg . x[row_idx[r]] + bg, wu . x[row_idx[r]] + bu) for r in r0 .. r1 - 1."""
+@njit(inline="always", **_JIT)  # inlined: called per weight row with arrays (an NRT pair each otherwise)
+def _row_dots(q, data, off, n_in, x, row_idx, r0, r1, res, wbuf):
+    """res[r - r0] = (the weight row of type q at data[off:]) . x[row_idx[r]] for r in r0 .. r1 - 1.
+
+    The FUSED types take the single-pass dots (cpu_rows_dot), four activation rows per pass over
+    the weight bytes (a group of 2-3 repeats its first row); the others decode the row into
+    wbuf [n_in] once, then dot4 / dot."""
     r = r0
+    if has_fused(q):
+        p, xa, stride = addr(data), addr(x), np.int64(x.shape[1]) * 4  # x: C-contiguous float32 rows
+        while r < r1:
+            nx = min(4, r1 - r)
+            x0 = xa + row_idx[r] * stride
+            x1 = xa + row_idx[r + 1] * stride if nx > 1 else x0
+            x2 = xa + row_idx[r + 2] * stride if nx > 2 else x0
+            x3 = xa + row_idx[r + 3] * stride if nx > 3 else x0
+            d0, d1, d2, d3 = fused_dots(q, p, off, n_in, x0, x1, x2, x3, nx)
+            res[r - r0] = d0
+            if nx > 1:
+                res[r - r0 + 1] = d1
+            if nx > 2:
+                res[r - r0 + 2] = d2
+            if nx > 3:
+                res[r - r0 + 3] = d3
+            r += nx
+        return
+    decode_row(q, data, off, n_in, wbuf)
     while r + 4 <= r1:
         x0, x1, x2, x3 = x[row_idx[r]], x[row_idx[r + 1]], x[row_idx[r + 2]], x[row_idx[r + 3]]
-        g0, g1, g2, g3 = dot4(wg, x0, x1, x2, x3, n_in)
-        u0, u1, u2, u3 = dot4(wu, x0, x1, x2, x3, n_in)
-        h[r, j], h[r + 1, j] = _act(g0 + bg, u0 + bu, act), _act(g1 + bg, u1 + bu, act)
-        h[r + 2, j], h[r + 3, j] = _act(g2 + bg, u2 + bu, act), _act(g3 + bg, u3 + bu, act)
+        res[r - r0], res[r - r0 + 1], res[r - r0 + 2], res[r - r0 + 3] = dot4(wbuf, x0, x1, x2, x3, n_in)
         r += 4
     for k in range(r, r1):
-        xk = x[row_idx[k]]
-        h[k, j] = _act(dot(wg, xk, n_in) + bg, dot(wu, xk, n_in) + bu, act)
+        res[k - r0] = dot(wbuf, x[row_idx[k]], n_in)
 
 
 @njit(**_JIT)
-def _down_rows(w, h, r0, r1, n_in, y, j, b):
-    """y[r, j] = w . h[r] + b for r in r0 .. r1 - 1."""
-    r = r0
-    while r + 4 <= r1:
-        y0, y1, y2, y3 = dot4(w, h[r], h[r + 1], h[r + 2], h[r + 3], n_in)
-        y[r, j], y[r + 1, j], y[r + 2, j], y[r + 3, j] = y0 + b, y1 + b, y2 + b, y3 + b
-        r += 4
-    for k in range(r, r1):
-        y[k, j] = dot(w, h[k], n_in) + b
+def _max_rows(row_ptr):
+    n = 1
+    for e in range(row_ptr.size - 1):
+        n = max(n, row_ptr[e + 1] - row_ptr[e])
+    return n
 
 
 @njit(**_JIT)
@@ -398,36 +415,72 @@ def _span(row_ptr, e, n_out, start, lo, hi):
     return j0, j1, start + n_out * cost
 
 
+@njit(inline="always", **_JIT)
+def _gate_up_span(w, n_workers, gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, bias, has_bias, act):
+    """Worker w of n_workers: its span of gate_up_kernel's (expert, output row) pairs."""
+    total = _total_cost(row_ptr, ff)
+    lo, hi = total * np.int64(w) // n_workers, total * (np.int64(w) + 1) // n_workers
+    wbuf = np.empty(max(d, 16), np.float32)  # [d] a decoded row (types without a fused dot)
+    rg = np.empty(_max_rows(row_ptr), np.float32)  # [n_e] gate rows' dots with the expert's rows
+    ru = np.empty_like(rg)  # [n_e] up's
+    start = 0
+    for e in range(offs.shape[0]):
+        j0, j1, start_next = _span(row_ptr, e, ff, start, lo, hi)
+        gq, uq, go, uo = qts[e, 0], qts[e, 1], offs[e, 0], offs[e, 1]
+        gb, ub = row_bytes(gq, d), row_bytes(uq, d)
+        ahead = max(1, _PREFETCH_BYTES // (gb + ub))
+        for j in range(j0, min(j1, j0 + ahead)):  # the span's first rows
+            prefetch_row(gdata, go + j * gb, gb)
+            prefetch_row(udata, uo + j * ub, ub)
+        for j in range(j0, j1):
+            if j + ahead < j1:
+                prefetch_row(gdata, go + (j + ahead) * gb, gb)
+                prefetch_row(udata, uo + (j + ahead) * ub, ub)
+            r0, r1 = row_ptr[e], row_ptr[e + 1]
+            _row_dots(gq, gdata, go + j * gb, d, x, row_idx, r0, r1, rg, wbuf)
+            _row_dots(uq, udata, uo + j * ub, d, x, row_idx, r0, r1, ru, wbuf)
+            bg = bias[e, 0, j] if has_bias else np.float32(0.0)
+            bu = bias[e, 1, j] if has_bias else np.float32(0.0)
+            for r in range(r0, r1):
+                h[r, j] = _act(rg[r - r0] + bg, ru[r - r0] + bu, act)
+        start = start_next
+
+
 @njit(parallel=True, **_JIT)
 def gate_up_kernel(gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, n_workers, bias, has_bias, act):
     """h[r] = act(gate_e @ x[row_idx[r]] + bias[e, 0], up_e @ x[row_idx[r]] + bias[e, 1]) for r in
     row_ptr[e] .. row_ptr[e + 1] - 1: expert e's gate and up at byte offsets offs[e, 0], offs[e, 1]
     of gdata, udata, types qts[e, 0], qts[e, 1]. x [N, d], h [R, ff], bias [E, 2, ff] (read only
     with has_bias; zero otherwise), act an ACT_* code; n_workers: numba's threads."""
-    total = _total_cost(row_ptr, ff)
     for w in prange(n_workers):
-        lo, hi = total * np.int64(w) // n_workers, total * (np.int64(w) + 1) // n_workers
-        wg = np.empty(d, np.float32)  # [d] decoded gate row
-        wu = np.empty(d, np.float32)  # [d] decoded up row
-        start = 0
-        for e in range(offs.shape[0]):
-            j0, j1, start_next = _span(row_ptr, e, ff, start, lo, hi)
-            gq, uq, go, uo = qts[e, 0], qts[e, 1], offs[e, 0], offs[e, 1]
-            gb, ub = row_bytes(gq, d), row_bytes(uq, d)
-            ahead = max(1, _PREFETCH_BYTES // (gb + ub))
-            for j in range(j0, min(j1, j0 + ahead)):  # the span's first rows
-                prefetch_row(gdata, go + j * gb, gb)
-                prefetch_row(udata, uo + j * ub, ub)
-            for j in range(j0, j1):
-                if j + ahead < j1:
-                    prefetch_row(gdata, go + (j + ahead) * gb, gb)
-                    prefetch_row(udata, uo + (j + ahead) * ub, ub)
-                decode_row(gq, gdata, go + j * gb, d, wg)
-                decode_row(uq, udata, uo + j * ub, d, wu)
-                bg = bias[e, 0, j] if has_bias else np.float32(0.0)
-                bu = bias[e, 1, j] if has_bias else np.float32(0.0)
-                _gate_up_rows(wg, wu, x, row_idx, row_ptr[e], row_ptr[e + 1], d, h, j, bg, bu, act)
-            start = start_next
+        _gate_up_span(w, n_workers, gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, bias, has_bias, act)
+
+
+@njit(inline="always", **_JIT)
+def _down_span(w, n_workers, ddata, offs, qts, h, row_ptr, n_out, n_in, y, bias, has_bias):
+    """Worker w of n_workers: its span of down_kernel's (expert, output row) pairs."""
+    total = _total_cost(row_ptr, n_out)
+    lo, hi = total * np.int64(w) // n_workers, total * (np.int64(w) + 1) // n_workers
+    wbuf = np.empty(max(n_in, 16), np.float32)  # [n_in] a decoded row (types without a fused dot)
+    res = np.empty(_max_rows(row_ptr), np.float32)  # [n_e]
+    ident = np.arange(h.shape[0])  # h's rows are the experts' rows in order
+    start = 0
+    for e in range(offs.shape[0]):
+        j0, j1, start_next = _span(row_ptr, e, n_out, start, lo, hi)
+        q, o = qts[e, 2], offs[e, 2]
+        b = row_bytes(q, n_in)
+        ahead = max(1, _PREFETCH_BYTES // b)
+        for j in range(j0, min(j1, j0 + ahead)):
+            prefetch_row(ddata, o + j * b, b)
+        for j in range(j0, j1):
+            if j + ahead < j1:
+                prefetch_row(ddata, o + (j + ahead) * b, b)
+            r0, r1 = row_ptr[e], row_ptr[e + 1]
+            _row_dots(q, ddata, o + j * b, n_in, h, ident, r0, r1, res, wbuf)
+            bj = bias[e, j] if has_bias else np.float32(0.0)
+            for r in range(r0, r1):
+                y[r, j] = res[r - r0] + bj
+        start = start_next
 
 
 @njit(parallel=True, **_JIT)
@@ -435,25 +488,8 @@ def down_kernel(ddata, offs, qts, h, row_ptr, n_out, n_in, y, n_workers, bias, h
     """y[r] = down_e @ h[r] + bias[e] for r in row_ptr[e] .. row_ptr[e + 1] - 1: expert e's down at
     byte offset offs[e, 2] of ddata, type qts[e, 2]. h [R, n_in], y [R, n_out], bias [E, n_out]
     (read only with has_bias)."""
-    total = _total_cost(row_ptr, n_out)
     for w in prange(n_workers):
-        lo, hi = total * np.int64(w) // n_workers, total * (np.int64(w) + 1) // n_workers
-        wd = np.empty(n_in, np.float32)  # [n_in] decoded down row
-        start = 0
-        for e in range(offs.shape[0]):
-            j0, j1, start_next = _span(row_ptr, e, n_out, start, lo, hi)
-            q, o = qts[e, 2], offs[e, 2]
-            b = row_bytes(q, n_in)
-            ahead = max(1, _PREFETCH_BYTES // b)
-            for j in range(j0, min(j1, j0 + ahead)):
-                prefetch_row(ddata, o + j * b, b)
-            for j in range(j0, j1):
-                if j + ahead < j1:
-                    prefetch_row(ddata, o + (j + ahead) * b, b)
-                decode_row(q, ddata, o + j * b, n_in, wd)
-                _down_rows(wd, h, row_ptr[e], row_ptr[e + 1], n_in, y, j,
-                           bias[e, j] if has_bias else np.float32(0.0))
-            start = start_next
+        _down_span(w, n_workers, ddata, offs, qts, h, row_ptr, n_out, n_in, y, bias, has_bias)
 
 
 @njit(parallel=True, **_JIT)
@@ -464,3 +500,19 @@ def dequant_kernel(qtype, data, n_out, n_in, w):
         decode_row(qtype, data, np.int64(j) * b, n_in, w[j])  # prange's j is unsigned
 
 
+
+
+@njit(parallel=True, **_JIT)
+def stream_read(data, n_workers):
+    """XOR of data's 8-byte words (a sized multiple of 8), each worker reading one contiguous
+    slice: a streaming read of the bytes, the memory-bandwidth bound the kernels are held to."""
+    words = data.size // 8
+    acc = np.zeros(n_workers, np.uint64)
+    for w in prange(n_workers):
+        lo, hi = words * np.int64(w) // n_workers, words * (np.int64(w) + 1) // n_workers
+        v = data[lo * 8:hi * 8].view(np.uint64)
+        s = np.uint64(0)
+        for i in range(v.size):
+            s ^= v[i]
+        acc[w] = s
+    return acc

@@ -37,6 +37,8 @@ def embed(tokens: torch.Tensor, w: "torch.Tensor | QuantWeight", dtype: torch.dt
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in float32 (as llama.cpp and HF do)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:  # one op, the same bits (checked here)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -162,8 +164,22 @@ def _proj(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
     return linear(x, w[name], w.get(f"{name}.bias"))
 
 
+def _qkv_proj(x: torch.Tensor, w: Weights) -> tuple[torch.Tensor, ...]:
+    """q [N, H*hd], k, v [N, Hkv*hd]: one kernel call when the three are rows of one stacked weight."""
+    wq, wk, wv = w["attn_q"], w["attn_k"], w["attn_v"]
+    group = wq.group if isinstance(wq, QuantWeight) else None
+    if group is None or not (getattr(wk, "group", None) is group is getattr(wv, "group", None)):
+        return _proj(x, w, "attn_q"), _proj(x, w, "attn_k"), _proj(x, w, "attn_v")
+    q, k, v = group.linear(x).split([wq.shape[0], wk.shape[0], wv.shape[0]], dim=-1)  # [N, *] views
+    out = []
+    for t, name in ((q, "attn_q"), (k, "attn_k"), (v, "attn_v")):
+        b = w.get(f"{name}.bias")
+        out.append(t.contiguous() if b is None else t + b)
+    return tuple(out)
+
+
 def _qkv(x: torch.Tensor, w: Weights, a: AttnShape, B: int, T: int) -> tuple[torch.Tensor, ...]:
-    q, k, v = _proj(x, w, "attn_q"), _proj(x, w, "attn_k"), _proj(x, w, "attn_v")  # [N, H*hd], [N, Hkv*hd] x2
+    q, k, v = _qkv_proj(x, w)  # [N, H*hd], [N, Hkv*hd] x2
     if a.qk_norm == "full":
         q, k = rms_norm(q, w["attn_q_norm"], a.eps), rms_norm(k, w["attn_k_norm"], a.eps)
     q = q.reshape(B, T, a.n_head, a.head_dim)  # [B, T, H, hd]

@@ -29,11 +29,14 @@ class QuantWeight:
         self.m = QMatrix(data, qtype, n_out, n_in)
         self.row_bytes = data.size // n_out
         self.shape = (n_out, n_in)
+        self.group: QuantWeight | None = None  # the stacked weight whose rows these are (`stack_rows`)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., n_in] -> x @ W.T [..., n_out], in x's dtype."""
         from ..kernels.cpu import linear
 
+        if x.dim() == 2 and x.dtype == torch.float32:  # the decode step's case: no conversions
+            return torch.from_numpy(linear(x.contiguous().numpy(), self.m))  # [N, n_out]
         flat = x.reshape(-1, self.shape[1]).to(torch.float32)  # [N, n_in]
         y = torch.from_numpy(linear(flat.contiguous().numpy(), self.m))  # [N, n_out]
         return y.to(x.dtype).reshape(*x.shape[:-1], self.shape[0])
@@ -51,6 +54,30 @@ class QuantWeight:
     @property
     def nbytes(self) -> int:
         return self.m.nbytes
+
+
+def stack_rows(ws: list[QuantWeight]) -> QuantWeight | None:
+    """Weights of one type and n_in that read the same input (a layer's q, k, v) stacked into one
+    matrix, so one kernel call (one parallel region) computes them all: the bytes are moved into
+    one array, and each weight becomes a view of its rows there (its `group`). None if they differ."""
+    if len({(w.m.qtype, w.shape[1]) for w in ws}) != 1:
+        return None
+    data = np.concatenate([w.m.data for w in ws])  # [sum of bytes] uint8
+    fused = QuantWeight(data, ws[0].m.qtype, sum(w.shape[0] for w in ws), ws[0].shape[1])
+    start = 0
+    for w in ws:
+        w.__init__(data[start:start + w.m.nbytes], w.m.qtype, *w.shape)
+        w.group = fused
+        start += w.m.nbytes
+    return fused
+
+
+def _stack_qkv(out: dict[str, "Dense"], n_layer: int) -> None:
+    """Each layer's attn_q, attn_k, attn_v, when all three are kept quantized alike, stacked."""
+    for i in range(n_layer):
+        ws = [out.get(f"blk.{i}.attn_{p}.weight") for p in "qkv"]
+        if all(isinstance(w, QuantWeight) for w in ws):
+            stack_rows(ws)
 
 
 def keeps_quantized(layout: ModelLayout, name: str) -> bool:
@@ -98,6 +125,8 @@ def load_dense(layout: ModelLayout, device: torch.device | str, dtype: torch.dty
             else:
                 out[name] = load_tensor(layout, name, device, dtype)
             bar.update(layout.dense[name].nbytes)
+    if keep_quantized:
+        _stack_qkv(out, n_layer)
     if str(device).startswith("cuda"):
         torch.cuda.synchronize(device)  # materialized means really on the device, not queued
     return out

@@ -159,9 +159,10 @@ def test_cached_kernels_are_stamped_with_every_row_file() -> None:
     import hashlib
     from pathlib import Path
 
-    from moestream.decoder.kernels import cpu_rows, cpu_rows_base, cpu_rows_q
+    from moestream.decoder.kernels import cpu_rows, cpu_rows_base, cpu_rows_dot, cpu_rows_q, cpu_simd
 
-    files = [Path(m.__file__) for m in (cpu_rows_base, cpu_rows, cpu_rows_q, iq)]
+    files = [Path(m.__file__) for m in (cpu_rows_base, cpu_rows, cpu_rows_q, iq, cpu_rows_dot, cpu_simd)]
     want = hashlib.sha256(b"".join(f.read_bytes() for f in files)).digest()
-    for fn in (cpu_rows.gate_up_kernel, cpu_rows.decode_row, iq.decode_grid_row, cpu_rows_q._row_q2_k):
+    for fn in (cpu_rows.gate_up_kernel, cpu_rows.decode_row, iq.decode_grid_row, cpu_rows_q._row_q2_k,
+               cpu_rows_dot.fused_dots):
         assert fn._cache._impl.locator.get_source_stamp() == want, fn

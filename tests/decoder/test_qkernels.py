@@ -132,10 +132,12 @@ def test_deterministic(n: int) -> None:
     np.testing.assert_array_equal(qk.swiglu_expert(x, *mats).view(np.uint32), first.view(np.uint32))
 
 
-def test_fused_path_is_independent_of_threads_and_batch() -> None:
+@pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K), ids=lambda q: q.name)
+def test_fused_path_is_independent_of_threads_and_batch(qtype: Q) -> None:
     """Each output row is one thread's fixed-order sum: same bits for any thread count, and a
-    row's result does not depend on the other rows of the batch."""
-    mats, x = expert(Q.Q8_0), rows(6)  # rows 0-3 are dotted four at a time, 4-5 one by one
+    row's result does not depend on the other rows of the batch (the single-pass dots of
+    cpu_rows_dot, Q8_0 .. Q6_K, and the decode-then-dot path of the other types, Q2_K)."""
+    mats, x = expert(qtype), rows(6)  # rows 0-3 are dotted four at a time, 4-5 one by one
     threads = qk.numba.get_num_threads()
     try:
         many = qk.swiglu_expert(x, *mats)
@@ -217,6 +219,8 @@ def test_bench_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(r["kernel_ms"] > 0 and r["reference_ms"] > 0 for r in report["results"])
     assert all(r["vs_q8_0"] > 0 and r["ns_per_weight"] > 0 for r in report["results"])
     assert [r["vs_q8_0"] for r in report["results"] if r["type"] == "Q8_0"] == [1.0, 1.0]
+    for r in report["results"]:  # the streaming-read bound of the same bytes, and the 1-call rate over it
+        assert r["bound_gb_per_s"] > 0 and r["of_bound"] == pytest.approx(r["experts_gb_per_s"] / r["bound_gb_per_s"])
 
 
 def test_bench_default_types_are_every_native_type() -> None:

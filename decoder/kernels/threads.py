@@ -1,0 +1,93 @@
+"""The CPU kernels' thread count, adapted between decode steps when the user did not fix it.
+
+On a shared host the best count moves: idle, every core helps a memory-bound kernel; beside one
+busy process, a parallel region waits for whichever of its threads was descheduled (a time
+slice, ~ms, per region, several regions per layer), and one thread was measured 10x faster than
+two. So `ThreadTuner` times each decode step, keeps an average per candidate count (all cores,
+half of them, one) and runs the fastest, trying another candidate every `explore` steps so it
+follows a neighbour that comes or goes. Only numba's count (the expert and dense kernels) is
+changed: their results are the same bits for any count, so adapting never changes the output;
+torch's stays as set.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import numba
+
+_ALPHA = 0.3  # weight of a new step time in a candidate's average
+_MARGIN = 0.08  # how much faster a smaller count must be to be kept (step times vary with routing)
+
+
+class ThreadTuner:
+    def __init__(self, most: int, explore: int = 24):
+        self.options = sorted({most, max(1, most // 2), 1}, reverse=True)  # [all, half, 1]
+        self.explore = explore
+        self.avg: dict[int, float] = {}
+        self.steps = 0
+
+    def pick(self) -> int:
+        """The count for the next step: each candidate once, then the fastest, another every
+        `explore` steps (in turn)."""
+        untried = [n for n in self.options if n not in self.avg]
+        if untried:
+            return untried[0]
+        most = self.options[0]  # fewer threads must win by a margin: idle, all cores is the rule
+        best = min(self.avg, key=lambda n: self.avg[n] * (1.0 if n == most else 1.0 + _MARGIN))
+        if self.steps % self.explore == self.explore - 1:
+            others = [n for n in self.options if n != best]
+            return others[(self.steps // self.explore) % len(others)]
+        return best
+
+    def record(self, threads: int, seconds: float) -> None:
+        old = self.avg.get(threads)
+        self.avg[threads] = seconds if old is None else (1 - _ALPHA) * old + _ALPHA * seconds
+        self.steps += 1
+
+    @contextmanager
+    def step(self):
+        """One decode step on the picked count (numba's, for this thread), timed."""
+        n = self.pick()
+        numba.set_num_threads(n)
+        t0 = time.perf_counter()
+        try:
+            yield n
+        finally:
+            self.record(n, time.perf_counter() - t0)
+
+
+_tuner: ThreadTuner | None = None
+
+
+def adapt(most: int | None) -> None:
+    """Adapt numba's count up to `most` between decode steps (None: keep it fixed as set). The
+    tuner's averages are kept while `most` stays the same."""
+    global _tuner
+    if not most or most < 2:
+        _tuner = None
+    elif _tuner is None or max(_tuner.options) != most:
+        _tuner = ThreadTuner(most)
+
+
+def set_tuner(t: ThreadTuner | None) -> None:
+    """Install `t` (or none: fixed counts) as the process's tuner."""
+    global _tuner
+    _tuner = t
+
+
+def tuner() -> ThreadTuner | None:
+    """The process's tuner, or None when the count is fixed (--threads, NUMBA_NUM_THREADS)."""
+    return _tuner
+
+
+@contextmanager
+def decode_step():
+    """Wrap one decode step: adapted threads when tuning, else nothing."""
+    t = _tuner
+    if t is None:
+        yield None
+        return
+    with t.step() as n:
+        yield n
