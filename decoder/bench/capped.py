@@ -71,9 +71,10 @@ from pathlib import Path
 from typing import Any
 
 from .capped_plan import MIN_ARENA_SLOTS, Plan, Split, UsageError, fmt_bytes, parse_cap, split_budget
-from .capped_report import any_failed, format_report, medians, ratio, summarize
+from .capped_report import SIDES, any_failed, format_report, medians, ratio, summarize
+from .capped_routing import parse_routing, prefetch_for, prepare_trace, sampling_for
 from .cgroup_run import CgroupError, CgroupParent, MemoryCgroup, find_cgroup_parent
-from .host_counters import block_device, disk_bandwidth, drop_caches, evict_file
+from .host_counters import ReadAhead, block_device, disk_bandwidth, drop_caches, evict_file, read_ahead_file
 from .llamacpp_peer import run_llamacpp
 from .moestream_run import run_moestream
 
@@ -97,7 +98,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cold", dest="cold", action="store_true", default=True,
                    help="drop the page cache before every run (default; needs root)")
     g.add_argument("--warm", dest="cold", action="store_false", help="keep the page cache between runs")
-    a("--prefetch", type=int, default=1, help="moestream's router look-ahead depth (default 1)")
+    a("--prefetch", type=int, default=None,
+      help="moestream's router look-ahead depth (default 1; 0 with forced routing, whose picks it cannot predict)")
+    a("--routing", nargs="+", metavar="KIND [ARG]", default=["sampled"],
+      help="the workload: sampled (default: the model's router, sampled if its greedy routing is narrow), chain (a "
+      "`make-model --routing chain` model decoded greedily: a new token every step), trace FILE.npy (forced expert "
+      "ids [tokens, layers, k] on both sides), curve NAME (forced, generated to match a published LRU hit-rate "
+      "curve: qwen3-235b, qwen3.5-397b)")
+    a("--llamacpp-readahead", type=int, default=128, metavar="KB",
+      help="the block device's read_ahead_kb during llama.cpp's runs, restored after (default 128, its best here; "
+      "-1: leave it as it is)")
+    a("--llamacpp-default-readahead", action="store_true",
+      help="also run llama.cpp at the device's own readahead, as a third column")
+    a("--no-cap", action="store_true",
+      help="no memory limit on either side: --memory then only sizes moestream's daemon (its arena), and llama.cpp "
+      "uses the page cache as it likes (a model bigger than the machine's memory)")
     a("--direct", action=argparse.BooleanOptionalAction, default=True,
       help="moestream-iod reads with O_DIRECT (default); --no-direct reads through the page cache, whose pages "
       "are then charged to the cgroup beside the arena (the same bytes cached twice under one cap)")
@@ -129,10 +144,13 @@ def check_args(args: argparse.Namespace) -> tuple[Any, list[tuple[str, int]], in
 
     if not Path(args.model).is_file():
         raise UsageError(f"model not found: {args.model}")
-    if args.tokens < 2 or args.prompt_tokens < 1 or args.repeat < 1 or args.threads < 1 or args.prefetch < 0:
+    if args.tokens < 2 or args.prompt_tokens < 1 or args.repeat < 1 or args.threads < 1 or (args.prefetch or 0) < 0:
         raise UsageError("-n must be >= 2, --prompt-tokens, --repeat and --threads >= 1, --prefetch >= 0")
     if args.temperature <= 0:
         raise UsageError(f"--temperature must be > 0 (greedy is --sampling greedy), got {args.temperature}")
+    args.routing = parse_routing(args.routing)
+    args.sampling = sampling_for(args.routing, args.sampling)
+    args.prefetch = prefetch_for(args.routing, args.prefetch)
     layout = ModelLayout(args.model)
     caps = [(text, parse_cap(text, layout.file_size)) for text in (args.caps or ["50%"])]
     for text, cap in caps:
@@ -165,7 +183,8 @@ def make_plan(args: argparse.Namespace, layout: Any, workdir: Path) -> Plan:
                 block_stat=dev[1] if dev else None, workdir=workdir, timeout_s=args.timeout,
                 decoder_args=list(args.decoder_arg), extra_bufts=args.llamacpp_extra_bufts,
                 daemon_memory_flag=not _help_lacks("moestream.iod.main", ("--memory",)),
-                disk_counter=args.disk_counter, direct=args.direct)
+                disk_counter=args.disk_counter, direct=args.direct, capped=not args.no_cap,
+                read_ahead=None if args.llamacpp_readahead < 0 else args.llamacpp_readahead)
 
 
 class Cold:
@@ -220,17 +239,30 @@ def uncapped_phase(plan: Plan, layout: Any, args: argparse.Namespace) -> dict[st
     return out
 
 
+def llamacpp_at(plan: Plan, parent: CgroupParent, cap: int | None, tag: str, kb: int | None,
+                notes: list[str]) -> dict[str, Any]:
+    """One llama.cpp run with the block device's readahead at `kb` KB (None: as it is)."""
+    with ReadAhead(read_ahead_file(plan.block_stat), kb) as ra:
+        if ra.why and ra.why not in notes:
+            notes.append(ra.why)
+        r = run_llamacpp(plan, parent, cap if plan.capped else None, tag)
+        return {**r, "read_ahead_kb": ra.current()}
+
+
 def capped_runs(plan: Plan, layout: Any, parent: CgroupParent, splits: dict[str, Split], caps: list[tuple[str, int]],
-                args: argparse.Namespace, cold: Cold) -> dict[str, dict[str, list]]:
+                args: argparse.Namespace, cold: Cold, notes: list[str]) -> dict[str, dict[str, list]]:
     """Interleaved: for each repeat, for each cap, moestream then llama.cpp (drift spreads over both)."""
-    runs: dict[str, dict[str, list]] = {text: {"moestream": [], "llamacpp": []} for text, _ in caps}
+    runs: dict[str, dict[str, list]] = {text: {side: [] for side in SIDES} for text, _ in caps}
     for i in range(args.repeat):
         for text, cap in caps:
             cold()
             runs[text]["moestream"].append(run_moestream(plan, layout, parent, splits[text], f"ms{i}"))
             if args.llamacpp:
                 cold()
-                runs[text]["llamacpp"].append(run_llamacpp(plan, parent, cap, f"ll{i}"))
+                runs[text]["llamacpp"].append(llamacpp_at(plan, parent, cap, f"ll{i}", plan.read_ahead, notes))
+            if args.llamacpp and args.llamacpp_default_readahead:
+                cold()
+                runs[text]["llamacpp_default_ra"].append(llamacpp_at(plan, parent, cap, f"lld{i}", None, notes))
     return runs
 
 
@@ -240,7 +272,9 @@ def _setup(plan: Plan, layout: Any, parent: CgroupParent, args: argparse.Namespa
     return {"model": plan.model, "file_bytes": layout.file_size, "dense_bytes": layout.dense_bytes,
             "expert_bytes": ex.total_bytes, "n_layer": hp.n_layer, "n_expert": hp.n_expert, "top_k": hp.n_expert_used,
             "tokens": plan.tokens, "prompt_tokens": len(plan.prompt), "threads": plan.threads, "repeat": args.repeat,
-            "cold": args.cold, "prefetch": plan.prefetch, "direct": plan.direct,
+            "cold": args.cold, "prefetch": plan.prefetch, "direct": plan.direct, "capped": plan.capped,
+            "read_ahead_default_kb": ReadAhead(read_ahead_file(plan.block_stat), None).old,
+            "read_ahead_llamacpp_kb": plan.read_ahead,
             "cgroup": f"v{parent.version} under {parent.path}",
             "disk": block_device(plan.model)[0] if plan.block_stat else None,
             "daemon_sizing": "--memory" if plan.daemon_memory_flag else "--arena-bytes", "notes": notes}
@@ -252,9 +286,11 @@ def measure(args: argparse.Namespace, layout: Any, caps: list[tuple[str, int]], 
     parent = find_cgroup_parent(args.cgroup_parent)
     MemoryCgroup(parent, None, "probe").remove()  # can we create one at all? (clear error before any run)
     plan = make_plan(args, layout, workdir)
+    plan.force_routing, workload = prepare_trace(args.routing, layout, len(plan.prompt) + plan.tokens, args.seed, workdir)
     notes: list[str] = []
     cold = Cold(args.cold, [str(f.path) for f in layout.files], notes)
     out = _setup(plan, layout, parent, args, notes)
+    out["routing"] = {"kind": args.routing.label(), **workload}
     out["warmup"] = warm = warm_up(plan, layout, parent, args)
     out["sampling"] = warm["sampling"]
     ex = layout.experts
@@ -266,7 +302,7 @@ def measure(args: argparse.Namespace, layout: Any, caps: list[tuple[str, int]], 
     out["bandwidth"] = disk_bandwidth(layout, args.seed)
     if args.uncapped:
         out["uncapped"] = uncapped_phase(plan, layout, args)
-    runs = capped_runs(plan, layout, parent, splits, caps, args, cold)
+    runs = capped_runs(plan, layout, parent, splits, caps, args, cold, notes)
     out["caps"] = [summarize(text, splits[text], runs[text], out) for text, _ in caps]
     return out
 

@@ -68,6 +68,43 @@ def block_device(path: str | Path) -> tuple[str, Path] | None:
     return sys_dev.resolve().name, stat
 
 
+def read_ahead_file(stat: Path | None) -> Path | None:
+    """The block device's `queue/read_ahead_kb` (a partition's is its disk's), from its stat file."""
+    if stat is None:
+        return None
+    for queue in (stat.parent / "queue", stat.parent.resolve().parent / "queue"):
+        if (queue / "read_ahead_kb").exists():
+            return queue / "read_ahead_kb"
+    return None
+
+
+class ReadAhead:
+    """Sets a block device's readahead for a peer's run and restores it after (`with`); a
+    device (or a user) that refuses is said once in `why` and the run keeps the current one.
+
+    llama.cpp's mmap page faults read what the readahead says: this VM's default of 8 MB made
+    them read 12-16x the bytes needed, 128 KB ~1.2x an ideal LRU's misses."""
+
+    def __init__(self, path: Path | None, kb: int | None):
+        self.path, self.kb, self.why = path, kb, None
+        self.old = int(read_or_empty(path).strip() or 0) if path else None
+
+    def __enter__(self) -> "ReadAhead":
+        if self.kb is not None and self.path is not None and self.kb != self.old:
+            try:
+                self.path.write_text(str(self.kb))
+            except OSError as e:
+                self.why = f"could not set {self.path} to {self.kb}: {e.strerror}"
+        return self
+
+    def current(self) -> int | None:
+        return int(read_or_empty(self.path).strip() or 0) if self.path else None
+
+    def __exit__(self, *exc: object) -> None:
+        if self.path is not None and self.old is not None and self.current() != self.old:
+            self.path.write_text(str(self.old))
+
+
 def block_read_bytes(stat: Path | str | None) -> int | None:
     """Bytes read from a block device so far (its stat file's sectors read x 512)."""
     if stat is None:

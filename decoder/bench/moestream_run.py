@@ -42,6 +42,8 @@ def decoder_command(plan: Plan, endpoint: str | None, trace: Path) -> list[str]:
            "--trace-out", str(trace), "--prefetch", str(plan.prefetch), "--no-progress"]
     if plan.temperature > 0:
         cmd += ["--temperature", str(plan.temperature), "--seed", str(plan.seed)]
+    if plan.force_routing:
+        cmd += ["--force-routing", str(plan.force_routing)]
     return cmd + plan.decoder_args
 
 
@@ -124,7 +126,7 @@ def _run_moestream(plan: Plan, layout: Any, parent: CgroupParent | None, split: 
     run_dir = Path(tempfile.mkdtemp(prefix=f"ms-{tag}-", dir=plan.workdir))
     log, trace = run_dir / "decoder.log", run_dir / "trace.json"
     with contextlib.ExitStack() as stack:
-        group = stack.enter_context(cgroup(parent, split.cap if split else None, tag))
+        group = stack.enter_context(cgroup(parent, split.cap if split and plan.capped else None, tag))
         daemon = None
         if not resident:
             daemon = Daemon(wrapped(group, daemon_command(plan, run_dir, split)), run_dir, plan.env())
