@@ -77,6 +77,8 @@ from .cgroup_run import CgroupError, CgroupParent, MemoryCgroup, find_cgroup_par
 from .host_counters import ReadAhead, block_device, disk_bandwidth, drop_caches, evict_file, read_ahead_file
 from .llamacpp_peer import run_llamacpp
 from .moestream_run import run_moestream
+from .routing_replay import ideal_lru
+from ...common.traces import load_trace
 
 UNCAPPED_FIGURES = ("decode_tok_s", "prefill_s", "error")
 
@@ -216,6 +218,7 @@ def warm_up(plan: Plan, layout: Any, parent: CgroupParent, args: argparse.Namesp
     if "error" in r:
         raise RuntimeError(f"warm-up run failed: {r['error']}")
     out = {"decoder_bytes": r["peak_decoder"], "daemon_bytes": r["peak_daemon"], "spread": r["spread"],
+           "trace": r["trace_path"],
            "decode_tok_s": r["decode_tok_s"], "sampling": "greedy"}
     if args.sampling == "sample" or (args.sampling == "auto" and r["spread"]["narrow"]):
         plan.temperature = args.temperature
@@ -304,7 +307,26 @@ def measure(args: argparse.Namespace, layout: Any, caps: list[tuple[str, int]], 
         out["uncapped"] = uncapped_phase(plan, layout, args)
     runs = capped_runs(plan, layout, parent, splits, caps, args, cold, notes)
     out["caps"] = [summarize(text, splits[text], runs[text], out) for text, _ in caps]
+    for cap in out["caps"]:
+        cap["forecast"] = cap_forecast(layout, splits[cap["cap"]], warm, out)
     return out
+
+
+def cap_forecast(layout: Any, split: Split, warm: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """`moestream plan`'s arithmetic for this cap's arena, from this run's own inputs: the disk
+    bandwidth measured above, the warm-up's routing replayed through an LRU of the arena's slots,
+    and the resident compute rate (--uncapped), else plan's stated default."""
+    from ...tools.plan import DEFAULT_COMPUTE_RATE, forecast_slots, shape_of
+
+    s = shape_of(layout)
+    resident = out.get("uncapped", {}).get("moestream", {}).get("decode_tok_s")
+    compute_s = 1.0 / resident if resident else s.active_bytes / DEFAULT_COMPUTE_RATE
+    hit = ideal_lru(load_trace(warm["trace"]), split.slots, s.expert_bytes).get("hit_rate", 0.0)
+    f = forecast_slots(s, split.cap, split.slots, hit, out["bandwidth"]["bytes_per_s"], compute_s)
+    basis = ("compute: the resident rate measured above" if resident else
+             f"compute: assumed {DEFAULT_COMPUTE_RATE:.0e} B/s of weights (--uncapped measures it)")
+    return {"tok_s": f.tok_s, "hit_rate": f.hit_rate, "io_s": f.io_s, "compute_s": f.compute_s,
+            "basis": f"LRU hit rate {f.hit_rate:.2f} on the warm-up's routing, {basis}"}
 
 
 def main(argv: list[str] | None = None) -> int:
