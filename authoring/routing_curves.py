@@ -33,7 +33,7 @@ CURVES: dict[str, tuple[tuple[float, float], ...]] = {
     "qwen3-235b": ((0.05, 0.34), (0.16, 0.66), (0.25, 0.80)),
     "qwen3.5-397b": ((0.05, 0.41), (0.16, 0.65), (0.25, 0.76)),
 }
-FIT_TOKENS = 384
+FIT_TOKENS = 256
 FIT_LAYERS = 2
 COARSE_ALPHA = np.linspace(0.0, 2.4, 7)
 COARSE_RHO = np.linspace(0.0, 0.6, 7)
@@ -109,7 +109,7 @@ def fit_curve(name: str, n_expert: int, k: int, seed: int = 0) -> CurveFit:
     grid = [(a, r) for a in COARSE_ALPHA for r in COARSE_RHO]
     best = min(grid, key=lambda ar: _error(points, n_expert, k, *ar, seed))
     fine = [(max(0.0, best[0] + da), min(0.95, max(0.0, best[1] + dr)))
-            for da in np.linspace(-0.25, 0.25, 5) for dr in np.linspace(-0.1, 0.1, 5)]
+            for da in (-0.2, 0.0, 0.2) for dr in (-0.05, 0.0, 0.05)]
     alpha, rho = min(fine, key=lambda ar: _error(points, n_expert, k, *ar, seed))
     rng = np.random.default_rng([seed, 0xF17])
     streams = [layer_stream(rng, n_expert, k, FIT_TOKENS, alpha, rho) for _ in range(FIT_LAYERS)]
