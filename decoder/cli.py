@@ -160,7 +160,16 @@ def config_from_args(args: argparse.Namespace) -> DecoderConfig:
     return DecoderConfig.build(args.config, **values)
 
 
+def warm_cpu_kernels(cfg: DecoderConfig) -> None:
+    """With CPU kernels, compile them (or load numba's cache) now, not in the first prefill."""
+    if cfg.resolved_slot_format == "quant":
+        from .numba_setup import warm_kernels
+
+        warm_kernels()
+
+
 def open_resident(cfg: DecoderConfig, layout: ModelLayout, model: MoEModel) -> tuple[ExpertSource, Prefetcher | None]:
+    warm_cpu_kernels(cfg)
     if cfg.resolved_slot_format == "quant":
         from .experts.resident import QuantResidentExperts
 
@@ -198,6 +207,7 @@ def open_streamed(cfg: DecoderConfig, layout: ModelLayout, model: MoEModel) -> t
         from .experts.streamed import open_streamed as connect
     except ImportError as e:
         raise ConfigError(f"streamed mode not available ({e}); use --resident") from None
+    warm_cpu_kernels(cfg)
     if cfg.resolved_slot_format == "quant":
         source = open_arena(layout, cfg.iod, fetch_timeout_s=cfg.fetch_timeout_s, name="moestream-generate",
                             reconnect_s=cfg.reconnect_s)
