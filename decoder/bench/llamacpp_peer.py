@@ -95,13 +95,16 @@ class _Tensor(ctypes.Structure):
 
 class ForcedTopK:
     """llama.cpp's eval callback that overwrites each layer's selected experts with a trace's
-    (see the module docstring). `n_layer` MoE layers; positions advance after the last one."""
+    (see the module docstring). The first layer sees every token of a batch; llama.cpp's last
+    layer computes only the rows it outputs (the batch's last token, without logits_all), so
+    its rows are the batch's last ones. (In a prefill, llama.cpp's last layer therefore fetches
+    the last token's experts only; decode steps are one token and route identically.)"""
 
     PREFIX = b"ffn_moe_topk-"
 
-    def __init__(self, ids: Any, last_layer: int):
-        self.ids, self.last = ids, last_layer  # [T, L, k] numpy
-        self.base, self.forced = 0, 0
+    def __init__(self, ids: Any):
+        self.ids = ids  # [T, L, k] numpy
+        self.base = self.batch = self.forced = 0  # position of this batch's first token, its tokens
 
     def __call__(self, t: int, ask: bool, _user: int) -> bool:
         tensor = _Tensor.from_address(t)
@@ -111,12 +114,13 @@ class ForcedTopK:
             return True
         layer = int(tensor.name[len(self.PREFIX):])
         k, n = tensor.ne[0], tensor.ne[1]
+        if layer == 0:  # a new batch: every token goes through the first layer
+            self.base, self.batch = self.base + self.batch, n
+        first = self.base + self.batch - n  # the last layer keeps only the output rows: the batch's last
         for i in range(n):  # rows may be strided (a view of the argsort)
             row = (ctypes.c_int32 * k).from_address(tensor.data + i * tensor.nb[1])
-            row[:] = [int(e) for e in self.ids[(self.base + i) % len(self.ids), layer]]
+            row[:] = [int(e) for e in self.ids[(first + i) % len(self.ids), layer]]
         self.forced += n
-        if layer == self.last:
-            self.base += n
         return True
 
 
@@ -127,7 +131,7 @@ def _force_routing(path: str) -> ForcedTopK:
     import numpy as np
 
     ids = np.load(path, allow_pickle=False)
-    cb = ForcedTopK(ids, ids.shape[1] - 1)
+    cb = ForcedTopK(ids)
     cb.c_fn = lib.ggml_backend_sched_eval_callback(cb)
     default = lib.llama_context_default_params
 

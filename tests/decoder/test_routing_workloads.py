@@ -86,15 +86,21 @@ def test_a_bad_forced_trace_is_one_line(make_tiny_model, tmp_path, capsys):
     assert "needs a .npy trace" in capsys.readouterr().err
 
 
-def test_llamacpp_replays_the_same_forced_routing(make_tiny_model, tmp_path):
+def test_llamacpp_replays_forced_routing(make_tiny_model, tmp_path):
+    """llama.cpp's eval callback overwrites every layer's selected experts: all rows are forced
+    (llama.cpp's last layer computes only the output row), and what it decodes follows the trace."""
     pytest.importorskip("llama_cpp")
     from moestream.decoder.bench.llamacpp_peer import llamacpp_child
 
-    path = make_tiny_model(**CHAIN)
-    ids = np.random.default_rng(2).integers(0, CHAIN["experts"], (16, 3, 2)).astype(np.int16)
-    ids[..., 1] = (ids[..., 0] + 1) % CHAIN["experts"]  # distinct per token
-    np.save(tmp_path / "f.npy", ids)
-    spec = {"model": str(path), "prompt": [3, 4, 5], "tokens": 4, "threads": 1, "n_ctx": 32, "temperature": 0.0,
-            "seed": 0, "block_stat": None, "extra_bufts": False, "force_routing": str(tmp_path / "f.npy")}
-    r = llamacpp_child(spec)
-    assert r["forced_rows"] == 3 * (3 + 3)  # every layer's rows: 3 prompt tokens, then 3 decode steps of one
+    path = make_tiny_model(layers=3, experts=16, top_k=2, vocab=300)  # a random router: experts change the text
+
+    def run(seed):
+        ids = np.stack([np.random.default_rng([seed, t]).permutation(16)[:2] for t in range(16 * 3)]).reshape(16, 3, 2)
+        np.save(tmp_path / f"f{seed}.npy", ids.astype(np.int16))
+        spec = {"model": str(path), "prompt": [3, 4, 5], "tokens": 4, "threads": 1, "n_ctx": 32, "temperature": 0.0,
+                "seed": 0, "block_stat": None, "extra_bufts": False, "force_routing": str(tmp_path / f"f{seed}.npy")}
+        return llamacpp_child(spec)
+
+    a, b, a2 = run(1), run(2), run(1)
+    assert a["forced_rows"] == (3 + 3 + 1) + 3 * 3  # prefill: all 3 rows, 3 rows, the last row; 3 decode steps
+    assert a["tokens"] == a2["tokens"] and a["tokens"] != b["tokens"], (a["tokens"], b["tokens"])
