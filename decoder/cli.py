@@ -264,6 +264,10 @@ def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
                        keep_quantized=cfg.resolved_slot_format == "quant")
     opener = open_resident if cfg.resident else open_streamed
     source, hook = opener(cfg, layout, model)
+    if cfg.resolved_slot_format == "quant":  # CPU kernels: what they no longer need goes before the cap feels it
+        from .footprint import trim
+
+        trim()
     recorder = source = RoutingRecorder(source) if cfg.trace_out else source
     if cfg.force_routing:  # outside the recorder: the trace shows the forced ids
         source = forced_source(cfg, source, layout, len(ids))

@@ -8,7 +8,9 @@ Method
              Page cache counts against it: that is the point, llama.cpp's mmap competes for the
              same bytes as moestream's arena.
   split      moestream's cap = decoder + daemon + headroom + arena. The decoder's and the daemon's
-             own memory (peak RssAnon + RssFile; the arena's shared memory excluded) are measured in
+             own memory (peak RssAnon + the last RssFile: file pages still in use at the end, while
+             cold ones such as the JIT compiler's are reclaimable under the cap; the arena's shared
+             memory excluded) are measured in
              an uncapped warm-up run, which also decides the sampling (below). The daemon gets
              `--memory cap - decoder - headroom` (it sizes its arena itself), or, on a daemon
              without --memory, `--arena-bytes` of what is left after its measured use.
@@ -217,7 +219,8 @@ def warm_up(plan: Plan, layout: Any, parent: CgroupParent, args: argparse.Namesp
     r = run_moestream(plan, layout, parent, None, "warmup")
     if "error" in r:
         raise RuntimeError(f"warm-up run failed: {r['error']}")
-    out = {"decoder_bytes": r["peak_decoder"], "daemon_bytes": r["peak_daemon"], "spread": r["spread"],
+    out = {"decoder_bytes": r["need_decoder"], "daemon_bytes": r["need_daemon"], "spread": r["spread"],
+           "decoder_peak_bytes": r["peak_decoder"], "daemon_peak_bytes": r["peak_daemon"],
            "trace": r["trace_path"],
            "decode_tok_s": r["decode_tok_s"], "sampling": "greedy"}
     if args.sampling == "sample" or (args.sampling == "auto" and r["spread"]["narrow"]):

@@ -125,7 +125,8 @@ def _header(r: dict[str, Any]) -> list[str]:
                  f"{bw['bytes_per_s'] / 1e9:.2f} GB/s (cold preads of {fmt_bytes(bw['bytes'])} of random experts, "
                  f"{bw['depth']} in flight)")
     lines.append(f"memory measured in the uncapped warm-up: decoder {fmt_bytes(w['decoder_bytes'])}, daemon "
-                 f"{fmt_bytes(w['daemon_bytes'])} (peak RssAnon + RssFile, arena excluded)")
+                 f"{fmt_bytes(w['daemon_bytes'])} (peak RssAnon + last RssFile, arena excluded; peak RssAnon + RssFile "
+                 f"{fmt_bytes(w.get('decoder_peak_bytes'))} and {fmt_bytes(w.get('daemon_peak_bytes'))})")
     return lines + [f"note: {n}" for n in r["notes"]]
 
 

@@ -119,13 +119,19 @@ def proc_read_bytes(pid: int | str) -> int | None:
     return None if n < 0 else n
 
 
+def proc_mem_parts(pid: int) -> tuple[int, int]:
+    """(RssAnon, RssFile) of a process in bytes (its shared memory, e.g. the arena, left out)."""
+    parts = {"RssAnon:": 0, "RssFile:": 0}
+    for line in read_or_empty(f"/proc/{pid}/status").splitlines():
+        key = line.split(" ", 1)[0].split("\t", 1)[0]
+        if key in parts:
+            parts[key] = int(line.split()[1]) << 10
+    return parts["RssAnon:"], parts["RssFile:"]
+
+
 def proc_mem(pid: int) -> int:
     """RssAnon + RssFile of a process (its shared memory, e.g. the arena, left out), bytes."""
-    total = 0
-    for line in read_or_empty(f"/proc/{pid}/status").splitlines():
-        if line.startswith(("RssAnon:", "RssFile:")):
-            total += int(line.split()[1]) << 10
-    return total
+    return sum(proc_mem_parts(pid))
 
 
 class Sampler:
@@ -143,6 +149,10 @@ class Sampler:
         # (time, block device bytes, {name: read_bytes}) per sample
         self.samples: list[tuple[float, int | None, dict[str, int | None]]] = []
         self.peak: dict[str, int] = dict.fromkeys(pids, 0)
+        # what a cap must hold: peak RssAnon (not reclaimable without swap) + the last RssFile seen
+        # (file pages still in use at the end; cold ones, e.g. a compiler's, are reclaimable)
+        self.anon_peak: dict[str, int] = dict.fromkeys(pids, 0)
+        self.file_last: dict[str, int] = dict.fromkeys(pids, 0)
         self.start: float | None = None
         self._asked = time.monotonic()
         self._stop = threading.Event()
@@ -153,13 +163,23 @@ class Sampler:
     def watch(self, name: str, pid: int) -> None:
         self.pids[name] = pid
         self.peak.setdefault(name, 0)
+        self.anon_peak.setdefault(name, 0)
+        self.file_last.setdefault(name, 0)
 
     def _sample(self) -> None:
         pids = list(self.pids.items())
         reads = {name: proc_read_bytes(pid) for name, pid in pids}
         self.samples.append((time.monotonic(), block_read_bytes(self.block_stat), reads))
         for name, pid in pids:
-            self.peak[name] = max(self.peak[name], proc_mem(pid))
+            anon, file = proc_mem_parts(pid)
+            self.peak[name] = max(self.peak[name], anon + file)
+            if anon or file:  # (0, 0): the process is gone
+                self.anon_peak[name] = max(self.anon_peak[name], anon)
+                self.file_last[name] = file
+
+    def need(self, name: str) -> int | None:
+        """Peak RssAnon + last RssFile of process `name` (see above)."""
+        return self.anon_peak[name] + self.file_last[name] if name in self.anon_peak else None
 
     def _loop(self) -> None:
         while not self._stop.wait(SAMPLE_EVERY_S):
