@@ -76,7 +76,7 @@ from .capped_plan import MIN_ARENA_SLOTS, Plan, Split, UsageError, fmt_bytes, pa
 from .capped_report import SIDES, any_failed, format_report, medians, ratio, summarize
 from .capped_routing import parse_routing, prefetch_for, prepare_trace, sampling_for
 from .cgroup_run import CgroupError, CgroupParent, MemoryCgroup, find_cgroup_parent
-from .host_counters import ReadAhead, block_device, disk_bandwidth, drop_caches, evict_file, read_ahead_file
+from .host_counters import ReadAhead, wait_quiet, block_device, disk_bandwidth, drop_caches, evict_file, read_ahead_file
 from .llamacpp_peer import run_llamacpp
 from .moestream_run import run_moestream
 from .routing_replay import ideal_lru
@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
       "-1: leave it as it is)")
     a("--llamacpp-default-readahead", action="store_true",
       help="also run llama.cpp at the device's own readahead, as a third column")
+    a("--quiet-load", type=float, default=None, metavar="LOAD",
+      help="before each run, wait (at most --quiet-wait s) for the 1-minute load average to fall below LOAD "
+      "(e.g. 0.6); each run records the load it started at")
+    a("--quiet-wait", type=float, default=300.0, metavar="S", help="the longest wait for --quiet-load (default 300)")
     a("--no-cap", action="store_true",
       help="no memory limit on either side: --memory then only sizes moestream's daemon (its arena), and llama.cpp "
       "uses the page cache as it likes (a model bigger than the machine's memory)")
@@ -191,6 +195,12 @@ def make_plan(args: argparse.Namespace, layout: Any, workdir: Path) -> Plan:
                 read_ahead=None if args.llamacpp_readahead < 0 else args.llamacpp_readahead)
 
 
+def quiet_run(args: argparse.Namespace, run) -> dict[str, Any]:
+    """`run()` once the machine is quiet enough (--quiet-load), its start load recorded."""
+    load = wait_quiet(args.quiet_load, args.quiet_wait)
+    return {**run(), "load_1m": load}
+
+
 class Cold:
     """Drops the page cache before a run (cold), saying once if it cannot."""
 
@@ -262,13 +272,16 @@ def capped_runs(plan: Plan, layout: Any, parent: CgroupParent, splits: dict[str,
     for i in range(args.repeat):
         for text, cap in caps:
             cold()
-            runs[text]["moestream"].append(run_moestream(plan, layout, parent, splits[text], f"ms{i}"))
+            runs[text]["moestream"].append(quiet_run(args, lambda: run_moestream(plan, layout, parent, splits[text],
+                                                                                  f"ms{i}")))
             if args.llamacpp:
                 cold()
-                runs[text]["llamacpp"].append(llamacpp_at(plan, parent, cap, f"ll{i}", plan.read_ahead, notes))
+                runs[text]["llamacpp"].append(quiet_run(args, lambda: llamacpp_at(plan, parent, cap, f"ll{i}",
+                                                                                  plan.read_ahead, notes)))
             if args.llamacpp and args.llamacpp_default_readahead:
                 cold()
-                runs[text]["llamacpp_default_ra"].append(llamacpp_at(plan, parent, cap, f"lld{i}", None, notes))
+                runs[text]["llamacpp_default_ra"].append(quiet_run(args, lambda: llamacpp_at(
+                    plan, parent, cap, f"lld{i}", None, notes)))
     return runs
 
 

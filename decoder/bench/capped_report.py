@@ -156,6 +156,8 @@ def cap_table(cap: dict[str, Any], r: dict[str, Any]) -> list[str]:
         lines.append(f"  {label:<26}{cells}{last}")
 
     row("decode tok/s", "decode_tok_s", _num, True)
+    lines.append(f"  {'  runs':<26}" + "".join(f"{_runs(side, 'decode_tok_s'):>13}" for _, side in sides))
+    lines.append(f"  {'  1-min load at start':<26}" + "".join(f"{_runs(side, 'load_1m'):>13}" for _, side in sides))
     row("prefill s", "prefill_s", _num)
     row("disk MB/token (decode)", "disk_per_token", _mb)
     row("  block device MB/token", "block_per_token", _mb)
@@ -173,6 +175,12 @@ def cap_table(cap: dict[str, Any], r: dict[str, Any]) -> list[str]:
                      f"{_num(ratio(ms.get('decode_tok_s'), cap['forecast'].get('tok_s')))}; "
                      f"{cap['forecast'].get('basis', '')}")
     return lines + _lru_notes(cap, ms, r) + _moestream_notes(ms, r) + _side_notes(ms, ll, extra)
+
+
+def _runs(side: dict, key: str) -> str:
+    """Every run's figure, for the spread behind a median."""
+    vals = [r.get(key) for r in side.get("runs", []) if "error" not in r]
+    return ",".join(_num(v, ".1f" if key == "load_1m" else ".2f") for v in vals) or "-"
 
 
 def _lru_notes(cap: dict[str, Any], ms: dict, r: dict[str, Any]) -> list[str]:

@@ -57,6 +57,16 @@ def evict_file(path: str | Path) -> None:
         os.close(fd)
 
 
+# -- a quiet machine -------------------------------------------------------------------------
+def wait_quiet(max_load: float | None, timeout_s: float = 300.0, poll_s: float = 2.0) -> float:
+    """Wait (at most `timeout_s`) for the 1-minute load average to fall below `max_load` (None:
+    do not wait); returns the load at the start of the run, to record beside its figures."""
+    deadline = time.monotonic() + timeout_s
+    while max_load is not None and os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    return os.getloadavg()[0]
+
+
 # -- counters --------------------------------------------------------------------------------
 def block_device(path: str | Path) -> tuple[str, Path] | None:
     """(name, stat file) of the block device (partition or disk) holding `path`, or None."""
