@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="the block device's read_ahead_kb during llama.cpp's runs, restored after (default 128, its best here; "
       "-1: leave it as it is)")
     a("--llamacpp-default-readahead", action="store_true",
-      help="also run llama.cpp at the device's own readahead, as a third column")
+      help="also run llama.cpp at the device's own readahead, as a third column (in the first repeat only)")
     a("--quiet-load", type=float, default=None, metavar="LOAD",
       help="before each run, wait (at most --quiet-wait s) for the 1-minute load average to fall below LOAD "
       "(e.g. 0.6); each run records the load it started at")
@@ -278,7 +278,7 @@ def capped_runs(plan: Plan, layout: Any, parent: CgroupParent, splits: dict[str,
                 cold()
                 runs[text]["llamacpp"].append(quiet_run(args, lambda: llamacpp_at(plan, parent, cap, f"ll{i}",
                                                                                   plan.read_ahead, notes)))
-            if args.llamacpp and args.llamacpp_default_readahead:
+            if args.llamacpp and args.llamacpp_default_readahead and i == 0:  # its figure, once: it is slow
                 cold()
                 runs[text]["llamacpp_default_ra"].append(quiet_run(args, lambda: llamacpp_at(
                     plan, parent, cap, f"lld{i}", None, notes)))
