@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="before each run, wait (at most --quiet-wait s) for the 1-minute load average to fall below LOAD "
       "(e.g. 0.6); each run records the load it started at")
     a("--quiet-wait", type=float, default=300.0, metavar="S", help="the longest wait for --quiet-load (default 300)")
+    a("--compute-tok-s", type=float, default=None, metavar="TOK/S",
+      help="the resident tok/s the forecast takes for compute (default: --uncapped's, else plan's assumed rate)")
     a("--no-cap", action="store_true",
       help="no memory limit on either side: --memory then only sizes moestream's daemon (its arena), and llama.cpp "
       "uses the page cache as it likes (a model bigger than the machine's memory)")
@@ -324,22 +326,23 @@ def measure(args: argparse.Namespace, layout: Any, caps: list[tuple[str, int]], 
     runs = capped_runs(plan, layout, parent, splits, caps, args, cold, notes)
     out["caps"] = [summarize(text, splits[text], runs[text], out) for text, _ in caps]
     for cap in out["caps"]:
-        cap["forecast"] = cap_forecast(layout, splits[cap["cap"]], warm, out)
+        cap["forecast"] = cap_forecast(layout, splits[cap["cap"]], warm, out, args.compute_tok_s)
     return out
 
 
-def cap_forecast(layout: Any, split: Split, warm: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+def cap_forecast(layout: Any, split: Split, warm: dict[str, Any], out: dict[str, Any],
+                 given_tok_s: float | None = None) -> dict[str, Any]:
     """`moestream plan`'s arithmetic for this cap's arena, from this run's own inputs: the disk
     bandwidth measured above, the warm-up's routing replayed through an LRU of the arena's slots,
     and the resident compute rate (--uncapped), else plan's stated default."""
     from ...tools.plan import DEFAULT_COMPUTE_RATE, forecast_slots, shape_of
 
     s = shape_of(layout)
-    resident = out.get("uncapped", {}).get("moestream", {}).get("decode_tok_s")
+    resident = given_tok_s or out.get("uncapped", {}).get("moestream", {}).get("decode_tok_s")
     compute_s = 1.0 / resident if resident else s.active_bytes / DEFAULT_COMPUTE_RATE
     hit = ideal_lru(load_trace(warm["trace"]), split.slots, s.expert_bytes).get("hit_rate", 0.0)
     f = forecast_slots(s, split.cap, split.slots, hit, out["bandwidth"]["bytes_per_s"], compute_s)
-    basis = ("compute: the resident rate measured above" if resident else
+    basis = (f"compute: a resident rate of {resident:.2f} tok/s" if resident else
              f"compute: assumed {DEFAULT_COMPUTE_RATE:.0e} B/s of weights (--uncapped measures it)")
     return {"tok_s": f.tok_s, "hit_rate": f.hit_rate, "io_s": f.io_s, "compute_s": f.compute_s,
             "basis": f"LRU hit rate {f.hit_rate:.2f} on the warm-up's routing, {basis}"}
