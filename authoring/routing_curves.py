@@ -33,10 +33,10 @@ CURVES: dict[str, tuple[tuple[float, float], ...]] = {
     "qwen3-235b": ((0.05, 0.34), (0.16, 0.66), (0.25, 0.80)),
     "qwen3.5-397b": ((0.05, 0.41), (0.16, 0.65), (0.25, 0.76)),
 }
-FIT_TOKENS = 256
+FIT_TOKENS = 256  # at least; and 4 x E / k, so the warm quarter fills even an LRU of every expert
 FIT_LAYERS = 2
 COARSE_ALPHA = np.linspace(0.0, 2.4, 7)
-COARSE_RHO = np.linspace(0.0, 0.6, 7)
+COARSE_RHO = np.linspace(0.0, 0.9, 7)
 
 
 @dataclass(frozen=True)
@@ -91,9 +91,13 @@ def capacity_of(share: float, n_expert: int) -> int:
     return max(1, round(share * n_expert))
 
 
+def fit_tokens(n_expert: int, k: int) -> int:
+    return max(FIT_TOKENS, 4 * n_expert // k)
+
+
 def _error(points: list[tuple[float, float]], n_expert: int, k: int, alpha: float, rho: float, seed: int) -> float:
     rng = np.random.default_rng([seed, 0xF17])
-    streams = [layer_stream(rng, n_expert, k, FIT_TOKENS, alpha, rho) for _ in range(FIT_LAYERS)]
+    streams = [layer_stream(rng, n_expert, k, fit_tokens(n_expert, k), alpha, rho) for _ in range(FIT_LAYERS)]
     return sum((np.mean([lru_hit_rate(s, capacity_of(f, n_expert)) for s in streams]) - h) ** 2 for f, h in points)
 
 
@@ -112,7 +116,7 @@ def fit_curve(name: str, n_expert: int, k: int, seed: int = 0) -> CurveFit:
             for da in (-0.2, 0.0, 0.2) for dr in (-0.05, 0.0, 0.05)]
     alpha, rho = min(fine, key=lambda ar: _error(points, n_expert, k, *ar, seed))
     rng = np.random.default_rng([seed, 0xF17])
-    streams = [layer_stream(rng, n_expert, k, FIT_TOKENS, alpha, rho) for _ in range(FIT_LAYERS)]
+    streams = [layer_stream(rng, n_expert, k, fit_tokens(n_expert, k), alpha, rho) for _ in range(FIT_LAYERS)]
     fitted = tuple((f, h, float(np.mean([lru_hit_rate(s, capacity_of(f, n_expert)) for s in streams])))
                    for f, h in points)
     return CurveFit(float(alpha), float(rho), fitted, skipped)
