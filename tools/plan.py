@@ -12,12 +12,13 @@ The arithmetic (one decoded token, CPU decoder computing from the daemon's arena
 | hit rate h(f)          | an LRU of that many slots replayed on --trace, else the --curve's points,     |
 |                        | linear between (0, 0), the points and (1, 1)                                  |
 | missed bytes / token   | (1 - h) x MoE layers x top-k x mean expert bytes                              |
-| I/O s / token          | missed bytes / the disk's bandwidth for random expert reads at depth 32       |
-|                        | (--probe measures it: a few seconds of cold reads; else --bandwidth, stated)  |
+| I/O s / token          | missed bytes / the disk's bandwidth for random expert reads as deep as one    |
+|                        | layer's demand fetch (top-k experts x their parts in flight): --probe         |
+|                        | measures it (a few seconds of cold reads), else --bandwidth (stated)          |
 | compute s / token      | active expert + dense bytes per token / --compute-rate (stated default), or   |
 |                        | 1 / --compute-tok-s (a measured resident rate)                                |
 | tok/s                  | 1 / (compute + I/O): the prefetch's overlap is not counted (a floor)          |
-| cold fill              | the arena's bytes / bandwidth                                                 |
+| cold fill              | the arena's bytes / the bandwidth at depth 32 (the daemon's batched reads)    |
 | least memory           | decoder + daemon + headroom + max(4, top-k) slots                             |
 """
 
@@ -54,6 +55,12 @@ class Shape:
     slot_bytes: int
     dense_bytes: int
     file_bytes: int
+    parts: int = 3  # byte ranges per expert (gate, up, down; more with biases or scales)
+
+    @property
+    def demand_depth(self) -> int:
+        """Reads in flight in one layer's demand fetch: its top-k experts' parts."""
+        return self.top_k * self.parts
 
     @property
     def n_blobs(self) -> int:
@@ -81,7 +88,7 @@ class Forecast:
 def shape_of(layout: Any) -> Shape:
     ex = layout.experts
     return Shape(len(ex.moe_layers), ex.n_expert, layout.hparams.n_expert_used, ex.total_bytes / ex.n_blobs,
-                 ex.slot_bytes(True), layout.dense_bytes, layout.file_size)
+                 ex.slot_bytes(True), layout.dense_bytes, layout.file_size, len(ex.parts(ex.moe_layers[0], 0)))
 
 
 def own_bytes(s: Shape) -> int:
@@ -103,21 +110,24 @@ def curve_hit_rate(points: Sequence[tuple[float, float]], f: float) -> float:
     return 1.0
 
 
-def forecast(s: Shape, memory: int, hit_rate_at, bandwidth: float, compute_s: float) -> Forecast | None:
+def forecast(s: Shape, memory: int, hit_rate_at, bandwidth: float, compute_s: float,
+             fill_bandwidth: float | None = None) -> Forecast | None:
     """One memory size's forecast (None: too small to run); `hit_rate_at(slots, share)` gives
     the hit rate of an LRU of that many slots."""
     slots = min(s.n_blobs, max(0, memory - own_bytes(s)) // s.slot_bytes)
     if slots < max(MIN_SLOTS, s.top_k):
         return None
-    return forecast_slots(s, memory, slots, hit_rate_at(slots, slots / s.n_blobs), bandwidth, compute_s)
+    return forecast_slots(s, memory, slots, hit_rate_at(slots, slots / s.n_blobs), bandwidth, compute_s, fill_bandwidth)
 
 
-def forecast_slots(s: Shape, memory: int, slots: int, hit_rate: float, bandwidth: float, compute_s: float) -> Forecast:
-    """The forecast for an arena of `slots` whose LRU hits `hit_rate` of the experts asked for."""
+def forecast_slots(s: Shape, memory: int, slots: int, hit_rate: float, bandwidth: float, compute_s: float,
+                   fill_bandwidth: float | None = None) -> Forecast:
+    """The forecast for an arena of `slots` whose LRU hits `hit_rate` of the experts asked for;
+    `bandwidth` at the demand fetch's depth, `fill_bandwidth` at the daemon's (default the same)."""
     missed = (1.0 - hit_rate) * s.moe_layers * s.top_k * s.expert_bytes
     io = missed / bandwidth
     return Forecast(memory, slots, slots / s.n_blobs, hit_rate, missed, io, compute_s, 1.0 / (compute_s + io),
-                    slots * s.slot_bytes / bandwidth)
+                    slots * s.slot_bytes / (fill_bandwidth or bandwidth))
 
 
 def trace_hit_rate(path: str, expert_bytes: float):
@@ -160,9 +170,12 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     if args.probe:
         from ..decoder.bench.host_counters import disk_bandwidth
 
-        bw, bw_basis = disk_bandwidth(layout, 0)["bytes_per_s"], "measured (--probe)"
+        fill = disk_bandwidth(layout, 0)["bytes_per_s"]
+        bw = disk_bandwidth(layout, 1, 64 << 20, s.demand_depth)["bytes_per_s"]
+        bw_basis = f"measured (--probe) with {s.demand_depth} reads in flight; {fill / 1e9:.2f} GB/s with 32"
     else:
-        bw, bw_basis = args.bandwidth, "assumed (--bandwidth; --probe measures it)"
+        bw = fill = args.bandwidth
+        bw_basis = "assumed (--bandwidth; --probe measures it)"
     if args.compute_tok_s:
         compute_s, c_basis = 1.0 / args.compute_tok_s, f"measured ({args.compute_tok_s} tok/s resident)"
     else:
@@ -179,7 +192,8 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": str(layout.path), "shape": asdict(s), "bandwidth": bw, "bandwidth_basis": bw_basis,
             "compute_s": compute_s, "compute_basis": c_basis, "hit_rate_basis": h_basis,
             "least_memory": least_memory(s), "own_bytes": own_bytes(s),
-            "forecasts": [{"memory_text": t, "memory": m, **_asdict(forecast(s, m, hit, bw, compute_s))}
+            "fill_bandwidth": fill,
+            "forecasts": [{"memory_text": t, "memory": m, **_asdict(forecast(s, m, hit, bw, compute_s, fill))}
                           for t, m in sizes]}
 
 

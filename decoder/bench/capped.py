@@ -80,6 +80,7 @@ from .host_counters import ReadAhead, wait_quiet, block_device, disk_bandwidth, 
 from .llamacpp_peer import run_llamacpp
 from .moestream_run import run_moestream
 from .routing_replay import ideal_lru
+from ...tools.plan import shape_of
 from ...common.traces import load_trace
 
 UNCAPPED_FIGURES = ("decode_tok_s", "prefill_s", "error")
@@ -321,6 +322,8 @@ def measure(args: argparse.Namespace, layout: Any, caps: list[tuple[str, int]], 
               for text, cap in caps}
     cold()
     out["bandwidth"] = disk_bandwidth(layout, args.seed)
+    cold()
+    out["bandwidth_demand"] = disk_bandwidth(layout, args.seed + 1, 64 << 20, shape_of(layout).demand_depth)
     if args.uncapped:
         out["uncapped"] = uncapped_phase(plan, layout, args)
     runs = capped_runs(plan, layout, parent, splits, caps, args, cold, notes)
@@ -335,17 +338,19 @@ def cap_forecast(layout: Any, split: Split, warm: dict[str, Any], out: dict[str,
     """`moestream plan`'s arithmetic for this cap's arena, from this run's own inputs: the disk
     bandwidth measured above, the warm-up's routing replayed through an LRU of the arena's slots,
     and the resident compute rate (--uncapped), else plan's stated default."""
-    from ...tools.plan import DEFAULT_COMPUTE_RATE, forecast_slots, shape_of
+    from ...tools.plan import DEFAULT_COMPUTE_RATE, forecast_slots
 
     s = shape_of(layout)
     resident = given_tok_s or out.get("uncapped", {}).get("moestream", {}).get("decode_tok_s")
     compute_s = 1.0 / resident if resident else s.active_bytes / DEFAULT_COMPUTE_RATE
     hit = ideal_lru(load_trace(warm["trace"]), split.slots, s.expert_bytes).get("hit_rate", 0.0)
-    f = forecast_slots(s, split.cap, split.slots, hit, out["bandwidth"]["bytes_per_s"], compute_s)
+    f = forecast_slots(s, split.cap, split.slots, hit, out["bandwidth_demand"]["bytes_per_s"], compute_s)
     basis = (f"compute: a resident rate of {resident:.2f} tok/s" if resident else
              f"compute: assumed {DEFAULT_COMPUTE_RATE:.0e} B/s of weights (--uncapped measures it)")
     return {"tok_s": f.tok_s, "hit_rate": f.hit_rate, "io_s": f.io_s, "compute_s": f.compute_s,
-            "basis": f"LRU hit rate {f.hit_rate:.2f} on the warm-up's routing, {basis}"}
+            "basis": f"LRU hit rate {f.hit_rate:.2f} on the warm-up's routing, demand reads at "
+                     f"{out['bandwidth_demand']['bytes_per_s'] / 1e9:.2f} GB/s ({out['bandwidth_demand']['depth']} in "
+                     f"flight), {basis}"}
 
 
 def main(argv: list[str] | None = None) -> int:

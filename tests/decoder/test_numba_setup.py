@@ -88,3 +88,15 @@ def test_the_first_request_compiles_nothing(tiny_model):
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["kernels"] > 0 and out["new"] == {}, out
+
+
+def test_the_first_run_says_it_compiles_and_where_it_caches(tmp_path, monkeypatch):
+    said = []
+    monkeypatch.setattr(ns, "cache_location", lambda: tmp_path)
+    monkeypatch.setattr(ns, "_run_once", lambda: None)  # (the compile itself is the test above)
+    ns.warm_kernels(said.append)
+    assert len(said) == 1 and "compiling the CPU kernels" in said[0] and str(tmp_path) in said[0]
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "cpu_rows.gate_up_kernel-401.py311.nbi").write_bytes(b"")
+    ns.warm_kernels(said.append)
+    assert len(said) == 1  # a cache there: nothing to say
