@@ -51,6 +51,23 @@ Method
              same text.
   uncapped   --uncapped adds a warm, uncapped phase: `moestream generate --resident` beside
              llama.cpp, tok/s only: compute efficiency without I/O.
+  routing    --routing picks the workload (capped_routing): sampled (the model's router), chain (a
+             `make-model --routing chain` model: greedy decoding visits a new token every step,
+             so the routing spreads over the experts), trace FILE.npy or curve NAME (expert ids
+             forced on both sides, llama.cpp's through its eval callback; curves are generated
+             to match a published LRU hit-rate curve). Each cap shows the ideal LRU's and
+             Belady's misses on the run's routing, and the spread.
+  readahead  llama.cpp's page faults read what the block device's readahead says: its runs set
+             read_ahead_kb to --llamacpp-readahead (128, its best here) and restore it after;
+             --llamacpp-default-readahead adds one run at the device's own value as a column.
+  no cap     --no-cap: no memory limit on either side (a model bigger than the machine's memory):
+             --memory sizes moestream's daemon only, llama.cpp's page cache takes what it can.
+  quiet      --quiet-load L waits (at most --quiet-wait s) before each run for the 1-minute load
+             to fall below L; each run records its start load, shown beside every run's tok/s.
+  forecast   each cap prints `moestream plan`'s arithmetic for its arena beside the measured tok/s:
+             the warm-up's routing through an LRU of the arena's slots, demand reads at the
+             bandwidth measured with one layer's fetch in flight, compute from --compute-tok-s,
+             --uncapped's resident rate, or plan's assumed rate.
 
 Caveats: block-device counters see every process on that disk (the report shows the processes'
 own counters beside them); --warm runs under a cap are only meaningful for the arena, since
