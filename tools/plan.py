@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("model", help="GGUF MoE file (the first part of a split model: every part is read)")
     a("--memory", action="append", metavar="SIZE", help="memory for daemon + decoder: a size (8GiB) or a share of "
-      f"the model file (50%%); repeatable (default {', '.join(DEFAULT_SIZES)})")
+      f"the model file (50%%); repeatable (default {', '.join(DEFAULT_SIZES).replace('%', '%%')})")
     a("--probe", action="store_true", help="measure the disk: a few seconds of cold random expert reads, 32 in flight")
     a("--bandwidth", type=float, default=DEFAULT_BANDWIDTH, metavar="BYTES/S",
       help=f"the disk's bandwidth for random expert reads without --probe (default {DEFAULT_BANDWIDTH:.0e})")
