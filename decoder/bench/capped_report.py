@@ -156,8 +156,8 @@ def cap_table(cap: dict[str, Any], r: dict[str, Any]) -> list[str]:
         lines.append(f"  {label:<26}{cells}{last}")
 
     row("decode tok/s", "decode_tok_s", _num, True)
-    lines.append(f"  {'  runs':<26}" + "".join(f"{_runs(side, 'decode_tok_s'):>13}" for _, side in sides))
-    lines.append(f"  {'  1-min load at start':<26}" + "".join(f"{_runs(side, 'load_1m'):>13}" for _, side in sides))
+    for label, key in (("  runs", "decode_tok_s"), ("  1-min load at start", "load_1m")):
+        lines.append(f"  {label:<26}" + "".join(" " + f"{_runs(side, key):>12}" for _, side in sides))
     row("prefill s", "prefill_s", _num)
     row("disk MB/token (decode)", "disk_per_token", _mb)
     row("  block device MB/token", "block_per_token", _mb)
