@@ -10,10 +10,10 @@ LRU's hit rate against the share of a layer's experts it caches:
 | qwen3-235b   | 0.34       | 0.66 | 0.80 |
 | qwen3.5-397b | 0.41       | 0.65 | 0.76 |
 
-The generator, per layer and independently: expert popularity ~ Zipf(alpha) over a random order
-of the experts, and each of a token's k picks kept from the previous token's with probability
-rho (temporal locality), else drawn by popularity. (alpha, rho) are fitted, by a coarse then a
-fine grid, to the curve's points that the model can express (a per-layer LRU must hold one
+The generator, per layer and independently: expert popularity ~ (rank + q)^-alpha (Zipf-
+Mandelbrot: the offset q flattens the head) over a random order of the experts, and each of a
+token's k picks kept from the previous token's with probability rho (temporal locality), else
+drawn by popularity. (q, alpha, rho) are fitted, by a coarse then a fine grid, to the curve's points that the model can express (a per-layer LRU must hold one
 token's k experts), on a steady-state per-layer LRU (the first quarter of the tokens warms it).
 
 Output: an integer array [tokens, layers, k] (`common.traces`' .npy format).
@@ -37,20 +37,23 @@ FIT_TOKENS = 256  # at least; and 4 x E / k, so the warm quarter fills even an L
 FIT_LAYERS = 2
 COARSE_ALPHA = np.linspace(0.0, 2.4, 7)
 COARSE_RHO = np.linspace(0.0, 0.9, 7)
+COARSE_OFFSET = (0.0, 1 / 16, 1 / 4)  # q as a share of the experts
 
 
 @dataclass(frozen=True)
 class CurveFit:
     alpha: float  # Zipf exponent of the experts' popularity
     rho: float  # chance that a pick repeats one of the previous token's
+    q: float  # Zipf-Mandelbrot offset of the popularity ranks
     points: tuple[tuple[float, float, float], ...]  # (share cached, target hit rate, fitted one)
     skipped: tuple[float, ...]  # shares whose LRU would hold fewer than k experts
 
 
-def layer_stream(rng: np.random.Generator, n_expert: int, k: int, tokens: int, alpha: float, rho: float) -> np.ndarray:
+def layer_stream(rng: np.random.Generator, n_expert: int, k: int, tokens: int, alpha: float, rho: float,
+                 q: float = 0.0) -> np.ndarray:
     """One layer's expert ids [tokens, k] (see the module docstring)."""
     pop = np.empty(n_expert)
-    pop[rng.permutation(n_expert)] = (np.arange(n_expert) + 1.0) ** -alpha
+    pop[rng.permutation(n_expert)] = (np.arange(n_expert) + 1.0 + q) ** -alpha
     pop /= pop.sum()
     out = np.empty((tokens, k), dtype=np.int64)
     prev = rng.choice(n_expert, k, replace=False, p=pop)
@@ -95,9 +98,10 @@ def fit_tokens(n_expert: int, k: int) -> int:
     return max(FIT_TOKENS, 4 * n_expert // k)
 
 
-def _error(points: list[tuple[float, float]], n_expert: int, k: int, alpha: float, rho: float, seed: int) -> float:
+def _error(points: list[tuple[float, float]], n_expert: int, k: int, alpha: float, rho: float, q: float,
+           seed: int) -> float:
     rng = np.random.default_rng([seed, 0xF17])
-    streams = [layer_stream(rng, n_expert, k, fit_tokens(n_expert, k), alpha, rho) for _ in range(FIT_LAYERS)]
+    streams = [layer_stream(rng, n_expert, k, fit_tokens(n_expert, k), alpha, rho, q) for _ in range(FIT_LAYERS)]
     return sum((np.mean([lru_hit_rate(s, capacity_of(f, n_expert)) for s in streams]) - h) ** 2 for f, h in points)
 
 
@@ -110,30 +114,30 @@ def fit_curve(name: str, n_expert: int, k: int, seed: int = 0) -> CurveFit:
     if not points:
         raise ValueError(f"curve {name}: no point of it fits a model of {n_expert} experts, top {k} (the LRU "
                          f"must hold {k} of them: at least {k / n_expert:.0%} cached)")
-    grid = [(a, r) for a in COARSE_ALPHA for r in COARSE_RHO]
-    best = min(grid, key=lambda ar: _error(points, n_expert, k, *ar, seed))
-    fine = [(max(0.0, best[0] + da), min(0.95, max(0.0, best[1] + dr)))
-            for da in (-0.2, 0.0, 0.2) for dr in (-0.05, 0.0, 0.05)]
-    alpha, rho = min(fine, key=lambda ar: _error(points, n_expert, k, *ar, seed))
+    grid = [(a, r, f * n_expert) for f in COARSE_OFFSET for a in COARSE_ALPHA for r in COARSE_RHO]
+    best = min(grid, key=lambda arq: _error(points, n_expert, k, *arq, seed))
+    fine = [(max(0.0, best[0] + da), min(0.95, max(0.0, best[1] + dr)), best[2] * dq)
+            for da in (-0.2, 0.0, 0.2) for dr in (-0.05, 0.0, 0.05) for dq in (0.5, 1.0, 2.0)]
+    alpha, rho, q = min(fine, key=lambda arq: _error(points, n_expert, k, *arq, seed))
     rng = np.random.default_rng([seed, 0xF17])
-    streams = [layer_stream(rng, n_expert, k, fit_tokens(n_expert, k), alpha, rho) for _ in range(FIT_LAYERS)]
+    streams = [layer_stream(rng, n_expert, k, fit_tokens(n_expert, k), alpha, rho, q) for _ in range(FIT_LAYERS)]
     fitted = tuple((f, h, float(np.mean([lru_hit_rate(s, capacity_of(f, n_expert)) for s in streams])))
                    for f, h in points)
-    return CurveFit(float(alpha), float(rho), fitted, skipped)
+    return CurveFit(float(alpha), float(rho), float(q), fitted, skipped)
 
 
 def curve_trace(name: str, n_layer: int, n_expert: int, k: int, tokens: int, seed: int = 0) -> tuple[np.ndarray, CurveFit]:
     """A trace [tokens, n_layer, k] of int16 expert ids shaped like curve `name`, and its fit."""
     fit = fit_curve(name, n_expert, k, seed)
     rng = np.random.default_rng([seed, 0x7CE])
-    ids = np.stack([layer_stream(rng, n_expert, k, tokens, fit.alpha, fit.rho) for _ in range(n_layer)], axis=1)
+    ids = np.stack([layer_stream(rng, n_expert, k, tokens, fit.alpha, fit.rho, fit.q) for _ in range(n_layer)], axis=1)
     return ids.astype(np.int16), fit  # [T, L, k]
 
 
 def describe(name: str, fit: CurveFit) -> str:
     pts = ", ".join(f"{f:.0%}: {h:.2f} (fitted {g:.2f})" for f, h, g in fit.points)
     skip = f"; not expressible here: {', '.join(f'{f:.0%}' for f in fit.skipped)}" if fit.skipped else ""
-    return f"curve {name}: LRU hit rate at {pts}; Zipf {fit.alpha:.2f}, repeat {fit.rho:.2f}{skip}"
+    return f"curve {name}: LRU hit rate at {pts}; Zipf {fit.alpha:.2f} (offset {fit.q:.0f}), repeat {fit.rho:.2f}{skip}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,12 +32,12 @@ def test_curve_traces_hit_the_published_rates_through_an_lru(name):
 
 
 def test_the_same_seed_gives_the_same_trace_and_another_does_not():
-    a, fa = rc.curve_trace("qwen3-235b", 2, 64, 4, 50, seed=1)
-    b, fb = rc.curve_trace("qwen3-235b", 2, 64, 4, 50, seed=1)
+    a, fa = rc.curve_trace("qwen3-235b", 2, 16, 2, 50, seed=1)
+    b, fb = rc.curve_trace("qwen3-235b", 2, 16, 2, 50, seed=1)
     assert (a == b).all() and fa == fb
 
     def stream(seed):
-        return rc.layer_stream(np.random.default_rng(seed), 64, 4, 50, fa.alpha, fa.rho)
+        return rc.layer_stream(np.random.default_rng(seed), 64, 4, 50, fa.alpha, fa.rho, fa.q)
 
     assert (stream(3) == stream(3)).all() and not (stream(3) == stream(4)).all()
 
