@@ -72,3 +72,13 @@ def test_bad_input_is_one_line(make_tiny_model, capsys, argv, message):
     assert pl.main(argv) == 1
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_a_split_model_is_planned_from_every_part(make_tiny_model, capsys):
+    first = make_tiny_model(layers=2, experts=8, top_k=2, split_max_size="200K")
+    parts = sorted(first.parent.glob(first.name.replace("00001-of", "0000*-of")))
+    assert len(parts) == 2
+    assert pl.main([str(first), "--memory", "1GiB", "--probe", "--json"]) == 0  # reads experts from both parts
+    r = json.loads(capsys.readouterr().out)
+    assert r["shape"]["file_bytes"] == sum(p.stat().st_size for p in parts)
+    assert r["shape"]["n_expert"] * r["shape"]["moe_layers"] == 16 and r["bandwidth"] > 0
