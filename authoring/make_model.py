@@ -29,6 +29,8 @@ from ..common.units import parse_size
 MAX_TARGET_EXPERTS = 128  # --target-size adds experts up to this, then widens them
 DEFAULT_TOKENIZER = {"llama": "spm"}  # arch -> vocabulary kind its real files ship (Mixtral: SentencePiece); else bpe
 ROUTER_STD = 1.0  # logits ~N(0, |h|): clearly different experts win for different tokens
+ROUTINGS = ("router", "chain")  # see `chain_tensors`
+CHAIN_EMBD_STD = 4.0  # the chain model's embedding: large next to what the layers add to the residual
 
 
 def _block(quant: str) -> int:
@@ -268,10 +270,36 @@ def _gpt_oss_layer_shapes(hp: dict, i: int) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def build_tensors(arch: str, hp: dict, seed: int = 0) -> dict[str, TensorLike]:
-    """Every tensor of a random `arch` model, in numpy order, in llama.cpp's file order."""
+def build_tensors(arch: str, hp: dict, seed: int = 0, routing: str = "router") -> dict[str, TensorLike]:
+    """Every tensor of a random `arch` model, in numpy order, in llama.cpp's file order
+    (`routing` "chain": see `chain_tensors`)."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"unknown routing {routing!r} (have: {', '.join(ROUTINGS)})")
     rng = np.random.default_rng(seed)  # drawn in file order: small F32 tensors only
-    return {name: _init(name, shape, seed, rng) for name, shape in tensor_shapes(arch, hp).items()}
+    out = {name: _init(name, shape, seed, rng) for name, shape in tensor_shapes(arch, hp).items()}
+    if routing == "chain":
+        out.update(chain_tensors(hp["n_vocab"], hp["n_embd"], seed))
+    return out
+
+
+def chain_cycle(n_vocab: int, seed: int) -> np.ndarray:
+    """The chain model's cycle: token order[i] is followed by order[i + 1] (and the last by the first)."""
+    return np.random.default_rng([seed, 0xC4A1]).permutation(n_vocab)
+
+
+def chain_tensors(n_vocab: int, n_embd: int, seed: int) -> dict[str, np.ndarray]:
+    """Embedding and output head of a model whose greedy decoding walks one random cycle of the
+    whole vocabulary, so every step sees a new token and the routing spreads over the experts
+    (a random model's greedy decoding falls into a short loop over a few experts instead).
+
+    The output row of token order[i+1] is the embedding row of order[i]: with the residual
+    dominated by the current token's embedding (CHAIN_EMBD_STD, large next to what the layers
+    add), its own row scores highest, so the next token is its successor on the cycle."""
+    order = chain_cycle(n_vocab, seed)
+    emb = (CHAIN_EMBD_STD * np.random.default_rng([seed, 0xE3B]).standard_normal((n_vocab, n_embd))).astype(np.float32)
+    out = np.empty_like(emb)  # [V, d]
+    out[np.roll(order, -1)] = emb[order]
+    return {"token_embd.weight": emb, "output.weight": out}
 
 
 def _init(name: str, shape: tuple[int, ...], seed: int, rng: np.random.Generator) -> TensorLike:
@@ -333,7 +361,7 @@ def make_model(path: str | Path, *, arch: str = "qwen3moe", quant: str = "Q8_0",
                mla: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None = None,
                expert_quant: str | None = None, split_max_size: int | str | None = None,
                arch_opts: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None = None,
-               mix: str | QuantMix | None = None) -> Path:
+               mix: str | QuantMix | None = None, routing: str = "router") -> Path:
     """Write a random `arch` MoE to `path` and return the path (the first part's for a split one).
 
     hidden / expert_ff default to 64 (256 for K-quants, whose blocks are 256 wide);
@@ -344,7 +372,8 @@ def make_model(path: str | Path, *, arch: str = "qwen3moe", quant: str = "Q8_0",
     `expert_quant` the experts' type (default: what `arch`'s real files use, MXFP4 for gpt-oss, else `quant`);
     `mix` per-part / per-layer expert types over that (`quant_mix`, e.g. "gate_up=Q2_K,down=Q4_K");
     `split_max_size` (bytes, or "2GiB") writes a split model, `STEM-0000k-of-0000n.gguf` beside `path`,
-    as `convert_hf_to_gguf.py --split-max-size` does (gguf-py's writer)."""
+    as `convert_hf_to_gguf.py --split-max-size` does (gguf-py's writer);
+    `routing` "chain" makes greedy decoding walk one cycle of the vocabulary (`chain_tensors`)."""
     tokenizer = tokenizer or DEFAULT_TOKENIZER.get(arch, "bpe")
     if tokenizer not in TOKENIZER_KINDS:
         raise ValueError(f"unknown tokenizer {tokenizer!r} (supported: {', '.join(TOKENIZER_KINDS)})")
@@ -359,7 +388,7 @@ def make_model(path: str | Path, *, arch: str = "qwen3moe", quant: str = "Q8_0",
         mix.check_layers(layers)
     if target_size is not None:
         hp = fit_target(arch, hp, quant, parse_size(target_size), expert_quant, mix)
-    report = write_moe_gguf(path, arch, hp, build_tensors(arch, hp, seed), quant, get_vocab(tokenizer, vocab),
+    report = write_moe_gguf(path, arch, hp, build_tensors(arch, hp, seed, routing), quant, get_vocab(tokenizer, vocab),
                             progress=progress, expert_quant=expert_quant or DEFAULT_EXPERT_QUANT.get(arch), mix=mix,
                             split_max_size=parse_size(split_max_size) if split_max_size else 0)
     if verbose:
@@ -398,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokenizer", choices=TOKENIZER_KINDS, default=None,
                     help="bpe (byte-level, Qwen2 split) | kimi (byte-level, Kimi-K2 split) | spm (SentencePiece, "
                     "byte fallback); default spm for llama")
+    ap.add_argument("--routing", choices=ROUTINGS, default="router",
+                    help="router (default): random weights; chain: greedy decoding walks one random cycle of the "
+                    "vocabulary, a new token every step, so the routing spreads over the experts (benchmarks)")
     ap.add_argument("--target-size", default=None, help="grow experts to approach this file size, e.g. 2GiB")
     ap.add_argument("--split-max-size", default=None, metavar="SIZE",
                     help="write a split model, OUT-0000k-of-0000n.gguf, parts of at most SIZE tensor bytes (e.g. 50M), "
@@ -412,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
                    top_k=args.top_k, hidden=args.hidden, expert_ff=args.expert_ff, heads=args.heads,
                    kv_heads=args.kv_heads, vocab=args.vocab, seed=args.seed, target_size=args.target_size,
                    head_dim=args.head_dim, progress=sys.stderr.isatty(), verbose=True, tokenizer=args.tokenizer,
-                   expert_quant=args.expert_quant, split_max_size=args.split_max_size, mix=args.mix)
+                   expert_quant=args.expert_quant, split_max_size=args.split_max_size, mix=args.mix,
+                   routing=args.routing)
     except (ValueError, OSError) as e:
         print(f"moestream make-model: {e}", file=sys.stderr)
         return 1

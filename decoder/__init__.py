@@ -15,3 +15,7 @@ import os
 OWN_DEFAULTS: dict[str, str] = {}
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = OWN_DEFAULTS["OMP_WAIT_POLICY"] = "PASSIVE"
+
+from .numba_setup import use_writable_cache
+
+use_writable_cache()  # before numba is imported: a read-only install still caches its kernels

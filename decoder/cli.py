@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace-out", dest="trace_out", metavar="FILE.json",
                     help="write the routing trace (one step per forward pass: its (layer, expert) keys); "
                          "`moestream simulate` replays it")
+    ap.add_argument("--force-routing", dest="force_routing", metavar="FILE.npy",
+                    help="replay this routing trace, ids [tokens, layers, k], instead of the router's picks (one "
+                         "prompt; the router's weights are kept): a benchmark's workload for I/O and caching")
     ap.add_argument("--no-progress", action="store_false", dest="progress", default=None, help="no loading progress bars")
     add_threads_arg(ap)
     return ap
@@ -160,7 +163,16 @@ def config_from_args(args: argparse.Namespace) -> DecoderConfig:
     return DecoderConfig.build(args.config, **values)
 
 
+def warm_cpu_kernels(cfg: DecoderConfig) -> None:
+    """With CPU kernels, compile them (or load numba's cache) now, not in the first prefill."""
+    if cfg.resolved_slot_format == "quant":
+        from .numba_setup import warm_kernels
+
+        warm_kernels()
+
+
 def open_resident(cfg: DecoderConfig, layout: ModelLayout, model: MoEModel) -> tuple[ExpertSource, Prefetcher | None]:
+    warm_cpu_kernels(cfg)
     if cfg.resolved_slot_format == "quant":
         from .experts.resident import QuantResidentExperts
 
@@ -200,6 +212,7 @@ def open_streamed(cfg: DecoderConfig, layout: ModelLayout, model: MoEModel,
         from .experts.streamed import open_streamed as connect
     except ImportError as e:
         raise ConfigError(f"streamed mode not available ({e}); use --resident") from None
+    warm_cpu_kernels(cfg)
     if cfg.resolved_slot_format == "quant":
         source = open_arena(layout, cfg.iod, fetch_timeout_s=cfg.fetch_timeout_s, name=name,
                             reconnect_s=cfg.reconnect_s)
@@ -233,6 +246,15 @@ def check_context(ids: list[list[int]], max_new: int, limit: int) -> None:
                          f"the model's context length of {limit} tokens; shorten the prompt or lower -n")
 
 
+def forced_source(cfg: DecoderConfig, source: ExpertSource, layout: ModelLayout, n_prompts: int) -> ExpertSource:
+    from .experts.forced import ForcedRouting, load_forced
+
+    if n_prompts != 1:
+        source.close()
+        raise ConfigError(f"--force-routing replays one sequence; got {n_prompts} prompts")
+    return ForcedRouting(source, load_forced(cfg.force_routing, layout.hparams))
+
+
 def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
         header: Callable[[DecoderConfig, ModelLayout], None] | None = None) -> int:
     """Generate for `cfg` and print the text (streamed as it comes for a single prompt), or
@@ -256,8 +278,13 @@ def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
                        keep_quantized=cfg.resolved_slot_format == "quant")
     opener = open_resident if cfg.resident else open_streamed
     source, hook = opener(cfg, layout, model)
-    if cfg.trace_out:
-        source = RoutingRecorder(source)
+    if cfg.resolved_slot_format == "quant":  # CPU kernels: what they no longer need goes before the cap feels it
+        from .footprint import trim
+
+        trim()
+    recorder = source = RoutingRecorder(source) if cfg.trace_out else source
+    if cfg.force_routing:  # outside the recorder: the trace shows the forced ids
+        source = forced_source(cfg, source, layout, len(ids))
     load_s = time.perf_counter() - t0
     single = len(ids) == 1 and not cfg.json
     if header is not None:
@@ -270,7 +297,7 @@ def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
                           on_token=stream, observer=hook)
         stats = source.stats()
     if cfg.trace_out:
-        source.write(cfg.trace_out, layout.hparams.n_layer, layout.hparams.n_expert)
+        recorder.write(cfg.trace_out, layout.hparams.n_layer, layout.hparams.n_expert)
     if stream is not None:
         stream.flush()
     prefetch = hook.stats() if hook is not None else None

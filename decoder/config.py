@@ -48,6 +48,7 @@ class DecoderConfig:
     stats: bool = False
     json: bool = False  # one JSON object on stdout instead of text
     trace_out: str | None = None  # write the routing trace here (JSON, `moestream simulate` reads it)
+    force_routing: str | None = None  # replay this trace's expert ids (.npy [tokens, layers, k]) instead of routing
     progress: bool = field(default_factory=lambda: sys.stderr.isatty())  # bars only for a person watching
     fetch_timeout_s: float = 60.0
     threads: int | None = None  # compute threads (numba kernels, torch); None: every core

@@ -8,7 +8,9 @@ Method
              Page cache counts against it: that is the point, llama.cpp's mmap competes for the
              same bytes as moestream's arena.
   split      moestream's cap = decoder + daemon + headroom + arena. The decoder's and the daemon's
-             own memory (peak RssAnon + RssFile; the arena's shared memory excluded) are measured in
+             own memory (peak RssAnon + the last RssFile: file pages still in use at the end, while
+             cold ones such as the JIT compiler's are reclaimable under the cap; the arena's shared
+             memory excluded) are measured in
              an uncapped warm-up run, which also decides the sampling (below). The daemon gets
              `--memory cap - decoder - headroom` (it sizes its arena itself), or, on a daemon
              without --memory, `--arena-bytes` of what is left after its measured use.
@@ -49,6 +51,23 @@ Method
              same text.
   uncapped   --uncapped adds a warm, uncapped phase: `moestream generate --resident` beside
              llama.cpp, tok/s only: compute efficiency without I/O.
+  routing    --routing picks the workload (capped_routing): sampled (the model's router), chain (a
+             `make-model --routing chain` model: greedy decoding visits a new token every step,
+             so the routing spreads over the experts), trace FILE.npy or curve NAME (expert ids
+             forced on both sides, llama.cpp's through its eval callback; curves are generated
+             to match a published LRU hit-rate curve). Each cap shows the ideal LRU's and
+             Belady's misses on the run's routing, and the spread.
+  readahead  llama.cpp's page faults read what the block device's readahead says: its runs set
+             read_ahead_kb to --llamacpp-readahead (128, its best here) and restore it after;
+             --llamacpp-default-readahead adds one run at the device's own value as a column.
+  no cap     --no-cap: no memory limit on either side (a model bigger than the machine's memory):
+             --memory sizes moestream's daemon only, llama.cpp's page cache takes what it can.
+  quiet      --quiet-load L waits (at most --quiet-wait s) before each run for the 1-minute load
+             to fall below L; each run records its start load, shown beside every run's tok/s.
+  forecast   each cap prints `moestream plan`'s arithmetic for its arena beside the measured tok/s:
+             the warm-up's routing through an LRU of the arena's slots, demand reads at the
+             bandwidth measured with one layer's fetch in flight, compute from --compute-tok-s,
+             --uncapped's resident rate, or plan's assumed rate.
 
 Caveats: block-device counters see every process on that disk (the report shows the processes'
 own counters beside them); --warm runs under a cap are only meaningful for the arena, since
@@ -71,11 +90,15 @@ from pathlib import Path
 from typing import Any
 
 from .capped_plan import MIN_ARENA_SLOTS, Plan, Split, UsageError, fmt_bytes, parse_cap, split_budget
-from .capped_report import any_failed, format_report, medians, ratio, summarize
+from .capped_report import SIDES, any_failed, format_report, medians, ratio, summarize
+from .capped_routing import parse_routing, prefetch_for, prepare_trace, sampling_for
 from .cgroup_run import CgroupError, CgroupParent, MemoryCgroup, find_cgroup_parent
-from .host_counters import block_device, disk_bandwidth, drop_caches, evict_file
+from .host_counters import ReadAhead, wait_quiet, block_device, disk_bandwidth, drop_caches, evict_file, read_ahead_file
 from .llamacpp_peer import run_llamacpp
 from .moestream_run import run_moestream
+from .routing_replay import ideal_lru
+from ...tools.plan import shape_of
+from ...common.traces import load_trace
 
 UNCAPPED_FIGURES = ("decode_tok_s", "prefill_s", "error")
 
@@ -97,7 +120,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cold", dest="cold", action="store_true", default=True,
                    help="drop the page cache before every run (default; needs root)")
     g.add_argument("--warm", dest="cold", action="store_false", help="keep the page cache between runs")
-    a("--prefetch", type=int, default=1, help="moestream's router look-ahead depth (default 1)")
+    a("--prefetch", type=int, default=None,
+      help="moestream's router look-ahead depth (default 1; 0 with forced routing, whose picks it cannot predict)")
+    a("--routing", nargs="+", metavar="KIND [ARG]", default=["sampled"],
+      help="the workload: sampled (default: the model's router, sampled if its greedy routing is narrow), chain (a "
+      "`make-model --routing chain` model decoded greedily: a new token every step), trace FILE.npy (forced expert "
+      "ids [tokens, layers, k] on both sides), curve NAME (forced, generated to match a published LRU hit-rate "
+      "curve: qwen3-235b, qwen3.5-397b)")
+    a("--llamacpp-readahead", type=int, default=128, metavar="KB",
+      help="the block device's read_ahead_kb during llama.cpp's runs, restored after (default 128, its best here; "
+      "-1: leave it as it is)")
+    a("--llamacpp-default-readahead", action="store_true",
+      help="also run llama.cpp at the device's own readahead, as a third column (in the first repeat only)")
+    a("--quiet-load", type=float, default=None, metavar="LOAD",
+      help="before each run, wait (at most --quiet-wait s) for the 1-minute load average to fall below LOAD "
+      "(e.g. 0.6); each run records the load it started at")
+    a("--quiet-wait", type=float, default=300.0, metavar="S", help="the longest wait for --quiet-load (default 300)")
+    a("--compute-tok-s", type=float, default=None, metavar="TOK/S",
+      help="the resident tok/s the forecast takes for compute (default: --uncapped's, else plan's assumed rate)")
+    a("--no-cap", action="store_true",
+      help="no memory limit on either side: --memory then only sizes moestream's daemon (its arena), and llama.cpp "
+      "uses the page cache as it likes (a model bigger than the machine's memory)")
     a("--direct", action=argparse.BooleanOptionalAction, default=True,
       help="moestream-iod reads with O_DIRECT (default); --no-direct reads through the page cache, whose pages "
       "are then charged to the cgroup beside the arena (the same bytes cached twice under one cap)")
@@ -129,10 +172,13 @@ def check_args(args: argparse.Namespace) -> tuple[Any, list[tuple[str, int]], in
 
     if not Path(args.model).is_file():
         raise UsageError(f"model not found: {args.model}")
-    if args.tokens < 2 or args.prompt_tokens < 1 or args.repeat < 1 or args.threads < 1 or args.prefetch < 0:
+    if args.tokens < 2 or args.prompt_tokens < 1 or args.repeat < 1 or args.threads < 1 or (args.prefetch or 0) < 0:
         raise UsageError("-n must be >= 2, --prompt-tokens, --repeat and --threads >= 1, --prefetch >= 0")
     if args.temperature <= 0:
         raise UsageError(f"--temperature must be > 0 (greedy is --sampling greedy), got {args.temperature}")
+    args.routing = parse_routing(args.routing)
+    args.sampling = sampling_for(args.routing, args.sampling)
+    args.prefetch = prefetch_for(args.routing, args.prefetch)
     layout = ModelLayout(args.model)
     caps = [(text, parse_cap(text, layout.file_size)) for text in (args.caps or ["50%"])]
     for text, cap in caps:
@@ -165,7 +211,14 @@ def make_plan(args: argparse.Namespace, layout: Any, workdir: Path) -> Plan:
                 block_stat=dev[1] if dev else None, workdir=workdir, timeout_s=args.timeout,
                 decoder_args=list(args.decoder_arg), extra_bufts=args.llamacpp_extra_bufts,
                 daemon_memory_flag=not _help_lacks("moestream.iod.main", ("--memory",)),
-                disk_counter=args.disk_counter, direct=args.direct)
+                disk_counter=args.disk_counter, direct=args.direct, capped=not args.no_cap,
+                read_ahead=None if args.llamacpp_readahead < 0 else args.llamacpp_readahead)
+
+
+def quiet_run(args: argparse.Namespace, run) -> dict[str, Any]:
+    """`run()` once the machine is quiet enough (--quiet-load), its start load recorded."""
+    load = wait_quiet(args.quiet_load, args.quiet_wait)
+    return {**run(), "load_1m": load}
 
 
 class Cold:
@@ -196,7 +249,9 @@ def warm_up(plan: Plan, layout: Any, parent: CgroupParent, args: argparse.Namesp
     r = run_moestream(plan, layout, parent, None, "warmup")
     if "error" in r:
         raise RuntimeError(f"warm-up run failed: {r['error']}")
-    out = {"decoder_bytes": r["peak_decoder"], "daemon_bytes": r["peak_daemon"], "spread": r["spread"],
+    out = {"decoder_bytes": r["need_decoder"], "daemon_bytes": r["need_daemon"], "spread": r["spread"],
+           "decoder_peak_bytes": r["peak_decoder"], "daemon_peak_bytes": r["peak_daemon"],
+           "trace": r["trace_path"],
            "decode_tok_s": r["decode_tok_s"], "sampling": "greedy"}
     if args.sampling == "sample" or (args.sampling == "auto" and r["spread"]["narrow"]):
         plan.temperature = args.temperature
@@ -220,17 +275,33 @@ def uncapped_phase(plan: Plan, layout: Any, args: argparse.Namespace) -> dict[st
     return out
 
 
+def llamacpp_at(plan: Plan, parent: CgroupParent, cap: int | None, tag: str, kb: int | None,
+                notes: list[str]) -> dict[str, Any]:
+    """One llama.cpp run with the block device's readahead at `kb` KB (None: as it is)."""
+    with ReadAhead(read_ahead_file(plan.block_stat), kb) as ra:
+        if ra.why and ra.why not in notes:
+            notes.append(ra.why)
+        r = run_llamacpp(plan, parent, cap if plan.capped else None, tag)
+        return {**r, "read_ahead_kb": ra.current()}
+
+
 def capped_runs(plan: Plan, layout: Any, parent: CgroupParent, splits: dict[str, Split], caps: list[tuple[str, int]],
-                args: argparse.Namespace, cold: Cold) -> dict[str, dict[str, list]]:
+                args: argparse.Namespace, cold: Cold, notes: list[str]) -> dict[str, dict[str, list]]:
     """Interleaved: for each repeat, for each cap, moestream then llama.cpp (drift spreads over both)."""
-    runs: dict[str, dict[str, list]] = {text: {"moestream": [], "llamacpp": []} for text, _ in caps}
+    runs: dict[str, dict[str, list]] = {text: {side: [] for side in SIDES} for text, _ in caps}
     for i in range(args.repeat):
         for text, cap in caps:
             cold()
-            runs[text]["moestream"].append(run_moestream(plan, layout, parent, splits[text], f"ms{i}"))
+            runs[text]["moestream"].append(quiet_run(args, lambda: run_moestream(plan, layout, parent, splits[text],
+                                                                                  f"ms{i}")))
             if args.llamacpp:
                 cold()
-                runs[text]["llamacpp"].append(run_llamacpp(plan, parent, cap, f"ll{i}"))
+                runs[text]["llamacpp"].append(quiet_run(args, lambda: llamacpp_at(plan, parent, cap, f"ll{i}",
+                                                                                  plan.read_ahead, notes)))
+            if args.llamacpp and args.llamacpp_default_readahead and i == 0:  # its figure, once: it is slow
+                cold()
+                runs[text]["llamacpp_default_ra"].append(quiet_run(args, lambda: llamacpp_at(
+                    plan, parent, cap, f"lld{i}", None, notes)))
     return runs
 
 
@@ -240,7 +311,9 @@ def _setup(plan: Plan, layout: Any, parent: CgroupParent, args: argparse.Namespa
     return {"model": plan.model, "file_bytes": layout.file_size, "dense_bytes": layout.dense_bytes,
             "expert_bytes": ex.total_bytes, "n_layer": hp.n_layer, "n_expert": hp.n_expert, "top_k": hp.n_expert_used,
             "tokens": plan.tokens, "prompt_tokens": len(plan.prompt), "threads": plan.threads, "repeat": args.repeat,
-            "cold": args.cold, "prefetch": plan.prefetch, "direct": plan.direct,
+            "cold": args.cold, "prefetch": plan.prefetch, "direct": plan.direct, "capped": plan.capped,
+            "read_ahead_default_kb": ReadAhead(read_ahead_file(plan.block_stat), None).old,
+            "read_ahead_llamacpp_kb": plan.read_ahead,
             "cgroup": f"v{parent.version} under {parent.path}",
             "disk": block_device(plan.model)[0] if plan.block_stat else None,
             "daemon_sizing": "--memory" if plan.daemon_memory_flag else "--arena-bytes", "notes": notes}
@@ -252,9 +325,11 @@ def measure(args: argparse.Namespace, layout: Any, caps: list[tuple[str, int]], 
     parent = find_cgroup_parent(args.cgroup_parent)
     MemoryCgroup(parent, None, "probe").remove()  # can we create one at all? (clear error before any run)
     plan = make_plan(args, layout, workdir)
+    plan.force_routing, workload = prepare_trace(args.routing, layout, len(plan.prompt) + plan.tokens, args.seed, workdir)
     notes: list[str] = []
     cold = Cold(args.cold, [str(f.path) for f in layout.files], notes)
     out = _setup(plan, layout, parent, args, notes)
+    out["routing"] = {"kind": args.routing.label(), **workload}
     out["warmup"] = warm = warm_up(plan, layout, parent, args)
     out["sampling"] = warm["sampling"]
     ex = layout.experts
@@ -264,11 +339,35 @@ def measure(args: argparse.Namespace, layout: Any, caps: list[tuple[str, int]], 
               for text, cap in caps}
     cold()
     out["bandwidth"] = disk_bandwidth(layout, args.seed)
+    cold()
+    out["bandwidth_demand"] = disk_bandwidth(layout, args.seed + 1, 64 << 20, shape_of(layout).demand_depth)
     if args.uncapped:
         out["uncapped"] = uncapped_phase(plan, layout, args)
-    runs = capped_runs(plan, layout, parent, splits, caps, args, cold)
+    runs = capped_runs(plan, layout, parent, splits, caps, args, cold, notes)
     out["caps"] = [summarize(text, splits[text], runs[text], out) for text, _ in caps]
+    for cap in out["caps"]:
+        cap["forecast"] = cap_forecast(layout, splits[cap["cap"]], warm, out, args.compute_tok_s)
     return out
+
+
+def cap_forecast(layout: Any, split: Split, warm: dict[str, Any], out: dict[str, Any],
+                 given_tok_s: float | None = None) -> dict[str, Any]:
+    """`moestream plan`'s arithmetic for this cap's arena, from this run's own inputs: the disk
+    bandwidth measured above, the warm-up's routing replayed through an LRU of the arena's slots,
+    and the resident compute rate (--uncapped), else plan's stated default."""
+    from ...tools.plan import DEFAULT_COMPUTE_RATE, forecast_slots
+
+    s = shape_of(layout)
+    resident = given_tok_s or out.get("uncapped", {}).get("moestream", {}).get("decode_tok_s")
+    compute_s = 1.0 / resident if resident else s.active_bytes / DEFAULT_COMPUTE_RATE
+    hit = ideal_lru(load_trace(warm["trace"]), split.slots, s.expert_bytes).get("hit_rate", 0.0)
+    f = forecast_slots(s, split.cap, split.slots, hit, out["bandwidth_demand"]["bytes_per_s"], compute_s)
+    basis = (f"compute: a resident rate of {resident:.2f} tok/s" if resident else
+             f"compute: assumed {DEFAULT_COMPUTE_RATE:.0e} B/s of weights (--uncapped measures it)")
+    return {"tok_s": f.tok_s, "hit_rate": f.hit_rate, "io_s": f.io_s, "compute_s": f.compute_s,
+            "basis": f"LRU hit rate {f.hit_rate:.2f} on the warm-up's routing, demand reads at "
+                     f"{out['bandwidth_demand']['bytes_per_s'] / 1e9:.2f} GB/s ({out['bandwidth_demand']['depth']} in "
+                     f"flight), {basis}"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,6 +90,9 @@ class Plan:
     daemon_memory_flag: bool
     disk_counter: str  # auto, block, proc: see `host_counters.disk_figures`
     direct: bool = True  # the daemon reads with O_DIRECT: its reads are not cached beside the arena
+    force_routing: Path | None = None  # both sides replay this trace [tokens, layers, k] (--routing trace|curve)
+    capped: bool = True  # False (--no-cap): no memory limit, --memory only sizes the daemon
+    read_ahead: int | None = None  # KB of block-device readahead for llama.cpp's runs (None: as it is)
 
     def env(self) -> dict[str, str]:
         """Both sides' environment: the same threads, and none of the decoder package's own

@@ -42,6 +42,8 @@ def decoder_command(plan: Plan, endpoint: str | None, trace: Path) -> list[str]:
            "--trace-out", str(trace), "--prefetch", str(plan.prefetch), "--no-progress"]
     if plan.temperature > 0:
         cmd += ["--temperature", str(plan.temperature), "--seed", str(plan.seed)]
+    if plan.force_routing:
+        cmd += ["--force-routing", str(plan.force_routing)]
     return cmd + plan.decoder_args
 
 
@@ -124,7 +126,7 @@ def _run_moestream(plan: Plan, layout: Any, parent: CgroupParent | None, split: 
     run_dir = Path(tempfile.mkdtemp(prefix=f"ms-{tag}-", dir=plan.workdir))
     log, trace = run_dir / "decoder.log", run_dir / "trace.json"
     with contextlib.ExitStack() as stack:
-        group = stack.enter_context(cgroup(parent, split.cap if split else None, tag))
+        group = stack.enter_context(cgroup(parent, split.cap if split and plan.capped else None, tag))
         daemon = None
         if not resident:
             daemon = Daemon(wrapped(group, daemon_command(plan, run_dir, split)), run_dir, plan.env())
@@ -149,8 +151,9 @@ def _moestream_figures(result: dict, sampler: Sampler, status: dict | None, layo
         "decode_tok_s": result["decode_tok_s"], "prefill_s": result["prefill_s"], "decode_s": result["decode_s"],
         "load_s": result.get("load_s"), "new_tokens": result["new_tokens"], "tokens": result["tokens"],
         "stall_s": stats.get("stall_s"), "fetched_bytes": stats.get("bytes_fetched"),
-        "compute_s": stats.get("compute_s"), "peak_decoder": sampler.peak.get("decoder"),
-        "peak_daemon": sampler.peak.get("daemon"), "spread": routing_spread(steps, hp.n_layer, hp.n_expert)}
+        "compute_s": stats.get("compute_s"), "peak_decoder": sampler.peak.get("decoder"), "trace_path": str(trace),
+        "peak_daemon": sampler.peak.get("daemon"), "need_decoder": sampler.need("decoder"),
+        "need_daemon": sampler.need("daemon"), "spread": routing_spread(steps, hp.n_layer, hp.n_expert)}
     out.update(_moestream_disk(sampler, result["prefill_s"], decode_tokens, disk_counter))
     if status is not None:
         out.update(_daemon_figures(status, steps, layout))

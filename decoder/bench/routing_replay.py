@@ -23,7 +23,9 @@ def is_narrow(share: float, tokens: int) -> bool:
 
 def ideal_lru(steps: Steps, capacity: int, expert_bytes: float, decode_from: int = 1) -> dict[str, Any]:
     """LRU over `steps` (one per forward pass; the first `decode_from` are the prefill) with
-    `capacity` experts: misses of the decode steps and their bytes per decoded token.
+    `capacity` experts: misses of the decode steps and their bytes per decoded token; the same
+    for Belady's optimum (keys `belady_*`: the fewest misses any cache of that size could have;
+    Belady's prefill misses the same as LRU's, every key is new there).
 
     Steps are split per layer (one layer's experts are in use at a time, as in the arena), and
     a layer's keys that outnumber the capacity into pieces that fit (the arena, too, processes
@@ -33,14 +35,17 @@ def ideal_lru(steps: Steps, capacity: int, expert_bytes: float, decode_from: int
         return {**out, "error": f"an arena of {capacity} slots holds no expert"}
     flat = _pieces(steps, capacity)
     n_pre = len(_pieces(steps[:decode_from], capacity))
-    pre = simulate(flat[:n_pre], capacity, "lru") if n_pre else None
-    full = simulate(flat, capacity, "lru")
-    misses = full.misses - (pre.misses if pre else 0)
-    hits = full.hits - (pre.hits if pre else 0)
     tokens = out["decode_steps"]
-    return {**out, "misses": misses, "hits": hits, "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-            "prefill_misses": pre.misses if pre else 0,
-            "missed_bytes_per_token": misses * expert_bytes / tokens if tokens else None}
+    for policy, tag in (("lru", ""), ("belady", "belady_")):
+        pre = simulate(flat[:n_pre], capacity, policy) if n_pre else None
+        full = simulate(flat, capacity, policy)
+        misses = full.misses - (pre.misses if pre else 0)
+        hits = full.hits - (pre.hits if pre else 0)
+        out.update({f"{tag}misses": misses, f"{tag}hits": hits,
+                    f"{tag}hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+                    f"{tag}missed_bytes_per_token": misses * expert_bytes / tokens if tokens else None})
+        out.setdefault("prefill_misses", pre.misses if pre else 0)
+    return out
 
 
 def _pieces(steps: Steps, capacity: int) -> list[list[tuple[int, int]]]:

@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("moestream.decoder.cli", "generate text from a GGUF MoE (resident or streamed from moestream-iod)"),
     "make-model": ("moestream.authoring.make_model", "write a tiny GGUF MoE with random weights"),
     "inspect": ("moestream.tools.inspect", "print a GGUF MoE's architecture and expert index"),
+    "plan": ("moestream.tools.plan", "forecast tok/s per memory size, cold-fill time and the least memory that runs"),
     "status": ("moestream.tools.status", "show a running moestream-iod's status"),
     "warm": ("moestream.tools.warm", "fill a daemon's arena with the experts a trace or its history says are hot"),
     "iod": ("moestream.iod.main", "run the I/O daemon (same as moestream-iod)"),

@@ -280,3 +280,45 @@ def test_help_says_why_o_direct(capsys):
 def test_a_bad_headroom_is_refused_before_any_run(tiny_model, capsys):
     assert bc.main(["--model", str(tiny_model), "--memory", "1GiB", "--headroom", "lots"]) == 2
     assert "--headroom 'lots'" in capsys.readouterr().err
+
+
+# -- workloads, Belady, readahead --------------------------------------------------------------
+def test_belady_never_misses_more_than_lru_and_is_reported_beside_it():
+    steps = [[(0, e) for e in (0, 1, 2)]] + [[(0, e)] for e in (0, 3, 0, 1, 3, 0, 2, 1)]
+    r = rr.ideal_lru(steps, 3, expert_bytes=10.0)
+    # LRU over the decode steps (after 0 1 2): 0 hit, 3 miss (evicts 1), 0 hit, 1 miss (evicts 2), 3 hit, 0 hit,
+    # 2 miss (evicts 1), 1 miss (evicts 3): 4 misses. Belady: 3 evicts 2 (used last), 2 evicts a key never
+    # used again: 2 misses.
+    assert (r["misses"], r["belady_misses"]) == (4, 2)
+    assert r["belady_missed_bytes_per_token"] == 2 * 10.0 / 8
+
+
+def test_routing_kinds_and_their_errors(tmp_path):
+    from moestream.decoder.bench import capped_routing as cr
+
+    assert cr.parse_routing(None).kind == "sampled"
+    assert cr.parse_routing(["curve", "qwen3-235b"]).forced
+    assert cr.prefetch_for(cr.parse_routing(["curve", "qwen3-235b"]), None) == 0
+    assert cr.prefetch_for(cr.parse_routing(["chain"]), None) == 1
+    assert cr.sampling_for(cr.parse_routing(["chain"]), "auto") == "greedy"
+    for words, msg in ((["uniform"], "choose one of"), (["curve"], "needs one argument"),
+                       (["curve", "gpt-9"], "known curves"), (["trace", str(tmp_path / "no.npy")], "not found"),
+                       (["chain", "x"], "takes no argument")):
+        with pytest.raises(plan.UsageError, match=msg):
+            cr.parse_routing(words)
+
+
+def test_readahead_is_set_for_a_run_and_restored(tmp_path):
+    f = tmp_path / "read_ahead_kb"
+    f.write_text("8192\n")
+    with hc.ReadAhead(f, 128) as ra:
+        assert ra.current() == 128 and ra.why is None
+    assert f.read_text().strip() == "8192"
+    with hc.ReadAhead(f, None) as ra:  # leave it as it is
+        assert ra.current() == 8192
+    stat = tmp_path / "dev" / "stat"
+    stat.parent.mkdir()
+    (stat.parent / "queue").mkdir()
+    (stat.parent / "queue" / "read_ahead_kb").write_text("4096")
+    assert hc.read_ahead_file(stat) == stat.parent / "queue" / "read_ahead_kb"
+    assert hc.read_ahead_file(None) is None

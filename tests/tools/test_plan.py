@@ -1,0 +1,84 @@
+"""`moestream plan`: its forecast arithmetic on a made model, checked against sizes read from
+the file with gguf-py's reader (not our layout), and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from gguf import GGUFReader
+from moestream.common.layout import ModelLayout
+from moestream.tools import plan as pl
+
+MiB = 1 << 20
+
+
+def _sizes_from_file(path) -> tuple[float, int, int]:
+    """(mean expert bytes, dense bytes, n_blobs) from gguf-py's tensor table."""
+    tensors = GGUFReader(path).tensors
+    experts = sum(int(t.n_bytes) for t in tensors if "_exps." in t.name)
+    dense = sum(int(t.n_bytes) for t in tensors if "_exps." not in t.name)
+    n_blobs = 2 * 8  # layers x experts below
+    return experts / n_blobs, dense, n_blobs
+
+
+def test_forecast_arithmetic_on_a_made_model(make_tiny_model, capsys):
+    path = make_tiny_model(layers=2, experts=8, top_k=2)
+    expert, dense, n_blobs = _sizes_from_file(path)
+    shape = pl.shape_of(ModelLayout(path))
+    memory = pl.own_bytes(shape) + 6 * shape.slot_bytes
+    code = pl.main([str(path), "--memory", str(memory), "--curve", "qwen3-235b", "--bandwidth", "1e8",
+                    "--compute-tok-s", "50", "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert code == 0
+    s = r["shape"]
+    assert s["expert_bytes"] == pytest.approx(expert) and s["dense_bytes"] == dense
+    f = r["forecasts"][0]
+    slots = 6
+    share = slots / n_blobs
+    # the curve, linear between its points: 0.25 -> 0.80, 1.0 -> 1.0
+    hit = 0.80 + (1.0 - 0.80) * (share - 0.25) / 0.75  # 6 of 16 slots: between 25 % and 100 %
+    assert f["slots"] == slots and f["cached"] == pytest.approx(share)
+    assert f["hit_rate"] == pytest.approx(hit)
+    missed = (1 - f["hit_rate"]) * 2 * 2 * expert  # MoE layers x top-k x expert bytes
+    assert f["missed_bytes_per_token"] == pytest.approx(missed)
+    assert f["tok_s"] == pytest.approx(1 / (1 / 50 + missed / 1e8))
+    assert f["cold_fill_s"] == pytest.approx(slots * s["slot_bytes"] / 1e8)
+    assert r["least_memory"] == r["own_bytes"] + 4 * s["slot_bytes"]
+
+
+def test_curve_interpolation_and_a_memory_too_small(make_tiny_model, capsys):
+    assert pl.curve_hit_rate([(0.25, 0.8)], 0.125) == pytest.approx(0.4)
+    assert pl.curve_hit_rate([(0.25, 0.8)], 1.5) == 1.0
+    path = make_tiny_model(layers=2, experts=8, top_k=2)
+    assert pl.main([str(path), "--memory", "10MiB"]) == 0
+    assert "too small: it runs from" in capsys.readouterr().out
+
+
+def test_a_trace_gives_the_hit_rates(make_tiny_model, tmp_path, capsys):
+    path = make_tiny_model(layers=2, experts=8, top_k=2)
+    steps = [[[0, 0], [0, 1], [1, 0], [1, 1]]] * 5  # the same four experts every token
+    (tmp_path / "t.json").write_text(json.dumps({"n_layer": 2, "n_expert": 8, "steps": steps}))
+    assert pl.main([str(path), "--trace", str(tmp_path / "t.json"), "--memory", "1GiB", "--json"]) == 0
+    f = json.loads(capsys.readouterr().out)["forecasts"][0]
+    assert f["hit_rate"] == 1.0 and f["missed_bytes_per_token"] == 0.0
+
+
+@pytest.mark.parametrize("argv, message", [(["/nonexistent.gguf"], "no such file"),
+                                            (["MODEL", "--memory", "5x"], "bad size"),
+                                            (["MODEL", "--curve", "gpt-9"], "unknown curve")])
+def test_bad_input_is_one_line(make_tiny_model, capsys, argv, message):
+    argv = [str(make_tiny_model(layers=2, experts=8, top_k=2)) if a == "MODEL" else a for a in argv]
+    assert pl.main(argv) == 1
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_a_split_model_is_planned_from_every_part(make_tiny_model, capsys):
+    first = make_tiny_model(layers=2, experts=8, top_k=2, split_max_size="200K")
+    parts = sorted(first.parent.glob(first.name.replace("00001-of", "0000*-of")))
+    assert len(parts) == 2
+    assert pl.main([str(first), "--memory", "1GiB", "--probe", "--json"]) == 0  # reads experts from both parts
+    r = json.loads(capsys.readouterr().out)
+    assert r["shape"]["file_bytes"] == sum(p.stat().st_size for p in parts)
+    assert r["shape"]["n_expert"] * r["shape"]["moe_layers"] == 16 and r["bandwidth"] > 0

@@ -1,0 +1,238 @@
+"""`moestream plan MODEL [--memory SIZE ...] [--probe]`: before a download or a deployment,
+what tok/s each memory size should give, how long the arena takes to fill, and the least memory
+that runs at all.
+
+The arithmetic (one decoded token, CPU decoder computing from the daemon's arena):
+
+| figure                 | how                                                                           |
+|------------------------|-------------------------------------------------------------------------------|
+| arena slots            | (memory - decoder - daemon - headroom) // slot bytes, at most every expert    |
+| decoder, daemon        | the dense weights + DECODER_BASE_BYTES; DAEMON_BASE_BYTES (measured defaults) |
+| cached share f         | slots / (MoE layers x experts)                                                |
+| hit rate h(f)          | an LRU of that many slots replayed on --trace, else the --curve's points,     |
+|                        | linear between (0, 0), the points and (1, 1)                                  |
+| missed bytes / token   | (1 - h) x MoE layers x top-k x mean expert bytes                              |
+| I/O s / token          | missed bytes / the disk's bandwidth for random expert reads as deep as one    |
+|                        | layer's demand fetch (top-k experts x their parts in flight): --probe         |
+|                        | measures it (a few seconds of cold reads), else --bandwidth (stated)          |
+| compute s / token      | active expert + dense bytes per token / --compute-rate (stated default), or   |
+|                        | 1 / --compute-tok-s (a measured resident rate)                                |
+| tok/s                  | 1 / (compute + I/O): the prefetch's overlap is not counted (a floor)          |
+| cold fill              | the arena's bytes / the bandwidth at depth 32 (the daemon's batched reads)    |
+| least memory           | decoder + daemon + headroom + max(4, top-k) slots                             |
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..common.units import format_size, parse_size
+
+DECODER_BASE_BYTES = 360 << 20  # the decoder's own memory beside its dense weights (torch, numba, KV): 377 MB
+# measured on a 3.2 GiB model (peak RssAnon + last RssFile, `bench capped`'s warm-up), ~215 MB of it anonymous
+DAEMON_BASE_BYTES = 64 << 20  # the daemon's own memory beside its arena (measured 58 MB)
+HEADROOM_BYTES = 64 << 20  # kernel, reads in flight
+MIN_SLOTS = 4
+DEFAULT_BANDWIDTH = 1.0e9  # bytes/s of random expert reads, assumed without --probe
+DEFAULT_COMPUTE_RATE = 2.0e9  # bytes/s of quantized weights the CPU kernels get through, assumed
+DEFAULT_CURVE = "qwen3-235b"
+DEFAULT_SIZES = ("25%", "50%", "75%", "100%")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the forecast needs of a model (from its GGUF header)."""
+
+    moe_layers: int
+    n_expert: int
+    top_k: int
+    expert_bytes: float  # mean blob
+    slot_bytes: int
+    dense_bytes: int
+    file_bytes: int
+    parts: int = 3  # byte ranges per expert (gate, up, down; more with biases or scales)
+
+    @property
+    def demand_depth(self) -> int:
+        """Reads in flight in one layer's demand fetch: its top-k experts' parts."""
+        return self.top_k * self.parts
+
+    @property
+    def n_blobs(self) -> int:
+        return self.moe_layers * self.n_expert
+
+    @property
+    def active_bytes(self) -> float:
+        """Weight bytes one token's compute reads: its experts and every dense weight."""
+        return self.moe_layers * self.top_k * self.expert_bytes + self.dense_bytes
+
+
+@dataclass(frozen=True)
+class Forecast:
+    memory: int
+    slots: int
+    cached: float
+    hit_rate: float
+    missed_bytes_per_token: float
+    io_s: float
+    compute_s: float
+    tok_s: float
+    cold_fill_s: float
+
+
+def shape_of(layout: Any) -> Shape:
+    ex = layout.experts
+    return Shape(len(ex.moe_layers), ex.n_expert, layout.hparams.n_expert_used, ex.total_bytes / ex.n_blobs,
+                 ex.slot_bytes(True), layout.dense_bytes, layout.file_size, len(ex.parts(ex.moe_layers[0], 0)))
+
+
+def own_bytes(s: Shape) -> int:
+    """The decoder's and the daemon's memory beside the arena, with headroom."""
+    return s.dense_bytes + DECODER_BASE_BYTES + DAEMON_BASE_BYTES + HEADROOM_BYTES
+
+
+def least_memory(s: Shape) -> int:
+    return own_bytes(s) + max(MIN_SLOTS, s.top_k) * s.slot_bytes
+
+
+def curve_hit_rate(points: Sequence[tuple[float, float]], f: float) -> float:
+    """Linear between (0, 0), the curve's (share cached, hit rate) points and (1, 1)."""
+    pts = [(0.0, 0.0), *sorted(points), (1.0, 1.0)]
+    f = min(1.0, max(0.0, f))
+    for (f0, h0), (f1, h1) in zip(pts, pts[1:]):
+        if f <= f1:
+            return h0 + (h1 - h0) * (f - f0) / (f1 - f0) if f1 > f0 else h1
+    return 1.0
+
+
+def forecast(s: Shape, memory: int, hit_rate_at, bandwidth: float, compute_s: float,
+             fill_bandwidth: float | None = None) -> Forecast | None:
+    """One memory size's forecast (None: too small to run); `hit_rate_at(slots, share)` gives
+    the hit rate of an LRU of that many slots."""
+    slots = min(s.n_blobs, max(0, memory - own_bytes(s)) // s.slot_bytes)
+    if slots < max(MIN_SLOTS, s.top_k):
+        return None
+    return forecast_slots(s, memory, slots, hit_rate_at(slots, slots / s.n_blobs), bandwidth, compute_s, fill_bandwidth)
+
+
+def forecast_slots(s: Shape, memory: int, slots: int, hit_rate: float, bandwidth: float, compute_s: float,
+                   fill_bandwidth: float | None = None) -> Forecast:
+    """The forecast for an arena of `slots` whose LRU hits `hit_rate` of the experts asked for;
+    `bandwidth` at the demand fetch's depth, `fill_bandwidth` at the daemon's (default the same)."""
+    missed = (1.0 - hit_rate) * s.moe_layers * s.top_k * s.expert_bytes
+    io = missed / bandwidth
+    return Forecast(memory, slots, slots / s.n_blobs, hit_rate, missed, io, compute_s, 1.0 / (compute_s + io),
+                    slots * s.slot_bytes / (fill_bandwidth or bandwidth))
+
+
+def trace_hit_rate(path: str, expert_bytes: float):
+    """hit_rate_at() from an LRU replay of a routing trace (decode steps; the first warms it)."""
+    from ..common.traces import load_trace
+    from ..decoder.bench.routing_replay import ideal_lru
+
+    steps = load_trace(path)
+    return lambda slots, _f: ideal_lru(steps, slots, expert_bytes).get("hit_rate", 0.0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moestream plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("model", help="GGUF MoE file (the first part of a split model: every part is read)")
+    a("--memory", action="append", metavar="SIZE", help="memory for daemon + decoder: a size (8GiB) or a share of "
+      f"the model file (50%%); repeatable (default {', '.join(DEFAULT_SIZES).replace('%', '%%')})")
+    a("--probe", action="store_true", help="measure the disk: a few seconds of cold random expert reads, 32 in flight")
+    a("--bandwidth", type=float, default=DEFAULT_BANDWIDTH, metavar="BYTES/S",
+      help=f"the disk's bandwidth for random expert reads without --probe (default {DEFAULT_BANDWIDTH:.0e})")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--trace", metavar="FILE", help="hit rates from an LRU replay of this routing trace (.json/.npy)")
+    g.add_argument("--curve", default=None, help=f"hit rates from a published curve (default {DEFAULT_CURVE}; see "
+                   "`authoring.routing_curves`)")
+    a("--compute-tok-s", type=float, metavar="TOK/S", help="the decoder's measured resident tok/s (compute only)")
+    a("--compute-rate", type=float, default=DEFAULT_COMPUTE_RATE, metavar="BYTES/S",
+      help=f"without --compute-tok-s: weight bytes per second the kernels process (default {DEFAULT_COMPUTE_RATE:.0e})")
+    a("--json", action="store_true", help="one JSON object")
+    return p
+
+
+def plan(args: argparse.Namespace) -> dict[str, Any]:
+    from ..authoring.routing_curves import CURVES
+    from ..common.layout import ModelLayout
+    from ..common.units import parse_size as parse
+
+    layout = ModelLayout(args.model)
+    s = shape_of(layout)
+    if args.probe:
+        from ..decoder.bench.host_counters import disk_bandwidth
+
+        fill = disk_bandwidth(layout, 0)["bytes_per_s"]
+        bw = disk_bandwidth(layout, 1, 64 << 20, s.demand_depth)["bytes_per_s"]
+        bw_basis = f"measured (--probe) with {s.demand_depth} reads in flight; {fill / 1e9:.2f} GB/s with 32"
+    else:
+        bw = fill = args.bandwidth
+        bw_basis = "assumed (--bandwidth; --probe measures it)"
+    if args.compute_tok_s:
+        compute_s, c_basis = 1.0 / args.compute_tok_s, f"measured ({args.compute_tok_s} tok/s resident)"
+    else:
+        compute_s, c_basis = s.active_bytes / args.compute_rate, f"assumed ({args.compute_rate:.2g} B/s of weights)"
+    if args.trace:
+        hit, h_basis = trace_hit_rate(args.trace, s.expert_bytes), f"LRU replay of {args.trace}"
+    else:
+        name = args.curve or DEFAULT_CURVE
+        if name not in CURVES:
+            raise ValueError(f"unknown curve {name!r} (have: {', '.join(CURVES)})")
+        hit, h_basis = (lambda _n, f, p=CURVES[name]: curve_hit_rate(p, f)), f"curve {name}" + (
+            " (the default)" if args.curve is None else "")
+    sizes = [(t, parse(t, percent_of=s.file_bytes)) for t in (args.memory or DEFAULT_SIZES)]
+    return {"model": str(layout.path), "shape": asdict(s), "bandwidth": bw, "bandwidth_basis": bw_basis,
+            "compute_s": compute_s, "compute_basis": c_basis, "hit_rate_basis": h_basis,
+            "least_memory": least_memory(s), "own_bytes": own_bytes(s),
+            "fill_bandwidth": fill,
+            "forecasts": [{"memory_text": t, "memory": m, **_asdict(forecast(s, m, hit, bw, compute_s, fill))}
+                          for t, m in sizes]}
+
+
+def _asdict(f: Forecast | None) -> dict[str, Any]:
+    return asdict(f) if f is not None else {"too_small": True}
+
+
+def report(r: dict[str, Any]) -> str:
+    s = r["shape"]
+    lines = [f"moestream plan: {r['model']}: {format_size(s['file_bytes'])}, {s['moe_layers']} MoE layers x "
+             f"{s['n_expert']} experts (top {s['top_k']}), expert {format_size(round(s['expert_bytes']))}, dense "
+             f"{format_size(s['dense_bytes'])}",
+             f"disk {r['bandwidth'] / 1e9:.2f} GB/s {r['bandwidth_basis']}; compute {r['compute_s'] * 1e3:.1f} ms/token "
+             f"{r['compute_basis']}; hit rates: {r['hit_rate_basis']}",
+             f"least memory that runs: {format_size(r['least_memory'])} (decoder + daemon + headroom "
+             f"{format_size(r['own_bytes'])} + {max(MIN_SLOTS, s['top_k'])} slots)", "",
+             f"{'memory':>10} {'slots':>7} {'cached':>7} {'hit':>6} {'MB/token':>9} {'I/O ms':>8} {'tok/s':>7} "
+             f"{'cold fill s':>12}"]
+    for f in r["forecasts"]:
+        if f.get("too_small"):
+            lines.append(f"{f['memory_text']:>10}   too small: it runs from {format_size(r['least_memory'])}")
+            continue
+        lines.append(f"{f['memory_text']:>10} {f['slots']:>7} {f['cached']:>7.1%} {f['hit_rate']:>6.2f} "
+                     f"{f['missed_bytes_per_token'] / 1e6:>9.2f} {f['io_s'] * 1e3:>8.1f} {f['tok_s']:>7.2f} "
+                     f"{f['cold_fill_s']:>12.1f}")
+    lines.append("tok/s = 1 / (compute + I/O per token): the prefetch's overlap is not counted")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        r = plan(args)
+    except (OSError, ValueError) as e:
+        print(f"moestream plan: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(r, indent=2) if args.json else report(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
