@@ -349,15 +349,22 @@ def print_stats(result: GenerationResult, load_s: float, source_stats: dict, pre
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return run_main("moestream generate", lambda: run(config_from_args(args)))
+
+
+def run_main(prog: str, body: Callable[[], int], *, say_interrupted: bool = True) -> int:
+    """`body()` as a command's exit code: a failure the user can fix (`expected_error`) is one line
+    on stderr and 1, Ctrl-C 130; anything else is a bug and keeps its traceback."""
     try:
-        return run(config_from_args(args))
+        return body()
     except KeyboardInterrupt:
-        print("\nmoestream generate: interrupted", file=sys.stderr)
+        if say_interrupted:
+            print(f"\n{prog}: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # one clear line, not a traceback, for every expected failure
+    except Exception as e:
         if not expected_error(e):
             raise
-        print(f"moestream generate: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 1
 
 

@@ -107,20 +107,15 @@ def sigterm_as_exit() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .cli import run_main
+
     args = build_parser().parse_args(argv)
-    try:
+
+    def body() -> int:
         with sigterm_as_exit():
             return run(args)
-    except KeyboardInterrupt:
-        print("\nmoestream demo: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:
-        from .cli import expected_error
 
-        if not expected_error(e):
-            raise
-        print(f"moestream demo: {e}", file=sys.stderr)
-        return 1
+    return run_main("moestream demo", body)
 
 
 def run(args: argparse.Namespace) -> int:

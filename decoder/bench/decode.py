@@ -25,7 +25,6 @@ import contextlib
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -356,20 +355,15 @@ def report(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        _check(args)
-        result = _run(args)
-    except KeyboardInterrupt:
-        print("\nmoestream bench decode: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:
-        from ..cli import expected_error
+    from ..cli import run_main
 
-        if not expected_error(e):
-            raise
-        print(f"moestream bench decode: {e}", file=sys.stderr)
-        return 1
+    args = build_parser().parse_args(argv)
+    return run_main("moestream bench decode", lambda: _main(args))
+
+
+def _main(args: argparse.Namespace) -> int:
+    _check(args)
+    result = _run(args)
     if args.neighbour:
         from .neighbour import report as neighbour_report
 

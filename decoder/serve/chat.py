@@ -194,38 +194,31 @@ def command(chat: Chat, line: str, out: Any) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .config import ServeConfig
+    from ..cli import run_main
 
     args = build_parser().parse_args(argv)
-    engine = None
+    return run_main("moestream chat", lambda: _main(args), say_interrupted=False)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from ..generation.sampling import SamplingParams
+    from .config import ServeConfig
+    from .main import open_engine
+
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.min_p)  # validates them
+    cfg = ServeConfig(model=args.model, iod=args.iod, resident=args.resident, device=args.device,
+                      dtype=args.dtype, prefetch=args.prefetch, max_model_len=args.max_model_len,
+                      threads=args.threads, chat_template=args.chat_template,
+                      **({"prefix_cache_mb": args.prefix_cache_mb} if args.prefix_cache_mb is not None else {}))
+    _, tok, engine, limit = open_engine(cfg, "moestream-chat")
     try:
-        if args.max_tokens < 1:
-            raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-        from ..generation.sampling import SamplingParams
-
-        SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.min_p)  # validates them
-        cfg = ServeConfig(model=args.model, iod=args.iod, resident=args.resident, device=args.device,
-                          dtype=args.dtype, prefetch=args.prefetch, max_model_len=args.max_model_len,
-                          threads=args.threads, chat_template=args.chat_template,
-                          **({"prefix_cache_mb": args.prefix_cache_mb} if args.prefix_cache_mb is not None else {}))
-        from .main import open_engine
-
-        _, tok, engine, limit = open_engine(cfg, "moestream-chat")
         if not tok.chat_template:
             raise ConfigError("this model has no tokenizer.chat_template; use `moestream generate`")
         return repl(Chat(engine, tok, limit, args))
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:
-        from ..cli import expected_error
-
-        if not expected_error(e):
-            raise
-        print(f"moestream chat: {e}", file=sys.stderr)
-        return 1
     finally:
-        if engine is not None:
-            engine.close()
+        engine.close()
 
 
 if __name__ == "__main__":

@@ -107,17 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="moestream serve: %(message)s")
     logging.getLogger("moestream.serve.access").setLevel(logging.INFO)
-    try:
-        return serve(config_from_args(args))
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:  # one clear line for what the user can fix
-        from ..cli import expected_error
+    from ..cli import run_main
 
-        if not expected_error(e):
-            raise
-        print(f"moestream serve: {e}", file=sys.stderr)
-        return 1
+    return run_main("moestream serve", lambda: serve(config_from_args(args)), say_interrupted=False)
 
 
 if __name__ == "__main__":
