@@ -304,25 +304,6 @@ def is_grid(qtype):
 
 
 @njit(**_JIT)
-def grid_row_bytes(qtype, n_in):
-    """Bytes of one row of `n_in` values of a grid type."""
-    size = 66
-    if qtype == _IQ2_XS:
-        size = 74
-    elif qtype == _IQ2_S:
-        size = 82
-    elif qtype == _IQ3_XXS:
-        size = 98
-    elif qtype == _IQ3_S:
-        size = 110
-    elif qtype == _IQ1_S:
-        size = 50
-    elif qtype == _IQ1_M:
-        size = 56
-    return n_in // 256 * size
-
-
-@njit(**_JIT)
 def decode_grid_row(qtype, data, off, n_in, w):
     """The grid-type row at data[off:] -> w[:n_in] float32."""
     if qtype == _IQ2_XXS:

@@ -120,16 +120,12 @@ def test_llamacpp_logits_agree(quantized, tmp_path):
     assert close >= 0.5 and same >= 0.7, f"{close:.0%} of positions within 10 %, argmax agrees at {same:.0%}"
 
 
-# Weights used in place (`--no-repack`): the repacking buffer types crashed llama.cpp 0.3.36 on
-# this AMX-capable VM (SIGSEGV on a 256-wide Q8_0 model).
+# Weights used in place (`--no-repack`, as bench capped runs it): the repacking buffer types
+# crashed llama.cpp 0.3.36 on this AMX-capable VM (SIGSEGV on a 256-wide Q8_0 model).
 _CHILD = """
-import sys, numpy as np, llama_cpp, llama_cpp.llama_cpp as lib
-_default = lib.llama_model_default_params
-def _params():
-    p = _default()
-    p.use_extra_bufts = False
-    return p
-lib.llama_model_default_params = _params
+import sys, numpy as np, llama_cpp
+from moestream.decoder.bench.llamacpp_peer import _no_extra_bufts
+_no_extra_bufts()
 llm = llama_cpp.Llama(sys.argv[1], n_ctx=64, logits_all=True, verbose=False, n_threads=2)
 ids = [int(t) for t in sys.argv[2].split(",")]
 llm.eval(ids)
