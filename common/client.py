@@ -22,6 +22,10 @@ daemon's slots may be reused; its arena is not the new one), `part_view` of a vo
 `LeaseVoided`, releasing one is a no-op, and an expert source fetches it again. Dead is final:
 every request fails with `IodUnavailable` saying why.
 
+The arena's directory (`ArenaView.directory`, when the daemon publishes one) says which expert
+each slot holds: an expert source may compute one that is there without any request, checks
+the slot's sequence number afterwards, and reports such hits with `touch`.
+
 Recalls (the daemon needs room for another peer): a `recall` names leases to hand back soon;
 they are collected for the expert source (`take_recalled`), which releases those it is not
 computing from. A `recall` with `revoked` says the daemon took them back: they are void like
@@ -244,6 +248,16 @@ class IodClient:
         if keys:
             self._send_command(("release", keys, epoch))
 
+    def touch(self, keys: Iterable[tuple[int, int]]) -> None:
+        """Report experts computed straight from the arena through its directory (hits that took
+        no lease), so the daemon's decayed LFU and history see them. Never answered; dropped
+        while not connected (it is a hint)."""
+        keys = sorted({(int(layer), int(e)) for layer, e in keys})
+        for i in range(0, len(keys), P.MAX_KEYS):
+            # no wake-up: a hint rides with the next command or the I/O thread's next timer (waking
+            # it costs the compute thread a GIL hand-over per step)
+            self._send_command(("touch", keys[i:i + P.MAX_KEYS]), wake=False)
+
     def cancel(self, futures: Iterable[cf.Future]) -> None:
         """Cancel requests still pending (typically stale prefetches); leases that arrive anyway are released."""
         by_rid: dict[int, list] = {}
@@ -284,13 +298,14 @@ class IodClient:
         self.close()
 
     # -- hand-over to the I/O thread ------------------------------------------------------------
-    def _send_command(self, cmd: tuple) -> None:
+    def _send_command(self, cmd: tuple, wake: bool = True) -> None:
         if self._closed:  # no I/O thread to answer: fail what waits for an answer
             self._commands.put(cmd)
             self._io.fail_leftovers(IodUnavailable("client closed"))
             return
         self._commands.put(cmd)
-        os.eventfd_write(self._wake_fd, 1)
+        if wake:
+            os.eventfd_write(self._wake_fd, 1)
 
     def _set_state(self, state: State, dead: IodUnavailable | None = None) -> None:
         with self._changed:
@@ -317,7 +332,8 @@ class IodClient:
         if problem is not None:
             raise FingerprintMismatch(f"moestream-iod at {self.endpoint}: {problem}")
         try:
-            arena = ArenaView.attach(welcome["arena_name"], welcome["n_slots"], welcome["slot_bytes"])
+            arena = ArenaView.attach(welcome["arena_name"], welcome["n_slots"], welcome["slot_bytes"],
+                                     welcome.get("directory"))
         except ArenaError as e:
             raise IodUnavailable(str(e)) from None
         with self._lock:
@@ -533,6 +549,10 @@ class _IoThread(threading.Thread):
     def _cmd_release(self, keys: list[tuple[int, int]], epoch: int) -> None:
         if self.c.state is State.CONNECTED and epoch == self.c.epoch:  # else void: the daemon forgot them
             self._send(P.Release(keys[0][0], keys[0][1], [list(k) for k in keys[1:]] or None).encode())
+
+    def _cmd_touch(self, keys: list[tuple[int, int]]) -> None:
+        if self.c.state is State.CONNECTED:
+            self._send(P.Touch([list(k) for k in keys]).encode())
 
     def _cmd_cancel(self, rid: int, keys: list[tuple[int, int]]) -> None:
         req = self.requests.get(rid)

@@ -5,7 +5,7 @@ ROUTER adds the peer identity frame). No pickle, no extension types, size limits
 and lists. `decode` turns bytes into a typed message or raises `ProtocolError` carrying the
 `ErrorCode` for the `error` reply, so a bad message never reaches the daemon's logic.
 
-    client -> daemon: hello, fetch, release, cancel, ping, bye      (status socket: status)
+    client -> daemon: hello, fetch, release, cancel, touch, ping, bye      (status socket: status)
     daemon -> client: welcome, ready (one per expert), error, pong, recall  (status socket: status_reply)
 
 `recall` is additive (an older client logs it as an unknown reply and ignores it): the daemon
@@ -25,7 +25,7 @@ import msgpack
 # Where a system daemon (systemd/moestream-iod.service) listens; clients default to these.
 DEFAULT_ENDPOINT = "ipc:///run/moestream/iod.sock"
 DEFAULT_STATUS_ENDPOINT = "ipc:///run/moestream/status.sock"
-PROTOCOL_VERSION = 2  # 2: `cached` fetches, `release` with `more` pairs
+PROTOCOL_VERSION = 3  # 2: `cached` fetches, `release` with `more` pairs; 3: the arena directory, `touch`
 MAX_FRAME_BYTES = 256 << 10  # requests are small; anything bigger is refused unparsed
 MAX_REPLY_BYTES = 16 << 20  # status replies and welcomes can carry tables
 MAX_KEYS = 4096  # experts per fetch
@@ -174,6 +174,8 @@ class Welcome(Message):
     # A client that holds prefetched leases keeps them under this, or its own demand waits on them.
     lease_quota: int = 0
     queue_deadline_s: float = 0.0  # how long the daemon lets a request wait for arena room before `deadline`
+    # where the arena's Directory lies ({offset, n_keys, max_parts}, common.arena); None: it has none
+    directory: dict | None = None
 
 
 @dataclass
@@ -250,6 +252,19 @@ class Cancel(Message):
 
 
 @dataclass
+class Touch(Message):
+    """Experts this client computed straight from the arena (read through the directory, no
+    lease): the daemon counts them as hits. Never answered; a decoder sends one per step."""
+
+    op: ClassVar[str] = "touch"
+    keys: list
+
+    @classmethod
+    def from_map(cls, m: dict[str, Any]) -> Touch:
+        return cls(_keys(m.get("keys")))
+
+
+@dataclass
 class Ping(Message):
     op: ClassVar[str] = "ping"
     t: float = 0.0  # echoed in the pong; our client sends an integer ping id (0: its keepalive)
@@ -309,7 +324,7 @@ class StatusReply(Message):
     status: dict = field(default_factory=dict)
 
 
-REQUESTS: dict[str, type[Message]] = {c.op: c for c in (Hello, Fetch, Release, Cancel, Ping, Bye, Status)}
+REQUESTS: dict[str, type[Message]] = {c.op: c for c in (Hello, Fetch, Release, Cancel, Touch, Ping, Bye, Status)}
 REPLIES: dict[str, type[Message]] = {c.op: c for c in (Welcome, Ready, Error, Pong, StatusReply, Recall)}
 
 

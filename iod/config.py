@@ -65,6 +65,9 @@ class IodConfig:
     backend: str = "auto"
     queue_depth: int = 32
     direct: bool = False
+    # Publish which expert each arena slot holds (common.arena.Directory), so a decoder computes
+    # an expert already in the arena without a round trip; off: every use is a fetch and a lease.
+    directory: bool = True
     lease_timeout_s: float = 30.0
     socket_group: str | None = None
     socket_mode: int = 0o660  # ipc socket files and the shm arena
@@ -194,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--backend", choices=BACKENDS, help="reader: io_uring, a preadv thread pool, or auto (uring, else threads with a note)")
     a("--queue-depth", type=int, metavar="N", help="reads in flight at the device (default 32)")
     a("--direct", action=argparse.BooleanOptionalAction, default=None, help="O_DIRECT reads (bypass the page cache)")
+    a("--directory", action=argparse.BooleanOptionalAction, default=None,
+      help="publish a read-only directory of the arena (which expert each slot holds) so decoders compute experts "
+      "already there without a round trip (default on; --no-directory: every use is a fetch and a lease)")
     a("--lease-timeout", type=float, dest="lease_timeout_s", metavar="SECONDS", help="seconds without a message before a client's leases are freed (default 30)")
     a("--client-lease-share", type=float, metavar="SHARE",
       help="share of the arena's slots one client may hold leases on (with its requests in progress), e.g. 0.5; "

@@ -6,17 +6,23 @@ or loading slot is never chosen for eviction and its bytes never change under a 
 Each (re)load of a slot bumps its generation: a lease names (slot, generation), so a stale
 release can never unpin someone else's data.
 
+It also keeps the arena's `Directory` (when the arena has one) in step: a slot is marked as being
+written before a load may overwrite it and published once its bytes are complete, so decoders
+can compute an expert that is already here without a lease (`common.arena.Directory`).
+
 Runs on the daemon's event loop only (no locks).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from moestream.common.arena import Arena
 from moestream.common.policy import CacheFull, SlotPolicy
 
 Key = tuple[int, int]  # (layer, expert)
+PartNames = Callable[[int, int], list[str]]  # (layer, expert) -> its part names, in the layout's order
 
 
 @dataclass
@@ -30,10 +36,19 @@ class SlotInfo:
 
 
 class HostCache:
-    def __init__(self, arena: Arena, decay: float = 0.9):
+    def __init__(self, arena: Arena, decay: float = 0.9, n_expert: int = 0, part_names: PartNames | None = None):
+        """`n_expert` and `part_names` (a key's part names, in the layout's order) are what the
+        arena's directory needs to publish a slot; without a directory they are unused."""
         self.arena = arena
         self.policy = SlotPolicy(arena.n_slots, decay)
         self.slots = [SlotInfo() for _ in range(arena.n_slots)]
+        self.directory = getattr(arena, "directory", None)
+        self.n_expert, self.part_names = n_expert, part_names
+        if self.directory is not None and (n_expert < 1 or part_names is None):
+            raise ValueError("an arena with a directory needs the model's n_expert and part names")
+
+    def _index(self, key: Key) -> int:
+        return key[0] * self.n_expert + key[1]
 
     def lookup_ready(self, key: Key) -> int | None:
         """The slot holding `key` complete (counted as a policy access), else None."""
@@ -51,8 +66,11 @@ class HostCache:
             return None
         info = self.slots[slot]
         assert info.leases == 0, "policy evicted a leased slot"
+        evicted = info.key
         info.key, info.ready, info.parts, info.nbytes = key, False, {}, 0
         info.generation += 1
+        if self.directory is not None:
+            self.directory.loading(slot, info.generation, None if evicted is None else self._index(evicted))
         return slot
 
     def finish_load(self, slot: int, parts: dict[str, tuple[int, int]]) -> None:
@@ -60,6 +78,9 @@ class HostCache:
         info = self.slots[slot]
         info.ready, info.parts = True, parts
         info.nbytes = sum(n for _, n in parts.values())
+        if self.directory is not None:
+            offsets = [parts[name][0] for name in self.part_names(*info.key)]
+            self.directory.ready(slot, info.generation, self._index(info.key), offsets)
 
     def unpin_load(self, slot: int) -> None:
         key = self.slots[slot].key
@@ -70,6 +91,15 @@ class HostCache:
         info = self.slots[slot]
         self.policy.remove(info.key)
         info.key, info.ready, info.parts, info.nbytes = None, False, {}, 0
+
+    def touch(self, key: Key) -> bool:
+        """A decoder computed `key` straight from the arena (a lease-free hit): count it as an
+        access, as a leased hit is. False when the key is not here (evicted since)."""
+        slot = self.policy.slot_of(key)
+        if slot is None or not self.slots[slot].ready:
+            return False
+        self.policy.touch(key)
+        return True
 
     def lease(self, slot: int) -> int:
         """Pin a ready slot for one client lease; returns its generation."""

@@ -22,8 +22,8 @@ import sys
 
 import zmq
 
-from moestream.common.arena import Arena, ArenaError
-from moestream.common.layout import ModelFormatError
+from moestream.common.arena import MAX_PARTS, Arena, ArenaError
+from moestream.common.layout import ModelFormatError, ModelLayout
 from moestream.common.units import format_size
 
 from . import logs
@@ -97,9 +97,11 @@ def run(cfg: IodConfig) -> int:
         # Arena before reader: the reader (closed first) must stop writing before the arena goes.
         for name in Arena.remove_stale():
             log.warning("removed /dev/shm/%s left by a daemon that died without cleaning up", name)
-        arena = Arena.create(n_slots, slot_bytes, mode=cfg.socket_mode, group=cfg.socket_group)
+        arena = Arena.create(n_slots, slot_bytes, mode=cfg.socket_mode, group=cfg.socket_group,
+                             n_keys=directory_keys(cfg, layout))
         stack.callback(arena.close)
-        reader = open_reader([str(f.path) for f in layout.files], backend=cfg.backend,  # one descriptor per part depth=cfg.queue_depth, direct=cfg.direct,
+        reader = open_reader([str(f.path) for f in layout.files], backend=cfg.backend,  # one descriptor per part
+                             depth=cfg.queue_depth, direct=cfg.direct,
                              ahead_depth=cfg.queue_depth - cfg.reserved(cfg.queue_depth))
         stack.callback(reader.close)
         if reader.note:
@@ -120,6 +122,15 @@ def run(cfg: IodConfig) -> int:
             signal.signal(sig, signal.SIG_IGN)
         log.info("stopped")
     return 0
+
+
+def directory_keys(cfg: IodConfig, layout: ModelLayout) -> int:
+    """Keys of the arena's directory: every (layer, expert), or 0 for none (turned off, or an
+    expert of more parts than a directory entry places)."""
+    ex = layout.experts
+    if not cfg.directory or len(ex.parts(ex.moe_layers[0], 0)) > MAX_PARTS:
+        return 0
+    return ex.n_layer * ex.n_expert
 
 
 def own_memory() -> int:

@@ -51,7 +51,8 @@ class Server:
                  daemon_bytes: int = 0):
         self.cfg, self.layout, self.reader, self.arena = cfg, layout, reader, arena
         self.pid = os.getpid()
-        self.cache = HostCache(arena)
+        self.cache = HostCache(arena, n_expert=layout.experts.n_expert,
+                               part_names=lambda layer, e: [p.name for p in layout.experts.parts(layer, e)])
         # One expert load per device place: each load is >= 1 read (3 parts, or fewer once neighbours
         # merge), so `queue_depth` loads keep the reader `queue_depth` deep; the reader itself
         # caps what is at the device and takes demand chunks first. (Dividing by the parts per
@@ -336,6 +337,8 @@ class Server:
             self._release(c, msg)
         elif isinstance(msg, P.Cancel):
             self._cancel(c, msg)
+        elif isinstance(msg, P.Touch):
+            self._touch(c, msg)
         elif isinstance(msg, P.Bye):
             self._drop_client(c)
 
@@ -350,7 +353,7 @@ class Server:
         self.send(ident, P.Welcome(P.PROTOCOL_VERSION, self.layout.fingerprint.as_dict(), a.name, a.n_slots,
                                     a.slot_bytes, self.layout.experts.summary(), self.heartbeat_s,
                                     self.cfg.lease_timeout_s, self.fair.quota_int() or 0,
-                                    self.cfg.queue_deadline_s).encode())
+                                    self.cfg.queue_deadline_s, a.directory_geometry).encode())
 
     def _add_client(self, ident: bytes, msg: P.Hello, peer: Peer | None) -> None:
         c = ClientState(ident, msg.name or f"client-{msg.pid}", msg.pid, time.monotonic(),
@@ -452,6 +455,20 @@ class Server:
         n += c.remove_parked(lambda w: w.rid == msg.rid and (keys is None or w.key in keys))
         c.answered(msg.rid, n)
         self.pump()
+
+    def _touch(self, c: ClientState, msg: P.Touch) -> None:
+        """Experts `c` computed straight from the arena (the directory): counted as the hits
+        they are, for the decayed LFU, the request history and `moestream status`. No reply."""
+        index = self.layout.experts
+        for key in msg.keys:
+            if key[0] >= index.n_layer or key[1] >= index.n_expert:
+                raise P.ProtocolError(P.ErrorCode.OUT_OF_RANGE, f"touch of expert {key} not in "
+                                      f"[0,{index.n_layer}) x [0,{index.n_expert})")
+        for key in msg.keys:
+            self.stats.hot[key] += 1
+            if self.cache.touch(key):  # (else evicted since: the access still counts in the history)
+                c.n.direct_hits += 1
+                self.stats.totals.direct_hits += 1
 
     def _release(self, c: ClientState, msg: P.Release) -> None:
         bad = []

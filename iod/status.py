@@ -2,6 +2,8 @@
 
 `hits + joined + misses == requests`: a hit found the expert complete in the arena, a join
 attached to a read already queued or running (single-flight), a miss queued a new read.
+`direct_hits` are not requests: experts a decoder computed straight from the arena through its
+directory, no lease, reported afterwards (`touch`); the hit rate counts them as the hits they are.
 `bytes_served` is the sum of the blob sizes of every `ready` sent; `bytes_read` the blob bytes
 the readers delivered; `disk_read_bytes` what the kernel says this process read from storage.
 Depth: `queues.in_flight` counts expert loads reading, `reader.in_flight` the device reads
@@ -52,6 +54,7 @@ class ClientCounters:
     deadline: int = 0  # requests answered `deadline` (no arena room within queue_deadline_s)
     recalled: int = 0  # leases the daemon asked back (another share needed the room)
     revoked: int = 0  # recalled leases not given back within recall_grace_s, taken back
+    direct_hits: int = 0  # experts computed from the arena through the directory (reported by `touch`)
 
 
 class Samples:
@@ -136,7 +139,9 @@ def build_status(server: Server, hottest: int = 10) -> dict[str, Any]:
         "memory": {"budget": cfg.memory, "daemon_bytes": server.daemon_bytes,  # budget None: arena sized directly
                    "arena_bytes": server.arena.n_slots * server.arena.slot_bytes},
         "requests": t.requests, "hits": t.hits, "joined": t.joined, "misses": t.misses,
-        "hit_rate": (t.hits + t.joined) / t.requests if t.requests else 0.0,
+        "direct_hits": t.direct_hits,
+        "hit_rate": (t.hits + t.joined + t.direct_hits) / (t.requests + t.direct_hits)
+        if t.requests + t.direct_hits else 0.0,
         "readies": t.readies, "releases": t.releases, "errors": t.errors,
         "replies_dropped": t.replies_dropped, "client_busy": t.busy,
         "errors_by_code": dict(st.errors_by_code),

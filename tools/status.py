@@ -109,8 +109,9 @@ def format_status(s: dict[str, Any]) -> str:
                     + (f"  ({b['note']})" if b["note"] else "")),
         ("arena", f"{a['name']}: {a['n_slots']} slots x {_mib(a['slot_bytes'])} = {_mib(a['arena_bytes'])}; "
                   f"{a['resident']} resident, {a['loading']} loading, {a['leased_slots']} leased"),
-        ("requests", f"{s['requests']:,}: {s['hits']:,} hits, {s['joined']:,} joined, {s['misses']:,} misses "
-                     f"(hit rate {s['hit_rate']:.1%})"),
+        ("requests", f"{s['requests']:,}: {s['hits']:,} hits, {s['joined']:,} joined, {s['misses']:,} misses; "
+                     f"{s.get('direct_hits', 0):,} read straight from the arena by decoders (hit rate "
+                     f"{s['hit_rate']:.1%})"),
         ("bytes", f"served {_mib(s['bytes_served'])}, read {_mib(s['bytes_read'])} in {s['reads']:,} reads, "
                   f"disk {_mib(s['disk_read_bytes'])}; {s['read_mb_s']:.1f} MB/s (last 10 s)"),
         ("queues", f"now {q['queued_now']}, ahead {q['queued_ahead']}, reading {q['reading']}/{q['max_inflight']}; "

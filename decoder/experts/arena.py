@@ -3,20 +3,28 @@
 A decoder on CPU keeps no expert memory of its own. For each layer, `ArenaExperts.mix`:
 
 1. routes and lists the wanted experts (ascending);
-2. joins this layer's prefetches whose lease already came (`Prefetches.take`); every other
-   wanted expert — including a prefetch still in flight, which is cancelled so that it cannot
-   queue behind other prefetches — goes out in one `fetch now` message;
-3. sends the predictions deferred until now (`prefetch_ahead(..., defer=True)`), so they queue
-   behind this layer's demand at the daemon, which reads `now` before `ahead`. Predictions come
-   in two strengths: `ahead` (read from disk if need be: each token's top-1 guess by default, a
-   wrong guess costs a read and an eviction) and `cached` (the rest of the top-k: leased only if
-   the arena already holds them, never read: a right guess then costs the layer no round trip);
-4. computes the experts whose leases have arrived (one kernel call per batch of arrivals),
+2. joins this layer's prefetches whose lease already came (`Prefetches.take`);
+3. looks the others up in the arena's directory (`common.arena.Directory`, published by the
+   daemon): those the arena holds complete are computed straight from their slots with no
+   request and no lease — a hit costs no round trip. Every other wanted expert — including a
+   prefetch still in flight, which is cancelled so that it cannot queue behind other
+   prefetches — goes out in one `fetch now` message, before the hits are computed;
+4. sends the predictions deferred until now (`prefetch_ahead(..., defer=True)`), so they queue
+   behind this layer's demand at the daemon, which reads `now` before `ahead`. With a
+   directory, predicted experts the arena holds are not asked for at all; without one,
+   predictions come in two strengths: `ahead` (read from disk if need be: each token's top-1
+   guess by default) and `cached` (the rest of the top-k: leased only if the arena already
+   holds them, never read);
+5. computes the hits (one kernel call), then checks each hit's slot sequence number: a slot the
+   daemon began to overwrite meanwhile (another decoder's miss evicted it) is fetched `now` and
+   computed again from a lease; the step's hits go to the daemon's decayed LFU in one `touch`
+   message at the next step, never waited on;
+6. computes the experts whose leases have arrived (one kernel call per batch of arrivals),
    straight from the read-only arena slots (`quant_experts.run_experts`, zero copies), and
    releases those leases at once: the slots stay in the daemon's host tier (decayed LFU,
    shared by every decoder) until evicted;
-5. sums the outputs in ascending expert order (`experts.combine`): bit-identical to
-   `QuantResidentExperts` on the same file.
+7. sums the outputs in ascending expert order (`experts.combine`): bit-identical to
+   `QuantResidentExperts` on the same file, however the experts came.
 
 A daemon restart voids every lease of the lost connection (the client reconnects and sends
 the requests still outstanding again): a void lease, landed before the loss or voided while
@@ -33,8 +41,9 @@ arena stayed full of others' leases for the daemon's queue deadline) is not fata
 expert is asked for again, until `fetch_timeout_s` of such waits in all (`--stats` says how long
 it waited and on whom).
 
-Each wanted expert is in one state at a time: requested (a future), computing (its lease
-held by this thread), done (its output kept, lease released) — owned by `mix`'s loop.
+Each wanted expert is in one state at a time: a hit (found in the directory, computed, then
+checked), requested (a future), computing (its lease held by this thread), done (its output
+kept, lease released) — owned by `mix`'s loop.
 """
 
 from __future__ import annotations
@@ -151,17 +160,21 @@ class ArenaExperts(ExpertSource):
         share = min(n_slots // 2, client.lease_quota or n_slots)
         limit = prefetch_limit if prefetch_limit is not None else share - layout.hparams.n_expert_used
         self.prefetches = Prefetches(client, limit)
-        self._base: np.ndarray | None = None  # the arena as one array (`_base_for`), re-made after a reconnect
+        self._base: np.ndarray | None = None  # the arena as one array (`_base_of`), re-made after a reconnect
         self._base_arena: ArenaView | None = None
+        self._mats_memo: dict[tuple[int, int], tuple[int, Mats]] = {}  # (layer, e) -> (slot, its matrices)
+        self._touched: set[tuple[int, int]] = set()  # this step's lease-free hits, reported at the next
+        self._n_expert = layout.experts.n_expert
         self._deferred: list[tuple[Predictions, Predictions]] = []  # sent after the next layer's demand
         self._closed = False
-        self.c: dict[str, Any] = dict.fromkeys(("acquired", "demand", "refetched", "voided", "bytes_fetched",
-                                                "deadlines"), 0)
+        self.c: dict[str, Any] = dict.fromkeys(("acquired", "direct", "demand", "refetched", "voided", "changed",
+                                                "bytes_fetched", "deadlines"), 0)
         self.c.update(stall_s=0.0, compute_s=0.0, deadline_wait_s=0.0, waited_on="")
         self._deadline_since: dict[tuple[int, int], float] = {}  # expert -> its first `deadline` in a row
 
     # -- ExpertSource ----------------------------------------------------------------------
     def begin_step(self) -> None:
+        self._report_touched()
         self._deferred.clear()
         self._deadline_since.clear()
         self.prefetches.clear()
@@ -176,6 +189,12 @@ class ArenaExperts(ExpertSource):
             self._send(predictions, if_cached or {})
 
     def _send(self, predictions: Predictions, if_cached: Predictions) -> None:
+        arena = self.client.arena
+        if arena is not None and arena.directory is not None:
+            # what the arena holds needs no lease: a guess that it holds is no message at all
+            predictions = {layer: [e for e in es if e not in self._look_up(arena, layer, list(es))]
+                           for layer, es in predictions.items()}
+            if_cached = {}
         self.prefetches.send(predictions, "ahead")
         if any(if_cached.values()):
             self.prefetches.send(if_cached, "cached")
@@ -183,10 +202,16 @@ class ArenaExperts(ExpertSource):
     def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         self.prefetches.hand_back_recalled()
         groups = group_by_expert(ids)
-        pending = self._request(layer, sorted(groups))
+        wanted = sorted(groups)
+        landed = self.prefetches.take(layer, wanted)
+        arena = self.client.arena  # (one arena for the lookup and the compute: a reconnect swaps it)
+        direct = self._look_up(arena, layer, [e for e in wanted if e not in landed])
+        pending = self._request(layer, [e for e in wanted if e not in landed and e not in direct], landed)
         outputs = {}
         retries: dict[int, int] = {}
         try:
+            if direct:  # computed while the misses are on their way
+                outputs.update(self._compute_direct(arena, layer, x, groups, weights, direct, pending, retries))
             for leases in self._arrivals(layer, pending, retries):
                 t0 = time.perf_counter()
                 try:
@@ -215,7 +240,9 @@ class ArenaExperts(ExpertSource):
         if self._closed:
             return
         self._closed = True
+        self._report_touched()
         self._base = self._base_arena = None  # the arena mapping can go with the client
+        self._mats_memo.clear()
         try:
             self.prefetches.clear()
         except IodUnavailable:
@@ -224,11 +251,9 @@ class ArenaExperts(ExpertSource):
             self.client.close()
 
     # -- internals ---------------------------------------------------------------------------
-    def _request(self, layer: int, wanted: list[int]) -> dict[cf.Future, int]:
-        """Futures of every wanted expert: landed prefetches joined, the rest in one `fetch now`;
-        then the deferred predictions. Returns {future: expert}."""
-        landed = self.prefetches.take(layer, wanted)
-        fresh = [e for e in wanted if e not in landed]
+    def _request(self, layer: int, fresh: list[int], landed: dict[int, cf.Future]) -> dict[cf.Future, int]:
+        """Futures of every expert still owed: the landed prefetches, the `fresh` ones in one
+        `fetch now`; then the deferred predictions. Returns {future: expert}."""
         pending = {f: e for e, f in landed.items()}
         if fresh:
             pending.update(zip(self.client.fetch([(layer, e) for e in fresh], "now"), fresh))
@@ -237,6 +262,64 @@ class ArenaExperts(ExpertSource):
         for predictions, if_cached in deferred:
             self._send(predictions, if_cached)
         return pending
+
+    # -- lease-free hits (the arena's directory) ----------------------------------------------------
+    def _look_up(self, arena: ArenaView | None, layer: int, experts: list[int]) -> dict[int, tuple[int, int]]:
+        """{expert: (slot, seq)} of those `arena` holds complete now, by its directory (none
+        without one)."""
+        d = arena.directory if arena is not None else None
+        if d is None or not experts:
+            return {}
+        es = np.asarray(experts, dtype=np.int64)  # [n]
+        slots, seqs, present = d.lookup(layer * self._n_expert + es)  # [n] each
+        return {int(e): (int(s), int(q)) for e, s, q, ok in zip(es, slots, seqs, present) if ok}
+
+    def _compute_direct(self, arena: ArenaView, layer: int, x: torch.Tensor, groups: Any, weights: torch.Tensor,
+                        direct: dict[int, tuple[int, int]], pending: dict[cf.Future, int],
+                        retries: dict[int, int]) -> dict[int, Any]:
+        """Outputs of the experts found through the directory, computed from their slots without a
+        lease; an expert whose slot changed meanwhile (evicted, reloaded) is fetched `now` instead."""
+        t0 = time.perf_counter()
+        base = self._base_of(arena)
+        mats = {e: self._slot_mats(layer, e, slot, arena) for e, (slot, _) in direct.items()}
+        computed = run_experts(x, groups, weights, base, mats, self.layout.spec.expert_act)
+        es = sorted(direct)
+        same = arena.directory.unchanged(np.array([direct[e][0] for e in es]), np.array([direct[e][1] for e in es],
+                                                                                       dtype=np.uint64))
+        out = {}
+        for e, ok in zip(es, same):
+            if ok:
+                out[e] = computed[e]
+                self._touched.add((layer, e))
+            else:
+                self._refetch(layer, e, "changed", pending, retries)
+        self.c["direct"] += len(out)
+        self.c["compute_s"] += time.perf_counter() - t0
+        return out
+
+    def _slot_mats(self, layer: int, e: int, slot: int, arena: ArenaView) -> Mats:
+        """Expert (layer, e)'s matrices in `slot`, where the directory places its parts (kept per
+        expert while it stays in the same slot: the offsets of a key's parts never change)."""
+        memo = self._mats_memo.get((layer, e))
+        if memo is not None and memo[0] == slot:
+            return memo[1]
+        parts = self.layout.experts.parts(layer, e)
+        offs = arena.directory.slot_offs[slot]  # [MAX_PARTS]
+        start = slot * arena.slot_bytes
+        base = self._base_of(arena)
+        views = {p.name: base[start + int(offs[i]):start + int(offs[i]) + p.nbytes] for i, p in enumerate(parts)}
+        mats = expert_mats(parts, views)
+        self._mats_memo[(layer, e)] = (slot, mats)
+        return mats
+
+    def _report_touched(self) -> None:
+        """The step's lease-free hits, to the daemon's LFU: one message, not waited on."""
+        if self._touched:
+            touched, self._touched = self._touched, set()
+            try:
+                self.client.touch(touched)
+            except IodUnavailable:
+                pass  # a hint: a gone daemon needs none
 
     def _arrivals(self, layer: int, pending: dict[cf.Future, int],
                   retries: dict[int, int]) -> Iterator[dict[int, Lease]]:
@@ -288,7 +371,7 @@ class ArenaExperts(ExpertSource):
         if why == P.ErrorCode.BUSY.value:
             time.sleep(min(0.001 * 2 ** retries[e], 0.1))  # the daemon's queue is full: back off
         pending[self.client.fetch([(layer, e)], "now")[0]] = e
-        self.c["voided" if why == "voided" else "refetched"] += 1
+        self.c[why if why in ("voided", "changed") else "refetched"] += 1
 
     def _waited_deadline(self, layer: int, e: int, exc: BaseException | None) -> None:
         """The daemon gave up waiting for arena room (`deadline`): others hold it. Ask again, until
@@ -317,17 +400,28 @@ class ArenaExperts(ExpertSource):
         return run_experts(x, groups, weights, base, mats, self.layout.spec.expert_act) if mats else {}
 
     def _base_for(self, lease: Lease) -> np.ndarray:
-        """The arena `lease` lives in, as one uint8 array (re-made when a reconnect brought a new arena)."""
-        arena = self.client.arena_of(lease)
+        """The arena `lease` lives in, as one uint8 array."""
+        return self._base_of(self.client.arena_of(lease))
+
+    def _base_of(self, arena: ArenaView) -> np.ndarray:
+        """`arena` as one uint8 array (re-made when a reconnect brought a new arena, and with it
+        the matrices kept over the old one)."""
         if arena is not self._base_arena:
             self._base, self._base_arena = np.frombuffer(arena.whole(), dtype=np.uint8), arena
+            self._mats_memo.clear()
         return self._base
 
     def _mats(self, layer: int, lease: Lease, base: np.ndarray) -> Mats:
-        """The leased expert's matrices: views into the arena array `base`, no copy."""
+        """The leased expert's matrices: views into the arena array `base`, no copy (kept per
+        expert while it stays in the same slot)."""
+        memo = self._mats_memo.get((layer, lease.expert))
+        if memo is not None and memo[0] == lease.slot:
+            return memo[1]
         start = lease.slot * self._base_arena.slot_bytes
         views = {name: base[start + off:start + off + n] for name, (off, n) in lease.parts.items()}
-        return expert_mats(self.layout.experts.parts(layer, lease.expert), views)
+        mats = expert_mats(self.layout.experts.parts(layer, lease.expert), views)
+        self._mats_memo[(layer, lease.expert)] = (lease.slot, mats)
+        return mats
 
 
 def open_arena(layout: ModelLayout, endpoint: str, *, timeout_s: float = 5.0, fetch_timeout_s: float = 60.0,
@@ -347,9 +441,11 @@ def open_arena(layout: ModelLayout, endpoint: str, *, timeout_s: float = 5.0, fe
 def describe_stats(st: dict[str, Any]) -> str:
     """The arena source's counters for people."""
     p = st["prefetch"]
-    lines = [f"experts: {st['acquired']} used, {st['demand']} fetched now, {st['bytes_fetched'] / 2**20:.1f} MiB "
-             f"delivered, stall {st['stall_s'] * 1e3:.1f} ms, compute {st['compute_s'] * 1e3:.1f} ms"
-             + (f", {st['refetched']} refetched" if st["refetched"] else "")]
+    lines = [f"experts: {st['acquired']} used, {st['direct']} read straight from the arena (no request), "
+             f"{st['demand']} fetched now, {st['bytes_fetched'] / 2**20:.1f} MiB delivered, stall "
+             f"{st['stall_s'] * 1e3:.1f} ms, compute {st['compute_s'] * 1e3:.1f} ms"
+             + (f", {st['refetched']} refetched" if st["refetched"] else "")
+             + (f", {st['changed']} computed again (their slot was reloaded meanwhile)" if st["changed"] else "")]
     if st.get("deadlines"):
         each = st["deadline_wait_s"] / st["deadlines"]
         lines.append(f"waited for arena room: {st['deadlines']} requests waited out the daemon's queue deadline "

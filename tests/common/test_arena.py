@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from moestream.common.arena import Arena, ArenaError, ArenaView
@@ -85,3 +86,45 @@ def test_close_twice_and_with_slot_views_held():
     assert not os.path.exists(a.path)
     mine[0] = 7  # the memory lives on with the last view
     assert theirs[0] == 0
+
+
+def test_directory_publishes_ready_slots_and_every_overwrite_is_seen():
+    """The seqlock: a reader finds only complete slots of the key it asks for, and a slot marked
+    for rewriting after its lookup (evicted, reloaded, even with the same key) reads as changed."""
+    from moestream.common.arena import Directory
+
+    a = Arena.create(3, 4096, n_keys=10)
+    try:
+        v = ArenaView.attach(a.name, 3, 4096, a.directory_geometry)
+        w, r = a.directory, v.directory
+        keys = np.array([4, 7], dtype=np.int64)
+        assert not r.lookup(keys)[2].any()  # nothing loaded yet
+        w.loading(1, 1, evicted=None)
+        assert not r.lookup(keys)[2].any()  # being read: not published
+        w.ready(1, 1, 4, [0, 8192, 12288])
+        slots, seqs, present = r.lookup(keys)
+        assert present.tolist() == [True, False] and slots[0] == 1 and list(r.slot_offs[1, :3]) == [0, 8192, 12288]
+        assert r.unchanged(slots[:1], seqs[:1]).all()
+        w.loading(1, 2, evicted=4)  # evicted for another key
+        assert not r.unchanged(slots[:1], seqs[:1]).any() and not r.lookup(keys)[2].any()
+        w.ready(1, 2, 4, [0, 8192, 12288])  # the same key again: a new generation, still a change
+        assert not r.unchanged(slots[:1], seqs[:1]).any() and r.lookup(keys)[2][0]
+        assert Directory.nbytes(10, 3) % 4096 == 0 and os.stat(a.path).st_size == 3 * 4096 + Directory.nbytes(10, 3)
+        with pytest.raises(ValueError, match="read-only"):
+            r.key_slot[0] = 1  # a decoder cannot change what others read
+        v.close()
+    finally:
+        a.close()
+
+
+def test_directory_geometry_must_match():
+    a = Arena.create(2, 4096, n_keys=5)
+    try:
+        geo = a.directory_geometry
+        for bad in ({**geo, "offset": 4096}, {**geo, "max_parts": 4}, {"offset": geo["offset"]}):
+            with pytest.raises(ArenaError, match="directory"):
+                ArenaView.attach(a.name, 2, 4096, bad)
+        with pytest.raises(ArenaError, match="directory's header"):
+            ArenaView.attach(a.name, 2, 4096, {**geo, "n_keys": 4})
+    finally:
+        a.close()

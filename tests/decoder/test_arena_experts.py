@@ -126,18 +126,20 @@ def test_a_prefetch_that_failed_is_fetched_again_now(setups, start_daemon):
         assert torch.equal(got, want)
         p = src.stats()["prefetch"]
         assert p["useful"] + p["not_cached"] == 5 and p["not_cached"] == 1  # the dropped one was no use
-        assert src.stats()["demand"] == failed >= 1
+        st = src.stats()  # each failed one is fetched `now`, or read where the arena has it already
+        assert st["demand"] + st["direct"] == failed >= 1
 
 
 def test_predictions_if_cached_never_read(setups, start_daemon):
-    """`cached` prefetches lease what the arena holds and never cause a read; a right guess then
-    leaves the layer nothing to wait for."""
+    """`cached` prefetches (a daemon without a directory) lease what the arena holds and never
+    cause a read; a right guess then leaves the layer nothing to wait for."""
     from moestream.tools.status import get_status
 
     s = setups("Q8_0")
-    daemon = start_daemon(s.path, arena_slots=8)
+    daemon = start_daemon(s.path, arena_slots=8, extra_args=["--no-directory"])
     x, weights, ids = torch.randn(1, s.layout.hparams.n_embd), torch.full((1, 2), 0.5), torch.tensor([[1, 2]])
     with open_arena(s.layout, daemon.endpoint, prefetch_limit=8) as src, QuantResidentExperts(s.layout) as resident:
+        assert src.client.arena.directory is None
         src.prefetch_ahead({}, if_cached={0: [1, 2]})  # nothing in the arena yet
         got = src.mix(0, x, weights, ids)
         reads = get_status(daemon.status_endpoint)["reads"]
@@ -149,6 +151,65 @@ def test_predictions_if_cached_never_read(setups, start_daemon):
         p = src.stats()["prefetch"]
         assert get_status(daemon.status_endpoint)["reads"] == reads  # no read for 5, none for 1, 2
         assert (p["hidden"] - before["hidden"]) + (p["late"] - before["late"]) == 2  # both guesses used
+
+
+def test_experts_in_the_arena_cost_no_request(setups, start_daemon, wait_status):
+    """With the daemon's directory, an expert already in the arena is computed without a fetch or
+    a lease (and a guess that it is there sends nothing); the hit reaches the daemon afterwards."""
+    s = setups("Q8_0")
+    daemon = start_daemon(s.path, arena_slots=8)
+    x, weights, ids = torch.randn(2, s.layout.hparams.n_embd), torch.full((2, 2), 0.5), torch.tensor([[1, 2], [2, 6]])
+    with open_arena(s.layout, daemon.endpoint, prefetch_limit=8) as src, QuantResidentExperts(s.layout) as resident:
+        want = resident.mix(0, x, weights, ids)
+        assert torch.equal(src.mix(0, x, weights, ids), want)  # cold: three fetches
+        first = wait_status(daemon.status_endpoint, lambda st: st["requests"] == 3 and st["arena"]["leases"] == 0)
+        src.begin_step()
+        src.prefetch_ahead({0: [1, 2, 6]}, if_cached={0: [3]})  # all there but 3: only 3 could be a message
+        for _ in range(3):
+            assert torch.equal(src.mix(0, x, weights, ids), want)
+        st = src.stats()
+        assert st["direct"] == 9 and st["demand"] == 3 and st["prefetch"]["sent"] == 0
+        src.begin_step()  # reports the step's hits
+        after = wait_status(daemon.status_endpoint, lambda st: st["direct_hits"] == 3)
+        assert after["requests"] == first["requests"] and after["reads"] == first["reads"] == 3
+
+
+CHURN = """
+import random, sys, time
+from moestream.common.client import IodClient
+c = IodClient(sys.argv[1], name="churn")
+rng, end = random.Random(0), time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    keys = rng.sample([(layer, e) for layer in range(3) for e in range(8)], 4)
+    for f in c.fetch(keys, "now"):
+        try:
+            c.release(f.result(10))
+        except Exception:
+            pass  # refused for room while the decoder's own leases fill the arena: ask again
+c.close()
+"""
+
+
+def test_streamed_equals_resident_while_another_decoder_churns_the_arena(setups, start_daemon):
+    """Lease-free reads stay exact while a second process keeps evicting and reloading the slots
+    they read: every changed slot is seen and its expert computed again from a lease."""
+    import subprocess
+    import sys
+
+    s = setups("Q8_0")
+    with QuantResidentExperts(s.layout) as resident:
+        want = s.run(resident, prompts=(PROMPT, PROMPT[:5]))
+    daemon = start_daemon(s.path, arena_slots=10)
+    churn = subprocess.Popen([sys.executable, "-c", CHURN, daemon.endpoint, "20"])
+    try:
+        with open_arena(s.layout, daemon.endpoint) as src:
+            for _ in range(3):
+                assert same_run(s.run(src, prompts=(PROMPT, PROMPT[:5])), want)
+            st = src.stats()
+        assert st["direct"] > 0 and st["demand"] > 0  # both paths taken under churn
+    finally:
+        churn.kill()
+        churn.wait()
 
 
 def test_quant_on_cuda_or_with_slots_is_a_clear_error(tiny_model):
