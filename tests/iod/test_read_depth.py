@@ -130,3 +130,12 @@ def test_forty_key_fetch_reads_at_full_depth(model40, start_daemon, backend, slo
     assert q["now_waited_place"] + q["now_waited_slot"] >= 1  # 40 > what could start at once
     assert 1 <= r["in_flight"]["peak"] <= 32 and r["in_flight"]["issued"] == r["preadv_calls"]
     assert sum(r["in_flight"]["hist"].values()) == pytest.approx(1, abs=0.01)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_daemon_reads_as_configured(tiny_model, start_daemon, direct):
+    """--queue-depth and --direct reach the reader the daemon runs (its live counters say so)."""
+    flag = "--direct" if direct else "--no-direct"
+    daemon = start_daemon(tiny_model, arena_slots=8, extra_args=["--queue-depth", "7", flag])
+    reader = get_status(daemon.status_endpoint)["reader"]
+    assert reader["depth"] == 7 and reader["direct"] is direct
