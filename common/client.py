@@ -153,6 +153,7 @@ class IodClient:
         self._dead: IodUnavailable | None = None
         self._held: Counter = Counter()  # (slot, generation) -> leases of this epoch held
         self._recalled: set[tuple[int, int]] = set()  # asked back by the daemon, not yet taken
+        self._touched: Counter = Counter()  # (layer, expert) -> lease-free hits not yet reported (`touch`)
         self._revoked: set[tuple[int, int]] = set()  # taken back by the daemon (this epoch)
         self.recalls = {"recalled": 0, "revoked": 0}  # leases, since start
         self.arena: ArenaView | None = None
@@ -250,13 +251,18 @@ class IodClient:
 
     def touch(self, keys: Iterable[tuple[int, int]]) -> None:
         """Report experts computed straight from the arena through its directory (hits that took
-        no lease), so the daemon's decayed LFU and history see them. Never answered; dropped
-        while not connected (it is a hint)."""
-        keys = sorted({(int(layer), int(e)) for layer, e in keys})
-        for i in range(0, len(keys), P.MAX_KEYS):
-            # no wake-up: a hint rides with the next command or the I/O thread's next timer (waking
-            # it costs the compute thread a GIL hand-over per step)
-            self._send_command(("touch", keys[i:i + P.MAX_KEYS]), wake=False)
+        no lease; a key listed n times counts n), so the daemon's decayed LFU and history see
+        them. Never answered; dropped while not connected (it is a hint)."""
+        # Kept here, not queued: the I/O thread sends what gathered in one message whenever it
+        # runs next (its next command or timer). No wake-up: that would cost the compute thread a
+        # GIL hand-over per step, and a queue of one message per step could fill the socket.
+        with self._lock:
+            self._touched.update((int(layer), int(e)) for layer, e in keys)
+
+    def _take_touched(self) -> list[tuple[tuple[int, int], int]]:
+        with self._lock:
+            out, self._touched = self._touched, Counter()
+        return sorted(out.items())
 
     def cancel(self, futures: Iterable[cf.Future]) -> None:
         """Cancel requests still pending (typically stale prefetches); leases that arrive anyway are released."""
@@ -298,14 +304,13 @@ class IodClient:
         self.close()
 
     # -- hand-over to the I/O thread ------------------------------------------------------------
-    def _send_command(self, cmd: tuple, wake: bool = True) -> None:
+    def _send_command(self, cmd: tuple) -> None:
         if self._closed:  # no I/O thread to answer: fail what waits for an answer
             self._commands.put(cmd)
             self._io.fail_leftovers(IodUnavailable("client closed"))
             return
         self._commands.put(cmd)
-        if wake:
-            os.eventfd_write(self._wake_fd, 1)
+        os.eventfd_write(self._wake_fd, 1)
 
     def _set_state(self, state: State, dead: IodUnavailable | None = None) -> None:
         with self._changed:
@@ -413,6 +418,7 @@ class _IoThread(threading.Thread):
             if self.c._wake_fd in ready:
                 _drain_eventfd(self.c._wake_fd)
             self._commands()
+            self._send_touched()
             if self.sock is not None and self.mon in ready:
                 self._check_monitor()
             if self.sock is not None and self.sock in ready:
@@ -550,9 +556,14 @@ class _IoThread(threading.Thread):
         if self.c.state is State.CONNECTED and epoch == self.c.epoch:  # else void: the daemon forgot them
             self._send(P.Release(keys[0][0], keys[0][1], [list(k) for k in keys[1:]] or None).encode())
 
-    def _cmd_touch(self, keys: list[tuple[int, int]]) -> None:
-        if self.c.state is State.CONNECTED:
-            self._send(P.Touch([list(k) for k in keys]).encode())
+    def _send_touched(self) -> None:
+        """The lease-free hits gathered since the last call, in as few messages as fit."""
+        if self.c.state is not State.CONNECTED or not self.c._touched:
+            return
+        touched = self.c._take_touched()
+        for i in range(0, len(touched), P.MAX_KEYS):
+            batch = touched[i:i + P.MAX_KEYS]
+            self._send(P.Touch([list(k) for k, _ in batch], [n for _, n in batch]).encode())
 
     def _cmd_cancel(self, rid: int, keys: list[tuple[int, int]]) -> None:
         req = self.requests.get(rid)
@@ -577,6 +588,7 @@ class _IoThread(threading.Thread):
 
     def _cmd_close(self, send_bye: bool) -> None:
         if send_bye and self.c.state is State.CONNECTED:
+            self._send_touched()
             self._send(P.Bye().encode())
         self.c._set_state(State.DEAD, IodUnavailable("client closed"))
         self.running = False

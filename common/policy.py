@@ -148,9 +148,9 @@ class SlotPolicy:
         self._access(key, entry)
         return entry.slot
 
-    def touch(self, key: Hashable) -> None:
-        """An access without hit/miss accounting; raises KeyError when not resident."""
-        self._access(key, self._get(key))
+    def touch(self, key: Hashable, count: int = 1) -> None:
+        """`count` accesses without hit/miss accounting; raises KeyError when not resident."""
+        self._access(key, self._get(key), count)
 
     def insert(self, key: Hashable, *, pin: bool = False) -> tuple[int, Hashable | None]:
         """Give `key` a slot, evicting the victim when the cache is full.
@@ -241,9 +241,9 @@ class SlotPolicy:
         self._seq += 1
         return self._seq
 
-    def _access(self, key: Hashable, entry: _Entry) -> None:
+    def _access(self, key: Hashable, entry: _Entry, count: int = 1) -> None:
         self._clock += 1
-        entry.stored += self._scale
+        entry.stored += count * self._scale
         entry.last = self._clock
         if entry.pins:
             return  # pinned entries are out of the heap; unpin pushes them back

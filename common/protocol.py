@@ -254,14 +254,19 @@ class Cancel(Message):
 @dataclass
 class Touch(Message):
     """Experts this client computed straight from the arena (read through the directory, no
-    lease): the daemon counts them as hits. Never answered; a decoder sends one per step."""
+    lease), each `counts[i]` times since its last touch: the daemon counts them as hits. Never
+    answered; a client gathers them and sends one now and then."""
 
     op: ClassVar[str] = "touch"
     keys: list
+    counts: list
 
     @classmethod
     def from_map(cls, m: dict[str, Any]) -> Touch:
-        return cls(_keys(m.get("keys")))
+        keys, counts = _keys(m.get("keys")), m.get("counts")
+        if not isinstance(counts, list) or len(counts) != len(keys):
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, "touch counts must be a list as long as its keys")
+        return cls(keys, [_int(n, "count", 1, 2**31) for n in counts])
 
 
 @dataclass

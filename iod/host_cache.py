@@ -92,13 +92,13 @@ class HostCache:
         self.policy.remove(info.key)
         info.key, info.ready, info.parts, info.nbytes = None, False, {}, 0
 
-    def touch(self, key: Key) -> bool:
-        """A decoder computed `key` straight from the arena (a lease-free hit): count it as an
-        access, as a leased hit is. False when the key is not here (evicted since)."""
+    def touch(self, key: Key, count: int = 1) -> bool:
+        """A decoder computed `key` straight from the arena `count` times (lease-free hits): count
+        them as accesses, as leased hits are. False when the key is not here (evicted since)."""
         slot = self.policy.slot_of(key)
         if slot is None or not self.slots[slot].ready:
             return False
-        self.policy.touch(key)
+        self.policy.touch(key, count)
         return True
 
     def lease(self, slot: int) -> int:

@@ -464,11 +464,11 @@ class Server:
             if key[0] >= index.n_layer or key[1] >= index.n_expert:
                 raise P.ProtocolError(P.ErrorCode.OUT_OF_RANGE, f"touch of expert {key} not in "
                                       f"[0,{index.n_layer}) x [0,{index.n_expert})")
-        for key in msg.keys:
-            self.stats.hot[key] += 1
-            if self.cache.touch(key):  # (else evicted since: the access still counts in the history)
-                c.n.direct_hits += 1
-                self.stats.totals.direct_hits += 1
+        for key, n in zip(msg.keys, msg.counts):
+            self.stats.hot[key] += n
+            if self.cache.touch(key, n):  # (else evicted since: the accesses still count in the history)
+                c.n.direct_hits += n
+                self.stats.totals.direct_hits += n
 
     def _release(self, c: ClientState, msg: P.Release) -> None:
         bad = []

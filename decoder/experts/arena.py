@@ -163,7 +163,6 @@ class ArenaExperts(ExpertSource):
         self._base: np.ndarray | None = None  # the arena as one array (`_base_of`), re-made after a reconnect
         self._base_arena: ArenaView | None = None
         self._mats_memo: dict[tuple[int, int], tuple[int, Mats]] = {}  # (layer, e) -> (slot, its matrices)
-        self._touched: set[tuple[int, int]] = set()  # this step's lease-free hits, reported at the next
         self._n_expert = layout.experts.n_expert
         self._deferred: list[tuple[Predictions, Predictions]] = []  # sent after the next layer's demand
         self._closed = False
@@ -174,7 +173,6 @@ class ArenaExperts(ExpertSource):
 
     # -- ExpertSource ----------------------------------------------------------------------
     def begin_step(self) -> None:
-        self._report_touched()
         self._deferred.clear()
         self._deadline_since.clear()
         self.prefetches.clear()
@@ -240,7 +238,6 @@ class ArenaExperts(ExpertSource):
         if self._closed:
             return
         self._closed = True
-        self._report_touched()
         self._base = self._base_arena = None  # the arena mapping can go with the client
         self._mats_memo.clear()
         try:
@@ -290,9 +287,9 @@ class ArenaExperts(ExpertSource):
         for e, ok in zip(es, same):
             if ok:
                 out[e] = computed[e]
-                self._touched.add((layer, e))
             else:
                 self._refetch(layer, e, "changed", pending, retries)
+        self.client.touch([(layer, e) for e in out])  # gathered by the client, sent without waiting
         self.c["direct"] += len(out)
         self.c["compute_s"] += time.perf_counter() - t0
         return out
@@ -311,15 +308,6 @@ class ArenaExperts(ExpertSource):
         mats = expert_mats(parts, views)
         self._mats_memo[(layer, e)] = (slot, mats)
         return mats
-
-    def _report_touched(self) -> None:
-        """The step's lease-free hits, to the daemon's LFU: one message, not waited on."""
-        if self._touched:
-            touched, self._touched = self._touched, set()
-            try:
-                self.client.touch(touched)
-            except IodUnavailable:
-                pass  # a hint: a gone daemon needs none
 
     def _arrivals(self, layer: int, pending: dict[cf.Future, int],
                   retries: dict[int, int]) -> Iterator[dict[int, Lease]]:

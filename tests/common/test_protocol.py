@@ -17,12 +17,14 @@ def pack(m) -> bytes:
     P.Fetch(7, [[0, 1], [3, 2]], "ahead"),
     P.Release(3, 9),
     P.Cancel(7), P.Cancel(7, [[1, 2]]),
-    P.Ping(1.25), P.Bye(), P.Status(),
+    P.Ping(1.25), P.Bye(), P.Status(), P.Touch([[0, 1], [2, 3]], [1, 7]),
 ])
 def test_requests_round_trip(msg):
     got = P.decode_request(msg.encode())
     assert type(got) is type(msg)
-    if isinstance(msg, P.Fetch):
+    if isinstance(msg, P.Touch):
+        assert got.keys == [(0, 1), (2, 3)] and got.counts == [1, 7]
+    elif isinstance(msg, P.Fetch):
         assert got.keys == [tuple(k) for k in msg.keys] and got.rid == 7 and got.priority == "ahead"
     elif isinstance(msg, P.Cancel):
         assert got.rid == 7 and got.keys == (None if msg.keys is None else [(1, 2)])
@@ -67,6 +69,10 @@ def test_requests_and_replies_are_separate():
     (pack({"op": "hello", "version": 1, "name": "a\x1b[2Jb"}), P.ErrorCode.BAD_MESSAGE),
     (pack({"op": "hello", "version": 1, "name": "a\nb"}), P.ErrorCode.BAD_MESSAGE),
     (b"\x00" * (P.MAX_FRAME_BYTES + 1), P.ErrorCode.TOO_LARGE),
+    (pack({"op": "touch", "keys": [[0, 1]]}), P.ErrorCode.BAD_MESSAGE),  # no counts
+    (pack({"op": "touch", "keys": [[0, 1]], "counts": [1, 2]}), P.ErrorCode.BAD_MESSAGE),
+    (pack({"op": "touch", "keys": [[0, 1]], "counts": [0]}), P.ErrorCode.BAD_MESSAGE),
+    (pack({"op": "touch", "keys": [[0, 1], [0, 1]], "counts": [1, 1]}), P.ErrorCode.BAD_MESSAGE),
 ])
 def test_bad_requests(frame, code):
     with pytest.raises(P.ProtocolError) as e:

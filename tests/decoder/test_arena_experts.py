@@ -169,8 +169,7 @@ def test_experts_in_the_arena_cost_no_request(setups, start_daemon, wait_status)
             assert torch.equal(src.mix(0, x, weights, ids), want)
         st = src.stats()
         assert st["direct"] == 9 and st["demand"] == 3 and st["prefetch"]["sent"] == 0
-        src.begin_step()  # reports the step's hits
-        after = wait_status(daemon.status_endpoint, lambda st: st["direct_hits"] == 3)
+        after = wait_status(daemon.status_endpoint, lambda st: st["direct_hits"] == 9)  # sent unasked, soon
         assert after["requests"] == first["requests"] and after["reads"] == first["reads"] == 3
 
 
