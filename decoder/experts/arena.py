@@ -102,7 +102,9 @@ class Prefetches:
     def take(self, layer: int, wanted: list[int]) -> dict[int, cf.Future]:
         """`layer` runs now: return its prefetches of `wanted` experts whose lease came; give up
         the rest (in flight ones are cancelled: the caller fetches those `now`)."""
-        mine = self._by_layer.pop(layer, {})
+        mine = self._by_layer.pop(layer, None)
+        if not mine:
+            return {}
         landed = {e: f for e, f in mine.items() if e in wanted and _leased(f)}
         refused = [f for f in mine.values() if f.done() and not f.cancelled() and f.exception() is not None]
         late = [f for e, f in mine.items() if e in wanted and e not in landed and f not in refused]
@@ -267,9 +269,8 @@ class ArenaExperts(ExpertSource):
         d = arena.directory if arena is not None else None
         if d is None or not experts:
             return {}
-        es = np.asarray(experts, dtype=np.int64)  # [n]
-        slots, seqs, present = d.lookup(layer * self._n_expert + es)  # [n] each
-        return {int(e): (int(s), int(q)) for e, s, q, ok in zip(es, slots, seqs, present) if ok}
+        first = layer * self._n_expert
+        return {k - first: v for k, v in d.lookup([first + e for e in experts]).items()}
 
     def _compute_direct(self, arena: ArenaView, layer: int, x: torch.Tensor, groups: Any, weights: torch.Tensor,
                         direct: dict[int, tuple[int, int]], pending: dict[cf.Future, int],
@@ -280,12 +281,9 @@ class ArenaExperts(ExpertSource):
         base = self._base_of(arena)
         mats = {e: self._slot_mats(layer, e, slot, arena) for e, (slot, _) in direct.items()}
         computed = run_experts(x, groups, weights, base, mats, self.layout.spec.expert_act)
-        es = sorted(direct)
-        same = arena.directory.unchanged(np.array([direct[e][0] for e in es]), np.array([direct[e][1] for e in es],
-                                                                                       dtype=np.uint64))
         out = {}
-        for e, ok in zip(es, same):
-            if ok:
+        for e, (slot, seq) in direct.items():
+            if arena.directory.unchanged(slot, seq):
                 out[e] = computed[e]
             else:
                 self._refetch(layer, e, "changed", pending, retries)
