@@ -41,9 +41,9 @@ MODEL = dict(arch="qwen3moe", layers=3, experts=8, top_k=2)
 class Restarter:
     """SIGKILLs a daemon and starts a new one on its endpoint `delay_s` later, on a thread."""
 
-    def __init__(self, model: Path, run_dir: Path, delay_s: float = 0.3):
-        self.model, self.run_dir, self.delay_s = model, run_dir, delay_s
-        self.daemons = [spawn_daemon(model, run_dir=run_dir)]
+    def __init__(self, model: Path, run_dir: Path, delay_s: float = 0.3, arena_slots: int | None = None):
+        self.model, self.run_dir, self.delay_s, self.slots = model, run_dir, delay_s, arena_slots
+        self.daemons = [spawn_daemon(model, run_dir=run_dir, arena_slots=arena_slots)]
         self._thread: threading.Thread | None = None
 
     @property
@@ -58,11 +58,14 @@ class Restarter:
 
     def _start_later(self) -> None:
         time.sleep(self.delay_s)
-        self.daemons.append(spawn_daemon(self.model, run_dir=self.run_dir))
+        self.daemons.append(spawn_daemon(self.model, run_dir=self.run_dir, arena_slots=self.slots))
 
-    def stop(self) -> None:
+    def wait_restarted(self) -> None:
         if self._thread is not None:
             self._thread.join(30)
+
+    def stop(self) -> None:
+        self.wait_restarted()
         for d in self.daemons:
             d.stop()
 
@@ -113,7 +116,7 @@ def test_arena_decoder_survives_a_killed_daemon(setup, tmp_path):
     path, layout, model = setup
     with QuantResidentExperts(layout) as resident:
         want = generate(model, resident, PROMPTS, N_NEW, keep_logits=True)
-    r = Restarter(path, tmp_path / "run")
+    r = Restarter(path, tmp_path / "run", arena_slots=8)  # 8 of 24 experts: misses and prefetches go on
     try:
         with open_arena(layout, r.endpoint, reconnect_s=20) as src:
             hook = KillAfterLayer(model, src, src.client, lambda: list(src.prefetches._by_layer.get(1, {}).values()), r)
@@ -148,9 +151,35 @@ def test_slot_cache_decoder_survives_a_killed_daemon(setup, tmp_path, landing):
         r.stop()
 
 
+def test_arena_decoder_reads_on_while_its_daemon_restarts(setup, tmp_path):
+    """Every expert in the arena: a killed daemon's arena no longer changes, so the decoder
+    computes from it through the restart (bit for bit), then moves to the new daemon's arena."""
+    path, layout, model = setup
+    with QuantResidentExperts(layout) as resident:
+        want = generate(model, resident, PROMPTS, N_NEW, keep_logits=True)
+    r = Restarter(path, tmp_path / "run")
+    try:
+        with open_arena(layout, r.endpoint, reconnect_s=20) as src:
+            hook = KillAfterLayer(model, src, src.client, lambda: [], r)
+            got = generate(model, src, PROMPTS, N_NEW, keep_logits=True)
+            assert same_run(got, want)  # warm: every expert is in the arena now
+            got = generate(model, src, PROMPTS, N_NEW, keep_logits=True, observer=hook)
+            assert same_run(got, want) and hook.passes >= 3
+            r.wait_restarted()
+            deadline = time.monotonic() + 20
+            while src.client.reconnects == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert src.client.reconnects == 1
+            assert same_run(generate(model, src, PROMPTS, N_NEW, keep_logits=True), want)  # on the new arena
+            assert src.client.arena.name == get_status(r.daemons[1].status_endpoint)["arena"]["name"]
+    finally:
+        r.stop()
+
+
 # -- the `moestream generate --iod` process --------------------------------------------------
 CLI_PROMPT = "7,77,177,277,377"
 CLI_NEW = "16"
+CLI_SLOTS = 2  # of the tiny model's 16 experts: one layer's top-k, so every layer misses
 
 
 def start_generate(model: Path, endpoint: str, *extra: str) -> subprocess.Popen:
@@ -174,7 +203,9 @@ def test_generate_process_survives_kill_and_restart(tiny_model, tmp_path, capsys
                      "--no-progress"]) == 0
     want = json.loads(capsys.readouterr().out)
     run_dir = tmp_path / "run"
-    daemons = [spawn_daemon(tiny_model, run_dir=run_dir)]
+    # an arena of a few experts: misses go on after the fault (with all of them in the arena the
+    # decoder would finish from the dead daemon's arena without asking: see the test above)
+    daemons = [spawn_daemon(tiny_model, run_dir=run_dir, arena_slots=CLI_SLOTS)]
     proc = start_generate(tiny_model, daemons[0].endpoint, "--reconnect-wait", "30")
     try:
         freeze_mid_generation(proc, daemons[0].status_endpoint)
@@ -182,7 +213,7 @@ def test_generate_process_survives_kill_and_restart(tiny_model, tmp_path, capsys
         daemons[0].proc.wait()
         os.kill(proc.pid, signal.SIGCONT)
         time.sleep(0.5)  # the decoder finds the daemon gone and keeps trying
-        daemons.append(spawn_daemon(tiny_model, run_dir=run_dir))
+        daemons.append(spawn_daemon(tiny_model, run_dir=run_dir, arena_slots=CLI_SLOTS))
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
         got = json.loads(out)
@@ -200,7 +231,7 @@ def test_generate_process_survives_kill_and_restart(tiny_model, tmp_path, capsys
 
 
 def test_generate_process_gives_up_with_a_clear_error(tiny_model, tmp_path):
-    d = spawn_daemon(tiny_model, run_dir=tmp_path / "run")
+    d = spawn_daemon(tiny_model, run_dir=tmp_path / "run", arena_slots=CLI_SLOTS)
     proc = start_generate(tiny_model, d.endpoint, "--reconnect-wait", "1")
     try:
         freeze_mid_generation(proc, d.status_endpoint, requests=16)
