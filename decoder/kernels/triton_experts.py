@@ -25,7 +25,7 @@ grouped tensor-core Triton kernel: no GPU was available when this was written.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -74,12 +74,24 @@ def _expert_base(blobs, spare, ids, slot_map, a, n_slots, slot_bytes):
 
 
 @triton.jit
-def _gate_up_kernel(blobs, spare, ids, slot_map, x, h, lut_g, lut_u, n_slots, slot_bytes, gate_off, up_off,
+def _part_offset(offs, ids, a, which, uniform, PER_EXPERT: tl.constexpr):
+    """Where assignment a's expert keeps matrix `which` (0 gate, 1 up, 2 down) in its slot: the
+    layer's one offset, or (experts laid out each their own way: leased arena slots read in
+    place) its row of the offsets table [n_expert, 3]."""
+    if PER_EXPERT:
+        return tl.load(offs + tl.load(ids + a).to(tl.int64) * 3 + which)
+    return uniform.to(tl.int64)
+
+
+@triton.jit
+def _gate_up_kernel(blobs, spare, ids, slot_map, offs, x, h, lut_g, lut_u, n_slots, slot_bytes, gate_off, up_off,
                     g_row_bytes, u_row_bytes, d, ff, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr):
+                    BN: tl.constexpr, BK: tl.constexpr, PER_EXPERT: tl.constexpr):
     a = tl.program_id(0)  # assignment (token a // K, its expert ids[a])
     t = (a // K).to(tl.int64)
     base = _expert_base(blobs, spare, ids, slot_map, a, n_slots, slot_bytes)
+    gate_off = _part_offset(offs, ids, a, 0, gate_off, PER_EXPERT)
+    up_off = _part_offset(offs, ids, a, 1, up_off, PER_EXPERT)
     n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
     mask = n < ff
     rows = tl.where(mask, n, 0).to(tl.int64)  # [BN]; masked rows read row 0
@@ -89,10 +101,11 @@ def _gate_up_kernel(blobs, spare, ids, slot_map, x, h, lut_g, lut_u, n_slots, sl
 
 
 @triton.jit
-def _down_kernel(blobs, spare, ids, slot_map, weights, h, y, lut_d, n_slots, slot_bytes, down_off, row_bytes,
-                 d, ff, QD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _down_kernel(blobs, spare, ids, slot_map, offs, weights, h, y, lut_d, n_slots, slot_bytes, down_off, row_bytes,
+                 d, ff, QD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PER_EXPERT: tl.constexpr):
     a = tl.program_id(0)  # assignment
     base = _expert_base(blobs, spare, ids, slot_map, a, n_slots, slot_bytes)
+    down_off = _part_offset(offs, ids, a, 2, down_off, PER_EXPERT)
     n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN] output features
     mask = n < d
     rows = tl.where(mask, n, 0).to(tl.int64)  # [BN]
@@ -185,30 +198,38 @@ class SlotKernels:
         return self._luts[qtype]
 
     def mix(self, layer: int, blobs: torch.Tensor, spare: torch.Tensor, slot_map: torch.Tensor,
-            x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+            offsets: torch.Tensor | None = None) -> torch.Tensor:
         """sum_j weights[:, j] * expert_{ids[:, j]}(x) -> [N, d] in x's dtype. `slot_map` [n_expert]
         (int32, contiguous, on the device) gives each routed expert's slot (>= n_slots: a row of
-        `spare`); the kernels look it up themselves."""
+        `spare`); the kernels look it up themselves. `offsets` [n_expert, 3] (int64, on the
+        device): where each expert's gate, up and down start inside its slot, for slots whose
+        experts are not all laid out alike (the daemon's arena read in place); None: the
+        layer's layout."""
         m = self.mats[layer]
         assert m is not None, f"layer {layer} has no kernel path"
         if x.shape[0] <= DECODE_MAX_ROWS:
-            return self._decode(m, blobs, spare, slot_map, x, weights, ids)
-        return self._prefill(m, blobs, spare, slot_map, x, weights, ids)
+            return self._decode(m, blobs, spare, slot_map, x, weights, ids, offsets)
+        return self._prefill(m, blobs, spare, slot_map, x, weights, ids, offsets)
 
     def _decode(self, m: ExpertMats, blobs: torch.Tensor, spare: torch.Tensor, slot_map: torch.Tensor,
-                x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+                x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                offsets: torch.Tensor | None) -> torch.Tensor:
         """Three launches and nothing else: slot lookup and expert order happen in the kernels."""
         n, k = ids.shape
         x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()  # [N, d], [N, k], [N, k]
         h = torch.empty(n * k, m.ff, dtype=torch.float32, device=x.device)  # [N*k, ff]
-        common = {"n_slots": blobs.shape[0], "slot_bytes": blobs.shape[1], "num_warps": tq.NUM_WARPS}
+        common = {"n_slots": blobs.shape[0], "slot_bytes": blobs.shape[1], "num_warps": tq.NUM_WARPS,
+                  "PER_EXPERT": offsets is not None}
+        offs = ids if offsets is None else offsets  # (a pointer the kernels never read without PER_EXPERT)
         _gate_up_kernel[(n * k, triton.cdiv(m.ff, tq.TILE_ROWS))](
-            blobs, spare, ids, slot_map, x, h, self.lut(m.gate.qtype), self.lut(m.up.qtype), gate_off=m.gate.offset,
-            up_off=m.up.offset, g_row_bytes=m.gate.row_bytes, u_row_bytes=m.up.row_bytes, d=m.d, ff=m.ff, K=k,
-            QG=m.gate.qtype, QU=m.up.qtype, BN=tq.TILE_ROWS, BK=tq.col_tile(m.d, tq.TILE_COLS), **common)
+            blobs, spare, ids, slot_map, offs, x, h, self.lut(m.gate.qtype), self.lut(m.up.qtype),
+            gate_off=m.gate.offset, up_off=m.up.offset, g_row_bytes=m.gate.row_bytes, u_row_bytes=m.up.row_bytes,
+            d=m.d, ff=m.ff, K=k, QG=m.gate.qtype, QU=m.up.qtype, BN=tq.TILE_ROWS, BK=tq.col_tile(m.d, tq.TILE_COLS),
+            **common)
         y = torch.empty(n * k, m.d, dtype=torch.float32, device=x.device)  # [N*k, d] weighted expert outputs
         _down_kernel[(n * k, triton.cdiv(m.d, tq.TILE_ROWS))](
-            blobs, spare, ids, slot_map, weights, h, y, self.lut(m.down.qtype), down_off=m.down.offset,
+            blobs, spare, ids, slot_map, offs, weights, h, y, self.lut(m.down.qtype), down_off=m.down.offset,
             row_bytes=m.down.row_bytes, d=m.d, ff=m.ff, QD=m.down.qtype, BN=tq.TILE_ROWS,
             BK=tq.col_tile(m.ff, tq.TILE_COLS), **common)
         out = torch.empty_like(x)  # [N, d]
@@ -217,7 +238,8 @@ class SlotKernels:
         return out
 
     def _prefill(self, m: ExpertMats, blobs: torch.Tensor, spare: torch.Tensor, slot_map: torch.Tensor,
-                 x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+                 x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 offsets: torch.Tensor | None) -> torch.Tensor:
         """Dequantize each routed expert once (one launch per matrix), then torch matmuls; summed
         per row in ascending expert order (`index_put_` on distinct rows is exact)."""
         k = ids.shape[1]
@@ -225,17 +247,20 @@ class SlotKernels:
         order = torch.argsort(flat, stable=True)  # [N*k] grouped by expert ascending, rows ascending
         counts = torch.zeros(slot_map.shape[0], dtype=torch.int64, device=x.device)
         counts.index_add_(0, flat, torch.ones_like(flat))  # [n_expert] rows per expert (exact integer adds)
-        plan = torch.stack([counts, slot_map.to(torch.int64)]).tolist()  # the layer's one host sync
+        table = [counts, slot_map.to(torch.int64)] + ([] if offsets is None else list(offsets.T))  # [2 | 5][E]
+        plan = torch.stack(table).tolist()  # the layer's one host sync
         out = torch.zeros_like(x)  # [N, d]
         start = 0
-        for count, slot in zip(*plan):
+        for e, (count, slot) in enumerate(zip(plan[0], plan[1])):
             if not count:
                 continue
             pick = order[start:start + count]  # [n_e]
             start += count
             rows, j = pick // k, pick % k
             row = blobs[slot] if slot < blobs.shape[0] else spare[slot - blobs.shape[0]]  # [slot_bytes]
-            gate, up, down = (self._weights(row, p, x.dtype) for p in (m.gate, m.up, m.down))
+            parts = (m.gate, m.up, m.down) if offsets is None else \
+                tuple(replace(p, offset=plan[2 + i][e]) for i, p in enumerate((m.gate, m.up, m.down)))
+            gate, up, down = (self._weights(row, p, x.dtype) for p in parts)
             y = F.linear(F.silu(F.linear(x[rows], gate)) * F.linear(x[rows], up), down)  # [n_e, d]
             out.index_put_((rows,), y * weights[rows, j, None], accumulate=True)
         return out
