@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from ..experts.source import ExpertSource
+    from ..experts.source import ExpertBackend
     from ..experts.prefetch import Prefetcher
 
 
@@ -91,11 +91,12 @@ class Run:
         g = torch.Generator().manual_seed(args.seed)
         self.prompt = torch.randint(0, hp.n_vocab, (args.prompt_tokens,), generator=g).tolist()
 
-    def decode(self, source: ExpertSource, hook: Prefetcher | None = None) -> float:
+    def decode(self, source: ExpertBackend, hook: Prefetcher | None = None) -> float:
         """Decode tok/s of one generation (EOS ignored: every run decodes the same count)."""
+        from ..experts.bank import ExpertBank
         from ..generation.loop import generate
 
-        result = generate(self.model, source, [self.prompt], self.args.tokens, self.cfg.sampling, observer=hook)
+        result = generate(self.model.with_bank(ExpertBank(source)), [self.prompt], self.args.tokens, self.cfg.sampling, observer=hook)
         if self.cfg.torch_device.type == "cuda":
             torch.cuda.synchronize(self.cfg.torch_device)
         return result.decode_tok_s()
@@ -133,7 +134,7 @@ class Run:
 class Phase:
     """One expert source under test; `once()` times one generation and accumulates its counters."""
 
-    def __init__(self, run: Run, source: ExpertSource, hook: Prefetcher | None = None, slots: int = 0, prefetch: int = 0,
+    def __init__(self, run: Run, source: ExpertBackend, hook: Prefetcher | None = None, slots: int = 0, prefetch: int = 0,
                  status: str | None = None):
         self.run, self.source, self.hook = run, source, hook
         self.slots, self.prefetch, self.status = slots, prefetch, status

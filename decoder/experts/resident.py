@@ -22,7 +22,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ...common.layout import ExpertPart, ModelLayout
-from .source import ExpertSource, combine, group_by_expert
+from .source import ExpertBackend, combine, group_by_expert
 from ..kernels.cpu import Bias, QMatrix, expert_table, swiglu_experts
 
 Mats = tuple  # (gate, up, down) QMatrix, or (gate, up, down, Bias) for experts with biases (qkernels.Bias)
@@ -104,13 +104,15 @@ def run_experts(x: torch.Tensor, groups: Mapping[int, tuple[torch.Tensor, torch.
     return out
 
 
-class QuantResidentExperts(ExpertSource):
+class QuantResidentExperts(ExpertBackend):
     """Every expert resident as the file's own quantized bytes (a read-only memory map).
 
     The reference the streamed CPU source must match bit for bit; memory is the file's
     expert bytes, in the page cache, as llama.cpp's mmap has them. A split model's layer may keep
     its gate, up and down tensors in three parts: the kernels then get each one's own map.
     """
+
+    kind = "cpu-mmap"
 
     def __init__(self, layout: ModelLayout):
         if any(r.data is None for r in layout.readers):

@@ -1,7 +1,8 @@
 """Expert sources: where the MoE block gets a layer's experts computed.
 
-The model never knows where experts live: the MoE block routes, then asks its `ExpertSource`
-to `mix(layer, x, weights, ids)` (every routed expert's SwiGLU output, weighted and summed).
+The model never knows where experts live: the MoE block routes, then asks its `ExpertBank`
+(`bank.py`) to `mix(layer, x, weights, ids)` (every routed expert's SwiGLU output, weighted and
+summed); the bank hands that to its backend, an `ExpertBackend` of this module's kind.
 
 - CPU, the `quant` format: computed on the quantized GGUF blocks where they lie, the file's
   memory map (`quant_experts.QuantResidentExperts`) or a leased slot of the daemon's
@@ -83,8 +84,11 @@ def combine(x: torch.Tensor, outputs: Mapping[int, tuple[torch.Tensor, torch.Ten
     return out
 
 
-class ExpertSource(ABC):
-    """Computes a layer's routed experts. Calls come from the compute thread."""
+class ExpertBackend(ABC):
+    """Computes a layer's routed experts for an `ExpertBank` (`bank.py`). Calls come from the
+    compute thread. `kind` names it in the bank's table."""
+
+    kind: str = ""
 
     def begin_step(self) -> None:
         """One forward pass starts (policy decay tick; prefetches of the last one are given up)."""
@@ -105,7 +109,7 @@ class ExpertSource(ABC):
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> "ExpertSource":
+    def __enter__(self) -> "ExpertBackend":
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -165,7 +169,7 @@ def blob_to_weights(
 _PART_NAMES = ("gate", "up", "down", "gate_up", "gate.bias", "up.bias", "down.bias", "gate_up.bias")
 
 
-class AcquireSource(ExpertSource):
+class AcquireSource(ExpertBackend):
     """A source of float weights per expert: `acquire` pins a layer's experts, `mix` computes
     them with torch, `release` unpins. `expert_act`: the family's activation (`common.arch`)."""
 
@@ -241,6 +245,8 @@ class ResidentExperts(AcquireSource):
     (`kernels`, see `slot_format.slot_kernels`; on CUDA by default), else dequantizing on each
     acquire. The (layer, expert) -> slot map is a device tensor: a fused layer makes no host sync.
     """
+
+    kind = "gpu-resident"
 
     def __init__(self, layout: ModelLayout, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, slot_format: str = "dequant", progress: bool = False,

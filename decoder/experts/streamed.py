@@ -1,4 +1,4 @@
-"""Streamed experts: the daemon's client behind the `ExpertSource` interface.
+"""Streamed experts: the daemon's client behind the `ExpertBackend` interface (`gpu-slots`).
 
 `acquire(layer, experts)` reads as: score the layer's prediction → pin the resident experts
 (`pin_present`, one lock) → `ahead.take` the layer's prefetches (used ones come back as
@@ -51,6 +51,8 @@ from .slot_cache import DeviceSlotCache, FetchFailed, Key, SlotEntry
 class StreamedExperts(AcquireSource):
     """Experts fetched from moestream-iod into a `DeviceSlotCache`."""
 
+    kind = "gpu-slots"
+
     def __init__(self, client: IodClient, layout: ModelLayout, cache: DeviceSlotCache, *,
                  fetch_timeout_s: float = 60.0, owns_client: bool = False, landing: str = "eager"):
         self.client, self.layout, self.cache = client, layout, cache
@@ -71,7 +73,7 @@ class StreamedExperts(AcquireSource):
         self._arena: Any = None  # the client's arena mapping as registered with CUDA
         self._register_arena()
 
-    # -- ExpertSource ----------------------------------------------------------------------
+    # -- ExpertBackend ----------------------------------------------------------------------
     def begin_step(self) -> None:
         self.cache.step()
         self.ahead.end_step()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moestream.decoder.experts.bank import ExpertBank
+from moestream.decoder.generation.loop import forward_step
 from moestream.common.layout import ModelLayout
 from moestream.decoder.experts.source import ResidentExperts
 from moestream.decoder.models import load_model
@@ -38,8 +40,8 @@ def forward(layout, model, source, one_sequence: bool) -> torch.Tensor:
     """Logits [T, V] of PROMPT, as one forward pass or token by token through the KV cache."""
     cache = model.new_cache(1, len(PROMPT))
     if one_sequence:
-        return model.forward(torch.tensor([PROMPT], device=model.device), cache, source)[0].float().cpu()
-    steps = [model.forward(torch.tensor([[t]], device=model.device), cache, source)[0] for t in PROMPT]
+        return forward_step(model.with_bank(ExpertBank(source)), torch.tensor([PROMPT], device=model.device), cache)[0].float().cpu()
+    steps = [forward_step(model.with_bank(ExpertBank(source)), torch.tensor([[t]], device=model.device), cache)[0] for t in PROMPT]
     return torch.cat(steps).float().cpu()
 
 

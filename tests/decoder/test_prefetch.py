@@ -8,11 +8,12 @@ import threading
 
 import pytest
 import torch
+from moestream.decoder.experts.bank import ExpertBank
 from moestream.common.client import IodClient, IodRequestError
 from moestream.common.layout import ModelLayout
 from moestream.tools.spawn import spawn_daemon
 from moestream.decoder.experts.source import ResidentExperts
-from moestream.decoder.generation.loop import generate
+from moestream.decoder.generation.loop import generate, forward_step
 from moestream.decoder.models import load_model
 from moestream.decoder.models.moe_transformer import OnLayer
 from moestream.decoder.experts.prefetch import Prefetcher
@@ -67,7 +68,7 @@ def test_prefetcher_hints_the_next_layers_top_k(setup, depth):
     hook = Prefetcher(model, src, depth)
     seen = []
     cache = model.new_cache(1, 8)
-    model.forward(torch.tensor([[5, 17, 99, 3]]), cache, src,
+    forward_step(model.with_bank(ExpertBank(src)), torch.tensor([[5, 17, 99, 3]]), cache,
                   observer=OnLayer(lambda i, h: (seen.append(h.clone()), hook.after_layer(i, h))))
     want = [(nxt, reference_topk(model, nxt, seen[layer], 2))
             for layer in range(3) for nxt in range(layer + 1, min(layer + 1 + depth, 3))]
@@ -176,7 +177,7 @@ def test_every_prefetch_is_judged_in_a_real_decode(setup):
     layout, model, _, endpoint = setup
     with streamed(layout, endpoint) as src:
         hook = Prefetcher(model, src, 1)
-        generate(model, src, [[5, 17, 99, 3, 250], [7, 300]], 12, SamplingParams(temperature=1.0, seed=1),
+        generate(model.with_bank(ExpertBank(src)), [[5, 17, 99, 3, 250], [7, 300]], 12, SamplingParams(temperature=1.0, seed=1),
                  observer=hook)
         assert src.receiver.drain(10.0)  # a wasted prefetch still landing holds its slot until it lands
         st = src.stats()
@@ -244,10 +245,10 @@ def test_compute_thread_takes_over_a_landing_the_receiver_has_not_started(setup)
 def test_every_landing_and_prediction_point_is_bit_identical(setup, landing, at):
     layout, model, resident, endpoint = setup
     sampling = SamplingParams(temperature=1.0, seed=3)
-    want = generate(model, resident, PROMPTS, 6, sampling, keep_logits=True)
+    want = generate(model.with_bank(ExpertBank(resident)), PROMPTS, 6, sampling, keep_logits=True)
     with streamed(layout, endpoint, landing) as src:
         hook = Prefetcher(model, src, 1, at=at)
-        got = generate(model, src, PROMPTS, 6, sampling, observer=hook, keep_logits=True)
+        got = generate(model.with_bank(ExpertBank(src)), PROMPTS, 6, sampling, observer=hook, keep_logits=True)
         src.close()
         st = src.stats()
     assert got.tokens == want.tokens and all(torch.equal(g, w) for g, w in zip(got.logits, want.logits))
@@ -269,7 +270,7 @@ def test_attention_point_hints_are_sent_after_the_layer_pins_its_own(setup):
             calls.append(("hint", defer, sorted(predictions)))
 
     hook = Prefetcher(model, Source(layout), 2, at="attention")
-    model.forward(torch.tensor([[5, 17, 99]]), model.new_cache(1, 4), hook.source, observer=hook)
+    forward_step(model.with_bank(ExpertBank(hook.bank)), torch.tensor([[5, 17, 99]]), model.new_cache(1, 4), observer=hook)
     assert calls == [("hint", True, [1, 2]), ("acquire", 0), ("hint", True, [2]), ("acquire", 1), ("acquire", 2)]
 
 
@@ -280,9 +281,9 @@ def test_prefetch_stays_within_the_daemons_lease_quota_beside_another_client(mak
     layout = ModelLayout(path)
     model, resident = load_model(layout), ResidentExperts(layout)
     d = start_daemon(path, arena_slots=9, extra_args=["--queue-deadline", "2"])  # quota 4 of 9
-    want = generate(model, resident, PROMPTS, 8, keep_logits=True)
+    want = generate(model.with_bank(ExpertBank(resident)), PROMPTS, 8, keep_logits=True)
     with IodClient(d.endpoint, name="other"), streamed(layout, d.endpoint, "lazy", slots=16) as src:
         assert src.client.lease_quota == 4 and src.ahead.max_in_flight == 2
-        got = generate(model, src, PROMPTS, 8, observer=Prefetcher(model, src, 3), keep_logits=True)
+        got = generate(model.with_bank(ExpertBank(src)), PROMPTS, 8, observer=Prefetcher(model, src, 3), keep_logits=True)
         st = src.stats()
     assert got.tokens == want.tokens and st["prefetch_sent"] > 0

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moestream.decoder.experts.bank import ExpertBank
 from moestream.common.client import IodClient, State
 from moestream.common.layout import ModelLayout
 from moestream.tools.spawn import spawn_daemon
@@ -112,12 +113,12 @@ def same_run(a, b) -> bool:
 def test_arena_decoder_survives_a_killed_daemon(setup, tmp_path):
     path, layout, model = setup
     with QuantResidentExperts(layout) as resident:
-        want = generate(model, resident, PROMPTS, N_NEW, keep_logits=True)
+        want = generate(model.with_bank(ExpertBank(resident)), PROMPTS, N_NEW, keep_logits=True)
     r = Restarter(path, tmp_path / "run")
     try:
         with open_arena(layout, r.endpoint, reconnect_s=20) as src:
             hook = KillAfterLayer(model, src, src.client, lambda: list(src.prefetches._by_layer.get(1, {}).values()), r)
-            got = generate(model, src, PROMPTS, N_NEW, keep_logits=True, observer=hook)
+            got = generate(model.with_bank(ExpertBank(src)), PROMPTS, N_NEW, keep_logits=True, observer=hook)
             stats, reconnects = src.stats(), src.client.reconnects
         assert reconnects == 1 and len(r.daemons) == 2
         assert hook.voidable > 0 and stats["voided"] >= hook.voidable  # landed prefetches fetched again
@@ -131,14 +132,14 @@ def test_arena_decoder_survives_a_killed_daemon(setup, tmp_path):
 def test_slot_cache_decoder_survives_a_killed_daemon(setup, tmp_path, landing):
     path, layout, model = setup
     with ResidentExperts(layout) as resident:
-        want = generate(model, resident, PROMPTS, N_NEW, keep_logits=True)
+        want = generate(model.with_bank(ExpertBank(resident)), PROMPTS, N_NEW, keep_logits=True)
     r = Restarter(path, tmp_path / "run")
     try:
         cache = DeviceSlotCache(layout.experts, 8, slot_format="raw")
         client = IodClient(r.endpoint, expect_fingerprint=layout.fingerprint.as_dict(), reconnect_s=20)
         with StreamedExperts(client, layout, cache, owns_client=True, landing=landing) as src:
             hook = KillAfterLayer(model, src, client, lambda: list(src.ahead._futures.get(1, {}).values()), r)
-            got = generate(model, src, PROMPTS, N_NEW, keep_logits=True, observer=hook)
+            got = generate(model.with_bank(ExpertBank(src)), PROMPTS, N_NEW, keep_logits=True, observer=hook)
             stats, reconnects = src.stats(), client.reconnects
         assert reconnects == 1
         assert same_run(got, want)

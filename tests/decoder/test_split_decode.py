@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moestream.decoder.experts.bank import ExpertBank
 from moestream.authoring.make_model import make_model
 from moestream.common.client import IodClient
 from moestream.common.layout import ModelLayout
@@ -32,7 +33,7 @@ class Model:
         self.model = get_model_module(hp.arch).Model(hp, self.dense)
 
     def run(self, source, hook=None):
-        return generate(self.model, source, PROMPTS, N_NEW, keep_logits=True, observer=hook)
+        return generate(self.model.with_bank(ExpertBank(source)), PROMPTS, N_NEW, keep_logits=True, observer=hook)
 
 
 @pytest.fixture(scope="module")

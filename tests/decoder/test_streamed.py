@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moestream.decoder.experts.bank import ExpertBank
 from moestream.common.client import IodClient, IodUnavailable
 from moestream.common.layout import ModelLayout
 from moestream.common.policy import SlotPolicy
@@ -33,7 +34,7 @@ class Bench:
         self.model = get_model_module(hp.arch).Model(hp, load_dense(self.layout, "cpu", progress=False))
         self.n_experts = hp.n_layer * hp.n_expert
         with ResidentExperts(self.layout) as resident:
-            self.reference = generate(self.model, resident, PROMPTS, N_NEW, keep_logits=True)
+            self.reference = generate(self.model.with_bank(ExpertBank(resident)), PROMPTS, N_NEW, keep_logits=True)
         self._daemon = None
 
     @property
@@ -68,7 +69,7 @@ def run_streamed(b: Bench, slots: int, depth: int, slot_format: str | None = Non
     client = IodClient(b.endpoint, expect_fingerprint=b.layout.fingerprint.as_dict())
     with StreamedExperts(client, b.layout, cache, owns_client=True) as src:
         hook = Prefetcher(b.model, src, depth) if depth else None
-        result = generate(b.model, src, PROMPTS, n_new, sampling, observer=hook, keep_logits=True)
+        result = generate(b.model.with_bank(ExpertBank(src)), PROMPTS, n_new, sampling, observer=hook, keep_logits=True)
         src.close()
         return result, src.stats()
 

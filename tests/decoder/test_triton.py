@@ -24,6 +24,8 @@ from gguf.quants import dequantize as gguf_dequantize
 
 triton = pytest.importorskip("triton")
 
+from moestream.decoder.experts.bank import ExpertBank
+from moestream.decoder.generation.loop import forward_step
 from moestream.common.layout import ExpertIndex, TensorInfo
 from moestream.decoder.kernels import triton_experts as tx
 from moestream.decoder.kernels import triton_quant as tq
@@ -262,8 +264,8 @@ def logits(model, source, one_sequence: bool) -> torch.Tensor:
     """Logits [T, V] of PROMPT, as one forward pass (prefill path) or token by token (decode path)."""
     cache = model.new_cache(1, len(PROMPT))
     if one_sequence:
-        return model.forward(torch.tensor([PROMPT], device=model.device), cache, source)[0].float().cpu()
-    return torch.cat([model.forward(torch.tensor([[t]], device=model.device), cache, source)[0]
+        return forward_step(model.with_bank(ExpertBank(source)), torch.tensor([PROMPT], device=model.device), cache)[0].float().cpu()
+    return torch.cat([forward_step(model.with_bank(ExpertBank(source)), torch.tensor([[t]], device=model.device), cache)[0]
                       for t in PROMPT]).float().cpu()
 
 
