@@ -29,8 +29,8 @@ Expert format (--slot-format):
            resident, straight from the file's memory map (memory = the file's expert bytes);
            streamed, straight from the daemon's shared-memory arena, which is then the only
            expert cache (size it with `moestream-iod --memory`; no --slots here).
-  raw      (CUDA default) a device slot cache of quantized blocks, dequantized on every use.
-  dequant  a slot cache of experts dequantized once on insert (2-7x the memory of quant).
+  raw      (CUDA default) a device slot cache of quantized blocks, read by fused kernels
+           (dequantized on every use where none runs).
 """
 
 
@@ -57,10 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     ap.add_argument("--dtype", help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16")
     cache = ap.add_mutually_exclusive_group()
-    cache.add_argument("--slots", type=int, help="device slot cache size in experts (streamed, raw/dequant formats)")
+    cache.add_argument("--slots", type=int, help="device slot cache size in experts (streamed, raw format)")
     cache.add_argument("--cache-bytes", dest="cache_bytes",
-                       help="device slot cache size in bytes, e.g. 512M (streamed, raw/dequant formats)")
-    ap.add_argument("--slot-format", dest="slot_format", choices=["auto", "quant", "raw", "dequant"],
+                       help="device slot cache size in bytes, e.g. 512M (streamed, raw format)")
+    ap.add_argument("--slot-format", dest="slot_format", choices=["auto", "quant", "raw"],
                     help="see above (default auto: quant on cpu, raw on cuda)")
     ap.add_argument("--prefetch", type=int,
                     help="layers of router look-ahead for prefetching (default 1, 0 = off): after layer L the "
@@ -180,7 +180,7 @@ def open_resident(cfg: DecoderConfig, layout: ModelLayout) -> ExpertBackend:
         return QuantResidentExperts(layout)
     from .experts.source import ResidentExperts
 
-    return ResidentExperts(layout, cfg.torch_device, cfg.torch_dtype, cfg.resolved_slot_format, progress=cfg.progress)
+    return ResidentExperts(layout, cfg.torch_device, cfg.torch_dtype, progress=cfg.progress)
 
 
 def default_slots(hp: HParams) -> int:
@@ -219,7 +219,7 @@ def open_streamed(cfg: DecoderConfig, layout: ModelLayout, name: str = "moestrea
         sized = {"cache_bytes": cfg.cache_bytes} if cfg.cache_bytes else \
             {"slots": checked_slots(cfg.slots, layout.hparams) if cfg.slots else default_slots(layout.hparams)}
         source = connect(layout, cfg.iod, device=cfg.torch_device, dtype=cfg.torch_dtype,
-                         slot_format=cfg.resolved_slot_format, fetch_timeout_s=cfg.fetch_timeout_s,
+                         fetch_timeout_s=cfg.fetch_timeout_s,
                          name=name, reconnect_s=cfg.reconnect_s, **sized)
     return source
 

@@ -9,9 +9,8 @@ An entry is FILLING (`claim`), then READY (`write`) or FAILED (`abort`: dropped,
 get FetchFailed). Its pins are counted in one place, the policy (`pin`/`unpin`), whoever holds
 them: the filler (claim's in-flight pin), a prefetch's hold, a layer's `pin_present`.
 
-Slot formats (``raw`` quantized blobs, ``dequant`` float tensors) and their sizes are in
-`slot_format`. With raw slots and the fused Triton kernels (`kernels`, on CUDA by default), a
-hit is a `SlotRef` (the slot's index, nothing dequantized) and the kernels read the slot
+A slot holds an expert's quantized blocks (`slot_format`: layout and sizes). With the fused
+Triton kernels (`kernels`, on CUDA by default), a hit is a `SlotRef` (the slot's index, nothing dequantized) and the kernels read the slot
 memory itself; an expert served without a slot goes to a `spare` row (index n_slots + i).
 
 Delivery on CUDA: the daemon's arena mapping is registered with CUDA once (`register_host`,
@@ -39,8 +38,7 @@ import torch
 from ...common.layout import ExpertIndex
 from ...common.policy import SlotPolicy
 from .source import ExpertWeights, blob_to_weights
-from .slot_format import (SLOT_FORMATS, SlotLayout, check_parts, default_slot_format, dequant_shapes, pack_parts,
-                          slot_kernels, slot_layouts)
+from .slot_format import SlotLayout, check_parts, pack_parts, slot_kernels, slot_layouts
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -90,15 +88,13 @@ class SlotEntry:
 
 
 class DeviceSlotCache:
-    """Expert slots on `device`; see `slot_format` for the formats, the module docstring for threading."""
+    """Expert slots on `device`; see `slot_format` for a slot's layout, the module docstring for
+    threading. `dtype`: the float type experts are dequantized to where no fused kernel runs."""
 
     def __init__(self, index: ExpertIndex, n_slots: int, device: torch.device | str = "cpu", *,
-                 slot_format: str | None = None, dtype: torch.dtype = torch.float32,
-                 decay: float = 0.9, policy: SlotPolicy | None = None, kernels: bool | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, decay: float = 0.9, policy: SlotPolicy | None = None,
+                 kernels: bool | None = None) -> None:
         self.device = torch.device(device)
-        self.slot_format = slot_format or default_slot_format(self.device)
-        if self.slot_format not in SLOT_FORMATS:
-            raise ValueError(f"slot_format must be one of {SLOT_FORMATS}, got {self.slot_format!r}")
         if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
             raise ValueError(f"the device slot cache needs n_slots >= 1, got {n_slots!r}")
         self.n_slots, self.dtype, self.n_expert = n_slots, dtype, index.n_expert
@@ -114,30 +110,16 @@ class DeviceSlotCache:
         self._last_use: dict[int, Any] = {}  # slot -> CUDA event of the compute stream's last read
         self._staging: list[tuple[torch.Tensor, Any]] = []  # free host buffers (+ event of last H2D copy)
         self.writes = self.bytes_written = self.bypassed = self.direct_copies = 0
-        self._alloc_storage()
-        self.kernels = slot_kernels(self.layouts, self.device, kernels) if self.slot_format == "raw" else None
+        self.blobs = torch.zeros(n_slots, self.slot_bytes, dtype=torch.uint8, device=self.device)  # [n_slots, slot_bytes]
+        self.spare = torch.zeros(1, self.slot_bytes, dtype=torch.uint8, device=self.device)  # [n_spare, slot_bytes]
+        self.kernels = slot_kernels(self.layouts, self.device, kernels)
         self._spare_used = 0  # spare rows handed out in the current layer
         self._registered: list[tuple[int, torch.Tensor]] = []  # host mappings registered with CUDA (address, bytes)
-
-    def _alloc_storage(self) -> None:
-        n, dev = self.n_slots, self.device
-        if self.slot_format == "raw":
-            self.blobs = torch.zeros(n, self.slot_bytes, dtype=torch.uint8, device=dev)  # [n_slots, slot_bytes]
-            self.spare = torch.zeros(1, self.slot_bytes, dtype=torch.uint8, device=dev)  # [n_spare, slot_bytes]
-            return
-        shapes = dequant_shapes(self.layouts)
-        self.store = {name: torch.zeros(n, *shape, dtype=self.dtype, device=dev)  # [n_slots, rows, cols]
-                      for name, shape in shapes.items()}
-        # one view object per slot, made once: `weights` is on the hot path of every hit
-        self._views = [ExpertWeights(self.store["gate"][s], self.store["up"][s], self.store["down"][s])
-                       for s in range(n)]
 
     @property
     def nbytes(self) -> int:
         """Device bytes the slots take."""
-        if self.slot_format == "raw":
-            return self.blobs.numel()
-        return sum(t.numel() * t.element_size() for t in self.store.values())
+        return self.blobs.numel()
 
     # -- queries ---------------------------------------------------------------------------
     def __contains__(self, key: Hashable) -> bool:
@@ -156,7 +138,7 @@ class DeviceSlotCache:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             out = self.policy.stats()
-        out.update(slot_format=self.slot_format, device=str(self.device), slot_bytes=self.slot_bytes,
+        out.update(device=str(self.device), slot_bytes=self.slot_bytes,
                    cache_bytes=self.nbytes, writes=self.writes, bytes_written=self.bytes_written,
                    bypassed=self.bypassed, direct_copies=self.direct_copies, host_registered=bool(self._registered),
                    kernels="triton" if self.kernels is not None else "torch")
@@ -265,11 +247,11 @@ class DeviceSlotCache:
                 entry.settle(EntryState.READY)
 
     def _fill(self, slot: int, lay: SlotLayout, parts: Mapping[str, Any]) -> Any:
-        if not self._cuda and self.slot_format == "raw":
+        if not self._cuda:
             row = self.blobs[slot].numpy()  # writable view of the slot: one memcpy per part
             pack_parts(row, lay, parts)
             return None
-        direct = self._registered_parts(parts) if self._registered and self.slot_format == "raw" else None
+        direct = self._registered_parts(parts) if self._registered else None
         if direct is not None:
             return self._copy_direct(slot, lay, direct)
         staging, event = self._take_staging(), None
@@ -281,19 +263,12 @@ class DeviceSlotCache:
             self._give_staging(staging, event)
 
     def _upload(self, slot: int, lay: SlotLayout, staging: torch.Tensor) -> Any:
-        """Host staging bytes -> slot (and dequantize for the dequant format)."""
-        if not self._cuda:
-            self._store_weights(slot, blob_to_weights(list(lay.parts), staging, lay.ranges, self.dtype))
-            return None
+        """Pinned host staging bytes -> slot, on the side stream (CUDA)."""
         with torch.cuda.stream(self._side):
             last = self._last_use.get(slot)
             if last is not None:
                 self._side.wait_event(last)  # compute may still read the old contents
-            if self.slot_format == "raw":
-                self.blobs[slot, :lay.nbytes].copy_(staging[:lay.nbytes], non_blocking=True)
-            else:
-                blob = staging[:lay.nbytes].to(self.device, non_blocking=True)  # [nbytes]
-                self._store_weights(slot, blob_to_weights(list(lay.parts), blob, lay.ranges, self.dtype))
+            self.blobs[slot, :lay.nbytes].copy_(staging[:lay.nbytes], non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._side)
         return event
@@ -313,11 +288,6 @@ class DeviceSlotCache:
         with self._lock:  # the receiver thread copies too
             self.direct_copies += 1
         return event
-
-    def _store_weights(self, slot: int, w: ExpertWeights) -> None:
-        self.store["gate"][slot].copy_(w.gate)  # [ff, d]
-        self.store["up"][slot].copy_(w.up)  # [ff, d]
-        self.store["down"][slot].copy_(w.down)  # [d, ff]
 
     def _take_staging(self) -> torch.Tensor:
         """A host buffer of one slot (pinned on CUDA), from a small free list."""
@@ -371,8 +341,6 @@ class DeviceSlotCache:
         return self.kernels is not None and self.kernels.supports(layer)
 
     def _weights_at(self, layer: int, slot: int) -> Any:
-        if self.slot_format == "dequant":
-            return self._views[slot]
         if self.fused(layer):
             return SlotRef(slot)
         lay = self.layouts[layer]
@@ -419,7 +387,7 @@ class DeviceSlotCache:
     def register_host(self, view: Any) -> bool:
         """Register a host mapping (the daemon's arena, read-only) with CUDA so parts inside it
         are copied straight to their slot; False (and the staging path) where that fails."""
-        if not (self._cuda and self.slot_format == "raw"):
+        if not self._cuda:
             return False
         start, n = _address(view), memoryview(view).nbytes
         if any(a == start for a, _ in self._registered):

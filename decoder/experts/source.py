@@ -236,33 +236,22 @@ def read_blob(layout: ModelLayout, layer: int,
 
 
 class ResidentExperts(AcquireSource):
-    """Every expert in process, no daemon: the reference streamed decoding must match.
-
-    `slot_format="dequant"` dequantizes every expert once at start (fast compute, float
-    memory); `"raw"` keeps the quantized bytes on the device in the device slot cache's layout
-    (one slot per expert, `blobs [n_layer * n_expert, slot_bytes]`, slot = layer * n_expert +
-    expert) and computes on them as a raw-slot streamed cache does: with the fused Triton kernels
-    (`kernels`, see `slot_format.slot_kernels`; on CUDA by default), else dequantizing on each
-    acquire. The (layer, expert) -> slot map is a device tensor: a fused layer makes no host sync.
+    """Every expert in process, no daemon (`gpu-resident`): the quantized bytes on the device in
+    the device slot cache's layout (one slot per expert, `blobs [n_layer * n_expert, slot_bytes]`,
+    slot = layer * n_expert + expert), computed on as a streamed slot cache does: with the fused
+    Triton kernels (`kernels`, see `slot_format.slot_kernels`; on CUDA by default), else
+    dequantizing on each acquire. The (layer, expert) -> slot map is a device tensor: a fused layer
+    makes no host sync. (On a CPU, `resident.QuantResidentExperts` is the fast resident path.)
     """
 
     kind = "gpu-resident"
 
     def __init__(self, layout: ModelLayout, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, slot_format: str = "dequant", progress: bool = False,
-                 kernels: bool | None = None):
-        if slot_format not in ("raw", "dequant"):
-            raise ValueError(f"slot_format must be 'raw' or 'dequant', got {slot_format!r}")
+                 dtype: torch.dtype = torch.float32, progress: bool = False, kernels: bool | None = None):
         self.layout, self.device, self.dtype = layout, torch.device(device), dtype
         self.expert_act = layout.spec.expert_act
-        self.slot_format = slot_format
-        self._weights: dict[tuple[int, int], ExpertWeights] = {}
         self._acquired = 0
-        self.kernels = None
-        if slot_format == "raw":
-            self._load_raw(progress, kernels)
-        else:
-            self._load(progress)
+        self._load(progress, kernels)
 
     def _keys(self, progress: bool):
         hp = self.layout.hparams
@@ -273,13 +262,7 @@ class ResidentExperts(AcquireSource):
             keys = tqdm(keys, desc="experts", unit="expert", leave=False)
         return keys
 
-    def _load(self, progress: bool) -> None:
-        for key in self._keys(progress):
-            parts, raw, ranges = read_blob(self.layout, *key)
-            blob = torch.from_numpy(raw).to(self.device)  # [blob bytes]; on the CPU no copy
-            self._weights[key] = blob_to_weights(parts, blob, ranges, self.dtype)
-
-    def _load_raw(self, progress: bool, kernels: bool | None) -> None:
+    def _load(self, progress: bool, kernels: bool | None) -> None:
         from .slot_format import pack_parts, slot_kernels, slot_layouts
 
         hp = self.layout.experts  # n_layer, n_expert as the expert index counts them
@@ -312,27 +295,18 @@ class ResidentExperts(AcquireSource):
         out = {}
         n_expert = self.layout.hparams.n_expert
         for e in experts:
-            key = (layer, int(e))
-            if not (0 <= layer < self.layout.hparams.n_layer and 0 <= key[1] < n_expert):
-                raise KeyError(f"no expert {key} in this model")
-            if self.slot_format == "raw":
-                lay = self.layouts[layer]
-                out[key[1]] = blob_to_weights(list(lay.parts), self.blobs[layer * n_expert + key[1]], lay.ranges,
-                                              self.dtype)
-            else:
-                out[key[1]] = self._weights[key]
+            if not (0 <= layer < self.layout.hparams.n_layer and 0 <= int(e) < n_expert):
+                raise KeyError(f"no expert {(layer, int(e))} in this model")
+            lay = self.layouts[layer]
+            out[int(e)] = blob_to_weights(list(lay.parts), self.blobs[layer * n_expert + int(e)], lay.ranges,
+                                          self.dtype)
         self._acquired += len(out)
         return out
 
     def stats(self) -> dict:
-        if self.slot_format == "raw":
-            held, nbytes = self.blobs.shape[0], self.blobs.numel()
-        else:
-            held, nbytes = len(self._weights), sum(w.nbytes for w in self._weights.values())
-        return {"source": "resident", "slot_format": self.slot_format, "experts": held, "bytes": nbytes,
-                "acquired": self._acquired, "kernels": "triton" if self.kernels is not None else "torch"}
+        return {"source": "resident", "slot_format": "raw", "experts": self.blobs.shape[0],
+                "bytes": self.blobs.numel(), "acquired": self._acquired,
+                "kernels": "triton" if self.kernels is not None else "torch"}
 
     def close(self) -> None:
-        self._weights.clear()
-        if self.slot_format == "raw":
-            self.blobs = self._spare = torch.empty(0, dtype=torch.uint8)
+        self.blobs = self._spare = torch.empty(0, dtype=torch.uint8)

@@ -327,8 +327,7 @@ def _release_unused(client: IodClient, futures: list[cf.Future], used: int) -> N
 
 
 def open_streamed(layout: ModelLayout, endpoint: str, *, device: Any = "cpu", dtype: Any = None,
-                  slots: int | None = None, cache_bytes: int | None = None, slot_format: str | None = None,
-                  decay: float = 0.9, timeout_s: float = 5.0, fetch_timeout_s: float = 60.0,
+                  slots: int | None = None, cache_bytes: int | None = None, decay: float = 0.9, timeout_s: float = 5.0, fetch_timeout_s: float = 60.0,
                   name: str | None = None, landing: str | None = None, reconnect_s: float = 30.0,
                   kernels: bool | None = None) -> StreamedExperts:
     """Connect to the daemon at `endpoint` (checking it serves this file) and build the slot cache.
@@ -338,17 +337,16 @@ def open_streamed(layout: ModelLayout, endpoint: str, *, device: Any = "cpu", dt
     """
     import torch
 
-    from .slot_format import default_slot_format, slots_for_bytes
+    from .slot_format import slots_for_bytes
 
     dtype = dtype or torch.float32
-    fmt = slot_format or default_slot_format(device)
     if layout.spec.expert_act != "swiglu":  # the slot stores and the Triton kernels hold gate/up/down only
         raise ValueError(f"{layout.arch_name}'s experts ({layout.spec.expert_act}, with biases) are not supported on "
                          "the device slot-cache path yet; use the CPU quant path (--slot-format quant)")
     if (slots is None) == (cache_bytes is None):
         raise ValueError("give exactly one of slots (--slots) or cache_bytes (--cache-bytes)")
-    n = slots if slots is not None else slots_for_bytes(layout.experts, cache_bytes, fmt, dtype)
-    cache = DeviceSlotCache(layout.experts, n, device, slot_format=fmt, dtype=dtype, decay=decay, kernels=kernels)
+    n = slots if slots is not None else slots_for_bytes(layout.experts, cache_bytes)
+    cache = DeviceSlotCache(layout.experts, n, device, dtype=dtype, decay=decay, kernels=kernels)
     client = IodClient(endpoint, expect_fingerprint=layout.fingerprint.as_dict(), timeout_s=timeout_s, name=name,
                        reconnect_s=reconnect_s)
     try:
@@ -365,7 +363,7 @@ def describe_stats(st: dict[str, Any]) -> str:
     lines = [
         f"experts: {st['acquired']} used, hit rate {st['hit_rate']:.1%} ({st['hits']} hits, {st['misses']} misses, "
         f"{st['useful']} prefetched), {st['bytes_fetched'] / 2**20:.2f} MiB fetched, stall {st['stall_s'] * 1e3:.1f} ms",
-        f"slot cache: {cache.get('resident', 0)}/{cache.get('capacity', 0)} slots ({cache.get('slot_format')}), "
+        f"slot cache: {cache.get('resident', 0)}/{cache.get('capacity', 0)} slots, "
         f"{cache.get('evictions', 0)} evictions, {st['bypassed']} served without a slot (cache full of pins)",
     ]
     if st["prefetch_sent"]:

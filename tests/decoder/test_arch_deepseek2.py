@@ -217,7 +217,7 @@ def test_streamed_slot_cache_equals_resident_bit_for_bit(streamed_setup, start_d
     with ResidentExperts(layout) as resident:
         want = generate(model.with_bank(ExpertBank(resident)), PROMPTS, 6, keep_logits=True)
     daemon = start_daemon(path)
-    cache = DeviceSlotCache(layout.experts, slots, slot_format="dequant")
+    cache = DeviceSlotCache(layout.experts, slots)
     client = IodClient(daemon.endpoint, expect_fingerprint=layout.fingerprint.as_dict())
     with StreamedExperts(client, layout, cache, owns_client=True) as src:
         seen = Routed()

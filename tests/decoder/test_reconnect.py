@@ -135,7 +135,7 @@ def test_slot_cache_decoder_survives_a_killed_daemon(setup, tmp_path, landing):
         want = generate(model.with_bank(ExpertBank(resident)), PROMPTS, N_NEW, keep_logits=True)
     r = Restarter(path, tmp_path / "run")
     try:
-        cache = DeviceSlotCache(layout.experts, 8, slot_format="raw")
+        cache = DeviceSlotCache(layout.experts, 8)
         client = IodClient(r.endpoint, expect_fingerprint=layout.fingerprint.as_dict(), reconnect_s=20)
         with StreamedExperts(client, layout, cache, owns_client=True, landing=landing) as src:
             hook = KillAfterLayer(model, src, client, lambda: list(src.ahead._futures.get(1, {}).values()), r)

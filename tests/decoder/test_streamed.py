@@ -63,9 +63,9 @@ def benches(make_tiny_model):
         b.stop()
 
 
-def run_streamed(b: Bench, slots: int, depth: int, slot_format: str | None = None, sampling=SamplingParams(),
+def run_streamed(b: Bench, slots: int, depth: int, sampling=SamplingParams(),
                  policy: SlotPolicy | None = None, n_new: int = N_NEW):
-    cache = DeviceSlotCache(b.layout.experts, slots, slot_format=slot_format, policy=policy)
+    cache = DeviceSlotCache(b.layout.experts, slots, policy=policy)
     client = IodClient(b.endpoint, expect_fingerprint=b.layout.fingerprint.as_dict())
     with StreamedExperts(client, b.layout, cache, owns_client=True) as src:
         hook = Prefetcher(b.model, src, depth) if depth else None
@@ -74,12 +74,12 @@ def run_streamed(b: Bench, slots: int, depth: int, slot_format: str | None = Non
         return result, src.stats()
 
 
-@pytest.mark.parametrize("quant,slot_format", [("F32", "dequant"), ("Q8_0", "raw"), ("Q4_K", "dequant")])
+@pytest.mark.parametrize("quant", ["F32", "Q8_0", "Q4_K"])
 @pytest.mark.parametrize("depth", [0, 1])
-def test_streamed_is_bit_identical_to_resident(benches, quant, slot_format, depth):
+def test_streamed_is_bit_identical_to_resident(benches, quant, depth):
     b = benches(quant)
     slots = b.n_experts // 4
-    result, st = run_streamed(b, slots, depth, slot_format)
+    result, st = run_streamed(b, slots, depth)
     assert result.tokens == b.reference.tokens
     assert len(result.logits) == len(b.reference.logits) == N_NEW
     for got, want in zip(result.logits, b.reference.logits):
@@ -162,7 +162,7 @@ def test_open_streamed_checks_capacity_arguments(benches):
         open_streamed(b.layout, b.endpoint)
     with pytest.raises(ValueError, match="smaller than one"):
         open_streamed(b.layout, b.endpoint, cache_bytes=10)
-    with open_streamed(b.layout, b.endpoint, cache_bytes=5 * 2**20 // 10, slot_format="raw") as src:
+    with open_streamed(b.layout, b.endpoint, cache_bytes=5 * 2**20 // 10) as src:
         assert src.cache.n_slots == 5 * 2**20 // 10 // src.cache.slot_bytes
 
 

@@ -281,15 +281,15 @@ def test_resident_and_streamed_on_the_kernels(tiny_model, start_daemon) -> None:
 
     layout = ModelLayout(tiny_model)
     model = load_model(layout, DEVICE, torch.float32)
-    fused = ResidentExperts(layout, DEVICE, torch.float32, "raw", kernels=True)
+    fused = ResidentExperts(layout, DEVICE, torch.float32, kernels=True)
     assert fused.stats()["kernels"] == "triton"
-    plain = ResidentExperts(layout, DEVICE, torch.float32, "dequant")
+    plain = ResidentExperts(layout, DEVICE, torch.float32, kernels=False)  # dequantized with torch on use
     daemon = start_daemon(tiny_model, arena_slots=8)
     for one_sequence in (False, True):
         want = logits(model, plain, one_sequence)
         got = logits(model, fused, one_sequence)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
-        with open_streamed(layout, daemon.endpoint, device=DEVICE, dtype=torch.float32, slots=2, slot_format="raw",
+        with open_streamed(layout, daemon.endpoint, device=DEVICE, dtype=torch.float32, slots=2,
                            kernels=True) as src:
             assert torch.equal(logits(model, src, one_sequence), got)
             st = src.stats()
