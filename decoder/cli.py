@@ -13,7 +13,9 @@ from .config import ConfigError, DecoderConfig
 
 if TYPE_CHECKING:  # (imported lazily at run time: `--help` must not load torch models)
     from ..common.layout import HParams, ModelLayout
+    from .experts.bank import BankStats
     from .experts.source import ExpertBackend
+    from .experts.stats import PrefetcherStats
     from .generation.loop import GenerationResult
     from .models.moe_transformer import MoEModel
     from .experts.prefetch import Prefetcher
@@ -319,17 +321,17 @@ def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
     else:
         print_results(result, tok, single)
     if cfg.stats:
-        print_stats(result, load_s, stats, prefetch)
+        print_stats(result, load_s, stats)
     return 0
 
 
-def result_json(result: GenerationResult, tok: GGUFTokenizer, ids: list[list[int]], load_s: float, stats: dict,
-                prefetch: dict | None) -> dict[str, Any]:
+def result_json(result: GenerationResult, tok: GGUFTokenizer, ids: list[list[int]], load_s: float,
+                stats: BankStats, prefetch: PrefetcherStats | None) -> dict[str, Any]:
     return {"prompt_tokens": [len(p) for p in ids], "tokens": result.tokens,
             "text": [tok.decode(t) for t in result.tokens], "finish": result.finish,
             "new_tokens": result.new_tokens, "steps": result.steps, "load_s": load_s,
             "prefill_s": result.prefill_s, "decode_s": result.decode_s, "decode_tok_s": result.decode_tok_s(),
-            "stats": stats, "prefetch": prefetch}
+            "stats": stats.as_dict(), "prefetch": prefetch.as_dict() if prefetch is not None else None}
 
 
 def print_results(result: GenerationResult, tok: GGUFTokenizer, streamed: bool) -> None:
@@ -341,23 +343,12 @@ def print_results(result: GenerationResult, tok: GGUFTokenizer, streamed: bool) 
         print(tok.decode(ids))
 
 
-def print_stats(result: GenerationResult, load_s: float, source_stats: dict, prefetch_stats: dict | None) -> None:
+def print_stats(result: GenerationResult, load_s: float, bank_stats: BankStats) -> None:
     """Counters for people, on stderr (stdout carries the text)."""
     out = sys.stderr
     print(f"stats: decode {result.decode_tok_s():.1f} tok/s ({result.new_tokens} tokens, {result.steps} decode steps), "
           f"prefill {result.prefill_s * 1e3:.1f} ms, load {load_s:.2f} s", file=out)
-    st = source_stats
-    if st["source"] == "streamed" and st.get("slot_format") == "quant":
-        from .experts.arena import describe_stats
-
-        print(describe_stats(st), file=out)
-    elif st["source"] == "streamed":
-        from .experts.streamed import describe_stats as describe_slots
-
-        print(describe_slots(st), file=out)
-    else:
-        print(f"stats: experts: source=resident, {st['experts']} experts held ({st['slot_format']}, "
-              f"{st['bytes'] / 2**20:.1f} MiB), {st['acquired']} acquired", file=out)
+    print(bank_stats.describe(), file=out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from ..experts.bank import ExpertBank
     from ..experts.source import ExpertBackend
     from ..experts.prefetch import Prefetcher
 
@@ -91,12 +92,11 @@ class Run:
         g = torch.Generator().manual_seed(args.seed)
         self.prompt = torch.randint(0, hp.n_vocab, (args.prompt_tokens,), generator=g).tolist()
 
-    def decode(self, source: ExpertBackend, hook: Prefetcher | None = None) -> float:
+    def decode(self, bank: ExpertBank, hook: Prefetcher | None = None) -> float:
         """Decode tok/s of one generation (EOS ignored: every run decodes the same count)."""
-        from ..experts.bank import ExpertBank
         from ..generation.loop import generate
 
-        result = generate(self.model.with_bank(ExpertBank(source)), [self.prompt], self.args.tokens, self.cfg.sampling, observer=hook)
+        result = generate(self.model.with_bank(bank), [self.prompt], self.args.tokens, self.cfg.sampling, observer=hook)
         if self.cfg.torch_device.type == "cuda":
             torch.cuda.synchronize(self.cfg.torch_device)
         return result.decode_tok_s()
@@ -136,20 +136,23 @@ class Phase:
 
     def __init__(self, run: Run, source: ExpertBackend, hook: Prefetcher | None = None, slots: int = 0, prefetch: int = 0,
                  status: str | None = None):
+        from ..experts.bank import ExpertBank
+
         self.run, self.source, self.hook = run, source, hook
+        self.bank = ExpertBank(source)
         self.slots, self.prefetch, self.status = slots, prefetch, status
         self.tok_s: list[float] = []
         self.delta: dict[str, float] = {}
-        run.decode(source, hook)  # warm-up, untimed: allocator, kernels, and the slot cache's contents
+        run.decode(self.bank, hook)  # warm-up, untimed: allocator, kernels, and the slot cache's contents
 
     def once(self) -> None:
         before = self._counters()
-        self.tok_s.append(self.run.decode(self.source, self.hook))
+        self.tok_s.append(self.run.decode(self.bank, self.hook))
         for k, v in self._counters().items():
             self.delta[k] = self.delta.get(k, 0) + v - before[k]
 
     def _counters(self) -> dict[str, float]:
-        st = self.source.stats()
+        st = self.bank.stats().as_dict()
         if self.status is not None:  # the arena source: its daemon counts what was read
             from ...tools.status import get_status
 

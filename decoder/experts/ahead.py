@@ -28,9 +28,8 @@ from collections.abc import Collection, Mapping, Sequence
 from ...common.client import IodClient
 from .prefetch import Receiver
 from .slot_cache import DeviceSlotCache, Key, SlotEntry
+from .stats import AheadCounters
 
-COUNTERS = ("prefetch_sent", "prefetch_dropped", "useful", "hidden", "late", "wasted", "cancelled",
-            "predicted", "predicted_right", "routed")
 
 
 class AheadPrefetches:
@@ -46,7 +45,7 @@ class AheadPrefetches:
         self._deferred: dict[int, set[int]] = {}  # predictions waiting for the next demand fetch
         self._holds: set[Key] = set()  # prefetched keys whose hold pin is still held
         self._predicted: dict[int, set[int]] = {}  # layer -> its last prediction, until scored
-        self.c = dict.fromkeys(COUNTERS, 0)
+        self.counts = AheadCounters()
 
     @property
     def has_deferred(self) -> bool:
@@ -85,11 +84,11 @@ class AheadPrefetches:
                 if e in mine or key in self.cache:
                     continue
                 if leases is not None and len(keys) >= leases:
-                    self.c["prefetch_dropped"] += 1
+                    self.counts.prefetch_dropped += 1
                     continue
                 if eager:  # lazy: no slot yet, a wrong guess evicts nothing
                     if room <= 0 or not self._claim_held(key):
-                        self.c["prefetch_dropped"] += 1
+                        self.counts.prefetch_dropped += 1
                         continue
                     room -= 1
                 keys.append(key)
@@ -115,16 +114,16 @@ class AheadPrefetches:
             self._futures.setdefault(key[0], {})[key[1]] = fut
             if self.landing == "eager":
                 self.receiver.submit(key, fut)
-        self.c["prefetch_sent"] += len(keys)
+        self.counts.prefetch_sent += len(keys)
 
     # -- judging ---------------------------------------------------------------------------
     def score(self, layer: int, wanted: Collection[int]) -> None:
         """Count how much of `layer`'s last prediction its real routing `wanted` confirms."""
         predicted = self._predicted.pop(layer, None)
         if predicted is not None:
-            self.c["predicted"] += len(predicted)
-            self.c["predicted_right"] += len(predicted.intersection(wanted))
-            self.c["routed"] += len(wanted)
+            self.counts.predicted += len(predicted)
+            self.counts.predicted_right += len(predicted.intersection(wanted))
+            self.counts.routed += len(wanted)
 
     def take(self, layer: int, present: Mapping[int, SlotEntry], missing: Collection[int]) -> dict[int, cf.Future]:
         """`layer` is acquired: its prefetches of `present` experts (landed eagerly, READY in
@@ -138,8 +137,11 @@ class AheadPrefetches:
             if in_time is None:
                 unused.append(fut)
             else:
-                self.c["useful"] += 1
-                self.c["hidden" if in_time else "late"] += 1
+                self.counts.useful += 1
+                if in_time:
+                    self.counts.hidden += 1
+                else:
+                    self.counts.late += 1
                 used[e] = fut
             self._drop_hold((layer, e))
         if unused:
@@ -196,9 +198,9 @@ class AheadPrefetches:
         self.client.cancel([f for f in futures if not f.done()])  # a lease arriving later goes back
         for fut in futures:
             if fut.cancelled():
-                self.c["cancelled"] += 1
+                self.counts.cancelled += 1
                 continue
-            self.c["wasted"] += 1
+            self.counts.wasted += 1
             if self.landing == "lazy" and fut.exception() is None:
                 self.client.release(fut.result())
 

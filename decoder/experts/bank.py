@@ -27,6 +27,9 @@ import numpy as np
 import torch
 
 from .source import ExpertBackend, Predictions
+from .stats import ArenaStatsView, ResidentStats, SlotStats
+
+BankStats = ResidentStats | SlotStats | ArenaStatsView
 
 
 class ExpertBank:
@@ -63,8 +66,10 @@ class ExpertBank:
         """Experts these layers will probably want (see `ExpertBackend.prefetch_ahead`)."""
         self.backend.prefetch_ahead(predictions, defer, if_cached)
 
-    def stats(self) -> Any:
-        return self.backend.stats()
+    def stats(self) -> BankStats:
+        """The backend's counters, typed (`describe()`, `as_dict()`, `traffic()`)."""
+        st = self.backend.stats()
+        return ArenaStatsView(st) if isinstance(st, dict) else st  # arena.py's counters are still a dict
 
     def close(self) -> None:
         self.backend.close()

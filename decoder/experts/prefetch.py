@@ -19,13 +19,13 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
 
 import torch
 
 from ...common.client import IodClient
 from .bank import ExpertBank
 from .source import ExpertBackend
+from .stats import PrefetcherStats
 from ..models.moe_transformer import LayerObserver, MoEModel
 from .slot_cache import DeviceSlotCache, Key
 
@@ -196,5 +196,5 @@ class Prefetcher(LayerObserver):
         self.bank.prefetch_ahead(predictions, defer=defer, if_cached=if_cached)
         self.predict_s += time.perf_counter() - t0
 
-    def stats(self) -> dict[str, Any]:
-        return {"depth": self.depth, "at": self.at, "predictions": self.predictions, "predict_s": self.predict_s}
+    def stats(self) -> PrefetcherStats:
+        return PrefetcherStats(self.depth, self.at, self.predictions, self.predict_s)

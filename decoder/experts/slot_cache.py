@@ -38,6 +38,7 @@ import torch
 from ...common.layout import ExpertIndex
 from ...common.policy import SlotPolicy
 from .source import ExpertWeights, blob_to_weights
+from .stats import CacheStats
 from .slot_format import SlotLayout, check_parts, pack_parts, slot_kernels, slot_layouts
 
 Key = tuple[int, int]  # (layer, expert)
@@ -135,14 +136,13 @@ class DeviceSlotCache:
             entry = self._entries.get(key)
             return None if entry is None else entry.slot
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> CacheStats:
         with self._lock:
-            out = self.policy.stats()
-        out.update(device=str(self.device), slot_bytes=self.slot_bytes,
-                   cache_bytes=self.nbytes, writes=self.writes, bytes_written=self.bytes_written,
-                   bypassed=self.bypassed, direct_copies=self.direct_copies, host_registered=bool(self._registered),
-                   kernels="triton" if self.kernels is not None else "torch")
-        return out
+            policy = self.policy.stats()
+        return CacheStats(**policy, device=str(self.device), slot_bytes=self.slot_bytes, cache_bytes=self.nbytes,
+                          writes=self.writes, bytes_written=self.bytes_written, bypassed=self.bypassed,
+                          direct_copies=self.direct_copies, host_registered=bool(self._registered),
+                          kernels="triton" if self.kernels is not None else "torch")
 
     # -- pins and accesses -----------------------------------------------------------------
     def pin_present(self, layer: int, experts: list[int]) -> tuple[dict[int, SlotEntry], list[int]]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from ...common.arch import EXPERT_ACTS, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from ...common.layout import ExpertPart, ModelLayout
 from ..kernels.dequant import dequantize
+from .stats import ResidentStats
 
 Predictions = Mapping[int, Sequence[int]]  # layer -> experts predicted for it
 
@@ -103,8 +104,9 @@ class ExpertBackend(ABC):
     def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_j weights[:, j] * expert_{ids[:, j]}(x) for rows x [N, d], weights/ids [N, k] -> [N, d]."""
 
-    def stats(self) -> dict:
-        return {}
+    def stats(self) -> Any:
+        """A typed snapshot of the counters (`stats.py`): `describe()`, `as_dict()`, `traffic()`."""
+        raise NotImplementedError
 
     def close(self) -> None:
         pass
@@ -303,10 +305,9 @@ class ResidentExperts(AcquireSource):
         self._acquired += len(out)
         return out
 
-    def stats(self) -> dict:
-        return {"source": "resident", "slot_format": "raw", "experts": self.blobs.shape[0],
-                "bytes": self.blobs.numel(), "acquired": self._acquired,
-                "kernels": "triton" if self.kernels is not None else "torch"}
+    def stats(self) -> ResidentStats:
+        return ResidentStats(self.kind, "raw", experts=self.blobs.shape[0], bytes=self.blobs.numel(),
+                             acquired=self._acquired, kernels="triton" if self.kernels is not None else "torch")
 
     def close(self) -> None:
         self.blobs = self._spare = torch.empty(0, dtype=torch.uint8)

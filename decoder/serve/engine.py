@@ -119,7 +119,7 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """The expert source's counters (read from another thread: a snapshot, good enough to print)."""
-        return dict(self.parts.bank.stats()) if self.parts is not None else {}
+        return self.parts.bank.stats().as_dict() if self.parts is not None else {}
 
     def close(self) -> None:
         self._stop = True

@@ -223,7 +223,7 @@ def test_streamed_slot_cache_equals_resident_bit_for_bit(streamed_setup, start_d
         seen = Routed()
         got = generate(model.with_bank(ExpertBank(src)), PROMPTS, 6, keep_logits=True, observer=Prefetcher(model, src, 1))
         generate(model.with_bank(ExpertBank(src)), PROMPTS[:1], 1, observer=seen)
-        st = src.stats()
+        st = src.stats().as_dict()
     assert same(got, want)
     assert st["misses"] > slots and st["cache"]["evictions"] > 0 and st["prefetch_sent"] > 0
     assert seen.layers == {2, 3}  # the dense layers 0 and 1 never route

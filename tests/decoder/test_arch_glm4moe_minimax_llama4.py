@@ -198,7 +198,7 @@ def test_streamed_slot_cache_equals_resident_bit_for_bit(make_tiny_model, start_
     client = IodClient(daemon.endpoint, expect_fingerprint=layout.fingerprint.as_dict())
     with StreamedExperts(client, layout, cache, owns_client=True) as src:
         got = generate(model.with_bank(ExpertBank(src)), PROMPTS, 6, keep_logits=True, observer=Prefetcher(model, src, 1))
-        st = src.stats()
+        st = src.stats().as_dict()
     assert got.tokens == want.tokens and all(torch.equal(x, y) for x, y in zip(got.logits, want.logits))
     assert st["misses"] > slots and st["cache"]["evictions"] > 0
 

@@ -62,7 +62,7 @@ def test_resident_quant_matches_the_dequantized_reference(setups, quant):
         q, ref = s.run(quant_src), s.run(dequant_src)
     for a, b in zip(q.logits, ref.logits):  # same weights, float32: only the summation order differs
         assert (a - b).abs().max().item() <= 1e-4 * max(1.0, b.abs().max().item())
-    st = QuantResidentExperts(s.layout).stats()
+    st = QuantResidentExperts(s.layout).stats().as_dict()
     expert_bytes = sum(s.layout.experts.blob_bytes(layer) * s.layout.hparams.n_expert for layer in range(3))
     assert st["bytes"] == expert_bytes and st["slot_format"] == "quant"  # the file's bytes, no more
 

@@ -97,7 +97,7 @@ def test_resident_raw_uses_the_kernels_and_a_decode_mix_captures_in_a_cuda_graph
     with new inputs give what eager calls give."""
     layout = ModelLayout(models["qwen3moe"])
     res = ResidentExperts(layout, "cuda", torch.float32)
-    assert res.stats()["kernels"] == "triton"
+    assert res.stats().as_dict()["kernels"] == "triton"
     hp = layout.hparams
     x = torch.randn(1, hp.n_embd, device="cuda")
     w = torch.rand(1, hp.n_expert_used, device="cuda")
@@ -129,7 +129,7 @@ def test_streamed_copies_straight_from_the_registered_arena(models, start_daemon
     daemon = start_daemon(models["qwen3moe"], arena_slots=8)
     with open_streamed(layout, daemon.endpoint, device="cuda", dtype=torch.bfloat16, slots=4) as src:
         assert torch.equal(forward(layout, model, src, False), want)
-        cache = src.stats()["cache"]
+        cache = src.stats().as_dict()["cache"]
         assert cache["host_registered"] and cache["kernels"] == "triton"
         assert cache["direct_copies"] == cache["writes"] > 0
 
@@ -161,7 +161,7 @@ def test_every_kernel_type_end_to_end(make_tiny_model, start_daemon, qtype):
     layout = ModelLayout(path)
     cpu = forward(layout, *resident(layout, "cpu", torch.float32), False)
     model, res = resident(layout, "cuda", torch.float32)
-    assert res.stats()["kernels"] == "triton"
+    assert res.stats().as_dict()["kernels"] == "triton"
     gpu = forward(layout, model, res, False)  # token by token: the fused decode kernels
     assert (gpu - cpu).abs().max().item() <= 1e-4 * max(1.0, cpu.abs().max().item())
     daemon = start_daemon(path, arena_slots=8)

@@ -99,7 +99,7 @@ def test_prefetches_land_on_the_receiver_thread(setup):
         want = resident.acquire(1, [2, 6])
         assert same(got, want, (2, 6))
         src.release(1, [2, 6])
-        st = src.stats()
+        st = src.stats().as_dict()
     assert writers == {(1, 2): "moestream-receiver", (1, 6): "moestream-receiver"}
     assert st["misses"] == 0 and st["useful"] == st["hidden"] == 2 and st["hidden_share"] == 1.0
     assert st["hits"] == 0  # a prefetched expert counts as useful, not as a hit
@@ -114,10 +114,10 @@ def test_wrong_predictions_are_counted_and_unpinned(setup):
         src.acquire(2, [1, 5])
         src.release(2, [1, 5])
         assert src.receiver.drain(10.0)
-        st = src.stats()
+        st = src.stats().as_dict()
         src.acquire(2, [1, 5])  # both resident now, nothing prefetched: two plain hits
         src.release(2, [1, 5])
-        again = src.stats()
+        again = src.stats().as_dict()
     assert st["hits"] == 0 and again["hits"] == 2 and again["acquired"] == 4 and again["hit_rate"] == 0.5
     assert st["prefetch_sent"] == 2 and st["useful"] == 1 and st["wasted"] + st["cancelled"] == 1
     assert st["misses"] == 1 and st["predicted"] == 2 and st["predicted_right"] == 1
@@ -169,7 +169,7 @@ def test_failed_prefetch_is_fetched_again_on_demand(setup):
         boom.join()
         assert torch.equal(got[4].up, resident.acquire(0, [4])[4].up)
         src.release(0, [4])
-        st = src.stats()
+        st = src.stats().as_dict()
     assert st["refetched"] == 1 and st["misses"] == 1 and st["cache"]["pinned"] == 0
 
 
@@ -180,7 +180,7 @@ def test_every_prefetch_is_judged_in_a_real_decode(setup):
         generate(model.with_bank(ExpertBank(src)), [[5, 17, 99, 3, 250], [7, 300]], 12, SamplingParams(temperature=1.0, seed=1),
                  observer=hook)
         assert src.receiver.drain(10.0)  # a wasted prefetch still landing holds its slot until it lands
-        st = src.stats()
+        st = src.stats().as_dict()
     assert st["prefetch_sent"] > 0 and st["hidden"] > 0
     assert st["prefetch_sent"] == st["useful"] + st["wasted"] + st["cancelled"]
     assert 0 < st["hidden_share"] <= 1 and st["useful"] == st["hidden"] + st["late"]
@@ -197,7 +197,7 @@ def test_lazy_prefetch_claims_no_slot_and_lands_on_use(setup):
         got = src.acquire(1, [2, 6])
         assert same(got, resident.acquire(1, [2, 6]), [2, 6])
         src.release(1, [2, 6])
-        st = src.stats()
+        st = src.stats().as_dict()
         assert not src.client._held  # every lease went back
     assert st["misses"] == 0 and st["useful"] == st["hidden"] == 2 and st["prefetch_sent"] == 2
     assert st["prefetch_bytes"] == st["bytes_fetched"] > 0 and st["cache"]["pinned"] == 0
@@ -213,7 +213,7 @@ def test_lazy_wrong_guesses_hand_their_leases_back(setup):
         assert same(got, resident.acquire(2, [1, 5]), [1, 5])
         src.release(2, [1, 5])
         src.client.ping(5.0)  # a lease that arrived after its cancel has been handed back by now
-        st = src.stats()
+        st = src.stats().as_dict()
         assert not src.client._held
     assert st["useful"] == 1 and st["misses"] == 1 and st["wasted"] + st["cancelled"] == 1
     assert st["cache"]["resident"] == 2 and st["cache"]["pinned"] == 0
@@ -235,7 +235,7 @@ def test_compute_thread_takes_over_a_landing_the_receiver_has_not_started(setup)
         assert same(got, resident.acquire(0, [3]), [3])
         src.release(0, [3])
         assert src.receiver.drain(10.0)  # the receiver saw it taken and skipped it
-        st = src.stats()
+        st = src.stats().as_dict()
     assert writers == ["MainThread"] and st["landed_by_compute"] == 1 and st["useful"] == 1
     assert st["cache"]["pinned"] == 0 and st["prefetch_sent"] == st["useful"]
 
@@ -250,7 +250,7 @@ def test_every_landing_and_prediction_point_is_bit_identical(setup, landing, at)
         hook = Prefetcher(model, src, 1, at=at)
         got = generate(model.with_bank(ExpertBank(src)), PROMPTS, 6, sampling, observer=hook, keep_logits=True)
         src.close()
-        st = src.stats()
+        st = src.stats().as_dict()
     assert got.tokens == want.tokens and all(torch.equal(g, w) for g, w in zip(got.logits, want.logits))
     assert st["prefetch_sent"] > 0 and st["useful"] > 0 and st["cache"]["pinned"] == 0
     assert st["prefetch_sent"] == st["useful"] + st["wasted"] + st["cancelled"]
@@ -285,5 +285,5 @@ def test_prefetch_stays_within_the_daemons_lease_quota_beside_another_client(mak
     with IodClient(d.endpoint, name="other"), streamed(layout, d.endpoint, "lazy", slots=16) as src:
         assert src.client.lease_quota == 4 and src.ahead.max_in_flight == 2
         got = generate(model.with_bank(ExpertBank(src)), PROMPTS, 8, observer=Prefetcher(model, src, 3), keep_logits=True)
-        st = src.stats()
+        st = src.stats().as_dict()
     assert got.tokens == want.tokens and st["prefetch_sent"] > 0

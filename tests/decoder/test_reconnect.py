@@ -140,7 +140,7 @@ def test_slot_cache_decoder_survives_a_killed_daemon(setup, tmp_path, landing):
         with StreamedExperts(client, layout, cache, owns_client=True, landing=landing) as src:
             hook = KillAfterLayer(model, src, client, lambda: list(src.ahead._futures.get(1, {}).values()), r)
             got = generate(model.with_bank(ExpertBank(src)), PROMPTS, N_NEW, keep_logits=True, observer=hook)
-            stats, reconnects = src.stats(), client.reconnects
+            stats, reconnects = src.stats().as_dict(), client.reconnects
         assert reconnects == 1
         assert same_run(got, want)
         if landing == "lazy":  # landed leases wait in the arena for their layer: void, fetched again

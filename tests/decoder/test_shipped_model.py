@@ -115,7 +115,7 @@ def test_streamed_decoding_gives_identical_tokens(shipped):
         client = IodClient(daemon.endpoint, expect_fingerprint=layout.fingerprint.as_dict())
         with StreamedExperts(client, layout, cache, owns_client=True) as src, torch.inference_mode():
             got = generate(model.with_bank(ExpertBank(src)), prompts, 12, observer=Prefetcher(model, src, 1))
-            stats = src.stats()
+            stats = src.stats().as_dict()
     assert got.tokens == want.tokens
     assert stats["misses"] > 0 and stats["cache"]["evictions"] > 0
 

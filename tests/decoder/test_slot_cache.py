@@ -114,7 +114,7 @@ def test_fill_matches_gguf_reference(qtype, fused):
         assert_weights(cache, f, key)
         cache.unpin(key)
         cache.check()
-    assert cache.stats()["evictions"] == 1 and cache.stats()["hits"] == 2
+    assert cache.stats().evictions == 1 and cache.stats().hits == 2
     assert (1, 7) not in cache  # the coldest, oldest entry went
 
 
@@ -186,7 +186,7 @@ def test_long_random_decode_keeps_pins_and_capacity():
                 cache.unpin(key)
             cache.check()
     assert policy.checked > 100 and policy.evicted > 50
-    assert cache.stats()["pinned"] == 0
+    assert cache.stats().pinned == 0
 
 
 def test_pin_present_counts_and_pins_under_one_call():

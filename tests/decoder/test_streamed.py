@@ -71,7 +71,7 @@ def run_streamed(b: Bench, slots: int, depth: int, sampling=SamplingParams(),
         hook = Prefetcher(b.model, src, depth) if depth else None
         result = generate(b.model.with_bank(ExpertBank(src)), PROMPTS, n_new, sampling, observer=hook, keep_logits=True)
         src.close()
-        return result, src.stats()
+        return result, src.stats().as_dict()
 
 
 @pytest.mark.parametrize("quant", ["F32", "Q8_0", "Q4_K"])
@@ -145,7 +145,7 @@ def test_refetch_keeps_earlier_bypasses_and_failure_forgets_them(benches, fails)
                 src.acquire(0, [0, 1, 2])
         else:
             got = src.acquire(0, [0, 1, 2])
-            st = src.stats()
+            st = src.stats().as_dict()
             assert set(got) == {0, 1, 2} and st["refetched"] == 1 and st["bypassed"] == 1
             assert st["cache"]["pinned"] == 2  # 0 (refetched into its slot) and 1; 2 has none
             src.release(0, [0, 1, 2])

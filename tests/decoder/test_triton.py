@@ -282,7 +282,7 @@ def test_resident_and_streamed_on_the_kernels(tiny_model, start_daemon) -> None:
     layout = ModelLayout(tiny_model)
     model = load_model(layout, DEVICE, torch.float32)
     fused = ResidentExperts(layout, DEVICE, torch.float32, kernels=True)
-    assert fused.stats()["kernels"] == "triton"
+    assert fused.stats().as_dict()["kernels"] == "triton"
     plain = ResidentExperts(layout, DEVICE, torch.float32, kernels=False)  # dequantized with torch on use
     daemon = start_daemon(tiny_model, arena_slots=8)
     for one_sequence in (False, True):
@@ -292,7 +292,7 @@ def test_resident_and_streamed_on_the_kernels(tiny_model, start_daemon) -> None:
         with open_streamed(layout, daemon.endpoint, device=DEVICE, dtype=torch.float32, slots=2,
                            kernels=True) as src:
             assert torch.equal(logits(model, src, one_sequence), got)
-            st = src.stats()
+            st = src.stats().as_dict()
             assert st["misses"] > 0 and st["cache"]["kernels"] == "triton"
             if one_sequence:  # 7 tokens x top-2 of 8 experts on 2 slots: some served without a slot
                 assert st["bypassed"] > 0
