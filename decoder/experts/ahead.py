@@ -27,7 +27,8 @@ from collections.abc import Collection, Mapping, Sequence
 
 from ...common.client import IodClient
 from .prefetch import Receiver
-from .slot_cache import DeviceSlotCache, Key, SlotEntry
+from .slot_book import BookEntry
+from .slot_cache import DeviceSlotCache, Key
 from .stats import AheadCounters
 
 
@@ -96,9 +97,9 @@ class AheadPrefetches:
 
     def _claim_held(self, key: Key) -> bool:
         """A slot for an eager prefetch: claim's pin is the in-flight one, plus the hold pin."""
-        if self.cache.claim(key) is None:
+        if self.cache.claim(key, "fill") is None:  # the receiver drops the fill pin once the bytes are in
             return False
-        self.cache.pin(key)
+        self.cache.pin(key, "hold")
         self._holds.add(key)
         return True
 
@@ -125,7 +126,7 @@ class AheadPrefetches:
             self.counts.predicted_right += len(predicted.intersection(wanted))
             self.counts.routed += len(wanted)
 
-    def take(self, layer: int, present: Mapping[int, SlotEntry], missing: Collection[int]) -> dict[int, cf.Future]:
+    def take(self, layer: int, present: Mapping[int, BookEntry], missing: Collection[int]) -> dict[int, cf.Future]:
         """`layer` is acquired: its prefetches of `present` experts (landed eagerly, READY in
         time or late) and, with lazy landing, of `missing` ones (to be joined) are used; the
         rest are given up. Drops their hold pins; returns the used ones' futures."""
@@ -151,7 +152,7 @@ class AheadPrefetches:
     def _drop_hold(self, key: Key) -> None:
         if key in self._holds:
             self._holds.discard(key)
-            self.cache.unpin(key)
+            self.cache.unpin(key, "hold")
 
     def end_step(self) -> None:
         """A new forward pass: give up the prefetches of layers never acquired (and their
@@ -175,7 +176,7 @@ class AheadPrefetches:
     def release_holds(self) -> None:
         """Give up every hold pin (the cache is full of pins and a demand miss needs a slot)."""
         for key in sorted(self._holds):
-            self.cache.unpin(key)
+            self.cache.unpin(key, "hold")
         self._holds.clear()
 
     def drop_all(self) -> None:
@@ -205,7 +206,7 @@ class AheadPrefetches:
                 self.client.release(fut.result())
 
 
-def _in_time(entry: SlotEntry | None, fut: cf.Future, joined: bool) -> bool | None:
+def _in_time(entry: BookEntry | None, fut: cf.Future, joined: bool) -> bool | None:
     """A used prefetch landed in time: its eagerly landed entry is READY, or the lease it joins
     is in. None: not used."""
     if entry is not None:

@@ -129,7 +129,7 @@ class Receiver:
         try:
             parts = {name: self.client.part_view(lease, name) for name in lease.parts}
             self.cache.write(key, parts)
-            self.cache.unpin(key)  # the in-flight pin; the source's hold pin stays until its layer runs
+            self.cache.unpin(key, "fill")  # the in-flight pin; the source's hold pin stays until its layer runs
             self.bytes += sum(n for _, n in lease.parts.values())
         except BaseException:
             self.cache.abort(key)

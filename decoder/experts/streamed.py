@@ -45,7 +45,8 @@ from ...common.layout import ModelLayout
 from .ahead import AheadPrefetches
 from .source import AcquireSource, ExpertWeights
 from .prefetch import Receiver
-from .slot_cache import DeviceSlotCache, FetchFailed, Key, SlotEntry
+from .slot_book import BookEntry
+from .slot_cache import DeviceSlotCache, FetchFailed, Key
 from .stats import DemandCounters, SlotStats
 
 
@@ -170,7 +171,7 @@ class StreamedExperts(AcquireSource):
             self.client.close()
 
     # -- demand internals ------------------------------------------------------------------
-    def _ready_hits(self, layer: int, present: Mapping[int, SlotEntry]) -> tuple[dict[int, ExpertWeights], list[int]]:
+    def _ready_hits(self, layer: int, present: Mapping[int, BookEntry]) -> tuple[dict[int, ExpertWeights], list[int]]:
         """The hit path: weights of the present experts whose bytes are in; the others (slow)."""
         out, slow = {}, []
         for e, entry in present.items():
