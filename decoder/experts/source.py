@@ -1,20 +1,20 @@
-"""Expert sources: where the MoE block gets a layer's experts computed.
+"""Expert backends: where an `ExpertBank` gets a layer's experts computed.
 
 The model never knows where experts live: the MoE block routes, then asks its `ExpertBank`
 (`bank.py`) to `mix(layer, x, weights, ids)` (every routed expert's SwiGLU output, weighted and
-summed); the bank hands that to its backend, an `ExpertBackend` of this module's kind.
+summed); the bank hands that to its backend, an `ExpertBackend` (this module's ABC).
 
 - CPU, the `quant` format: computed on the quantized GGUF blocks where they lie, the file's
-  memory map (`quant_experts.QuantResidentExperts`) or a leased slot of the daemon's
-  shared-memory arena (`arena_experts.ArenaExperts`); no dequantized copy is kept.
-- `AcquireSource` family: float weights per expert, `acquire`d for a layer and `release`d
-  after it: `ResidentExperts` below (dequantized at start, or raw and dequantized on use)
-  and the device slot cache of `streamed.StreamedExperts` (the GPU path). With raw slots on
-  CUDA both override `mix` to run the fused Triton kernels (`triton_experts`) on the slot
-  memory instead: nothing is dequantized into a copy, and the (layer, expert) -> slot map is a
-  device tensor.
+  memory map (`resident.QuantResidentExperts`, `cpu-mmap`) or a leased slot of the daemon's
+  shared-memory arena (`arena.ArenaExperts`, `cpu-arena`); no dequantized copy is kept.
+- `AcquireSource` family: raw slots of quantized blocks on the device, `acquire`d for a layer
+  and `release`d after it: `ResidentExperts` below (`gpu-resident`) and the device slot cache of
+  `streamed.StreamedExperts` (`gpu-slots`). On CUDA both override `mix` to run the fused Triton
+  kernels (`triton_experts`) on the slot memory: nothing is dequantized into a copy, and the
+  (layer, expert) -> slot map is a device tensor; elsewhere an acquired expert is dequantized
+  for its layer only.
 
-Every source sums its experts' outputs in ascending expert order (`combine`), whatever order
+Every backend sums its experts' outputs in ascending expert order (`combine`), whatever order
 they were computed or arrived in, so streamed and resident decoding are bit-identical.
 """
 
