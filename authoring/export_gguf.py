@@ -92,7 +92,9 @@ def export(run: Path, out_dir: Path, quants: list[str]) -> list[Path]:
 def max_logit_diff(run: Path, gguf: Path, tokens: int = 128) -> tuple[float, float]:
     """(max |HF - ours| logit difference, |loss_HF - loss_ours|) on one held-out window."""
     from ..common.layout import ModelLayout
+    from ..decoder.experts.bank import ExpertBank
     from ..decoder.experts.source import ResidentExperts
+    from ..decoder.generation.loop import forward_step
     from ..decoder.models import load_model
     from .train_tiny import build_model
 
@@ -101,9 +103,9 @@ def max_logit_diff(run: Path, gguf: Path, tokens: int = 128) -> tuple[float, flo
     ids = torch.from_numpy(np.load(run / "heldout_ids.npy")[: tokens + 1].astype(np.int64))[None]  # [1, T+1]
     ref = hf(input_ids=ids[:, :-1], output_router_logits=False).logits  # [1, T, V]
     layout = ModelLayout(gguf)
-    ours = load_model(layout)
-    with ResidentExperts(layout) as experts:
-        mine = ours.forward(ids[:, :-1], ours.new_cache(1, tokens), experts)  # [1, T, V]
+    with ExpertBank(ResidentExperts(layout)) as bank:
+        ours = load_model(layout, bank=bank)
+        mine = forward_step(ours, ids[:, :-1], ours.new_cache(1, tokens))  # [1, T, V]
     ce = torch.nn.functional.cross_entropy
     dl = abs(ce(ref[0], ids[0, 1:]).item() - ce(mine[0], ids[0, 1:]).item())
     return (ref - mine).abs().max().item(), dl

@@ -13,7 +13,9 @@ from .config import ConfigError, DecoderConfig
 
 if TYPE_CHECKING:  # (imported lazily at run time: `--help` must not load torch models)
     from ..common.layout import HParams, ModelLayout
-    from .experts.source import ExpertSource
+    from .experts.bank import BankStats
+    from .experts.source import ExpertBackend
+    from .experts.stats import PrefetcherStats
     from .generation.loop import GenerationResult
     from .models.moe_transformer import MoEModel
     from .experts.prefetch import Prefetcher
@@ -29,8 +31,8 @@ Expert format (--slot-format):
            resident, straight from the file's memory map (memory = the file's expert bytes);
            streamed, straight from the daemon's shared-memory arena, which is then the only
            expert cache (size it with `moestream-iod --memory`; no --slots here).
-  raw      (CUDA default) a device slot cache of quantized blocks, dequantized on every use.
-  dequant  a slot cache of experts dequantized once on insert (2-7x the memory of quant).
+  raw      (CUDA default) a device slot cache of quantized blocks, read by fused kernels
+           (dequantized on every use where none runs).
 """
 
 
@@ -57,10 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     ap.add_argument("--dtype", help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16")
     cache = ap.add_mutually_exclusive_group()
-    cache.add_argument("--slots", type=int, help="device slot cache size in experts (streamed, raw/dequant formats)")
+    cache.add_argument("--slots", type=int, help="device slot cache size in experts (streamed, raw format)")
     cache.add_argument("--cache-bytes", dest="cache_bytes",
-                       help="device slot cache size in bytes, e.g. 512M (streamed, raw/dequant formats)")
-    ap.add_argument("--slot-format", dest="slot_format", choices=["auto", "quant", "raw", "dequant"],
+                       help="device slot cache size in bytes, e.g. 512M (streamed, raw format)")
+    ap.add_argument("--slot-format", dest="slot_format", choices=["auto", "quant", "raw"],
                     help="see above (default auto: quant on cpu, raw on cuda)")
     ap.add_argument("--prefetch", type=int,
                     help="layers of router look-ahead for prefetching (default 1, 0 = off): after layer L the "
@@ -171,16 +173,16 @@ def warm_cpu_kernels(cfg: DecoderConfig) -> None:
         warm_kernels()
 
 
-def open_resident(cfg: DecoderConfig, layout: ModelLayout, model: MoEModel) -> tuple[ExpertSource, Prefetcher | None]:
+def open_resident(cfg: DecoderConfig, layout: ModelLayout) -> ExpertBackend:
+    """Every expert in process: `cpu-mmap` (the quant format) or `gpu-resident`."""
     warm_cpu_kernels(cfg)
     if cfg.resolved_slot_format == "quant":
         from .experts.resident import QuantResidentExperts
 
-        return QuantResidentExperts(layout), None
+        return QuantResidentExperts(layout)
     from .experts.source import ResidentExperts
 
-    source = ResidentExperts(layout, cfg.torch_device, cfg.torch_dtype, cfg.resolved_slot_format, progress=cfg.progress)
-    return source, None
+    return ResidentExperts(layout, cfg.torch_device, cfg.torch_dtype, progress=cfg.progress)
 
 
 def default_slots(hp: HParams) -> int:
@@ -203,12 +205,11 @@ def checked_slots(slots: int, hp: HParams) -> int:
     return slots
 
 
-def open_streamed(cfg: DecoderConfig, layout: ModelLayout, model: MoEModel,
-                  name: str = "moestream-generate") -> tuple[ExpertSource, Prefetcher | None]:
-    """The daemon's experts for `cfg`; `name` is how the daemon's status lists this client."""
+def open_streamed(cfg: DecoderConfig, layout: ModelLayout, name: str = "moestream-generate") -> ExpertBackend:
+    """The daemon's experts for `cfg` (`cpu-arena` or `gpu-slots`); `name` is how the daemon's
+    status lists this client."""
     try:
         from .experts.arena import open_arena
-        from .experts.prefetch import Prefetcher
         from .experts.streamed import open_streamed as connect
     except ImportError as e:
         raise ConfigError(f"streamed mode not available ({e}); use --resident") from None
@@ -220,12 +221,18 @@ def open_streamed(cfg: DecoderConfig, layout: ModelLayout, model: MoEModel,
         sized = {"cache_bytes": cfg.cache_bytes} if cfg.cache_bytes else \
             {"slots": checked_slots(cfg.slots, layout.hparams) if cfg.slots else default_slots(layout.hparams)}
         source = connect(layout, cfg.iod, device=cfg.torch_device, dtype=cfg.torch_dtype,
-                         slot_format=cfg.resolved_slot_format, fetch_timeout_s=cfg.fetch_timeout_s,
+                         fetch_timeout_s=cfg.fetch_timeout_s,
                          name=name, reconnect_s=cfg.reconnect_s, **sized)
-    top = cfg.resolved_prefetch_top
-    at = cfg.resolved_prefetch_at
-    hook = Prefetcher(model, source, cfg.prefetch, top_k=top, at=at) if cfg.prefetch > 0 else None
-    return source, hook
+    return source
+
+
+def prefetcher(cfg: DecoderConfig, model: MoEModel) -> Prefetcher | None:
+    """The observer that plans the prefetches of `model`'s bank between layers (streamed only)."""
+    if cfg.resident or cfg.prefetch <= 0:
+        return None
+    from .experts.prefetch import Prefetcher
+
+    return Prefetcher(model, model.bank, cfg.prefetch, top_k=cfg.resolved_prefetch_top, at=cfg.resolved_prefetch_at)
 
 
 def prompt_ids(cfg: DecoderConfig, tok: GGUFTokenizer, n_vocab: int) -> list[list[int]]:
@@ -246,13 +253,20 @@ def check_context(ids: list[list[int]], max_new: int, limit: int) -> None:
                          f"the model's context length of {limit} tokens; shorten the prompt or lower -n")
 
 
-def forced_source(cfg: DecoderConfig, source: ExpertSource, layout: ModelLayout, n_prompts: int) -> ExpertSource:
-    from .experts.forced import ForcedRouting, load_forced
+def forced_ids(cfg: DecoderConfig, backend: ExpertBackend, layout: ModelLayout, n_prompts: int) -> Any:
+    """--force-routing's trace [tokens, layers, k] (the bank's `forced` option), or None."""
+    if not cfg.force_routing:
+        return None
+    from .experts.forced import load_forced
 
     if n_prompts != 1:
-        source.close()
+        backend.close()
         raise ConfigError(f"--force-routing replays one sequence; got {n_prompts} prompts")
-    return ForcedRouting(source, load_forced(cfg.force_routing, layout.hparams))
+    try:
+        return load_forced(cfg.force_routing, layout.hparams)
+    except BaseException:
+        backend.close()
+        raise
 
 
 def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
@@ -263,6 +277,7 @@ def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
     `echo_prompt` prints a single prompt's text before its continuation; `header(cfg, layout)`
     runs once the model is loaded, before generating (the demo's description of the setup)."""
     from ..common.layout import ModelLayout
+    from .experts.bank import ExpertBank
     from .generation.loop import TextStream, generate
     from .models import load_model
     from .generation.tokenizer import GGUFTokenizer
@@ -276,15 +291,15 @@ def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
     t0 = time.perf_counter()
     model = load_model(layout, cfg.torch_device, cfg.torch_dtype, progress=cfg.progress,
                        keep_quantized=cfg.resolved_slot_format == "quant")
-    opener = open_resident if cfg.resident else open_streamed
-    source, hook = opener(cfg, layout, model)
+    backend = open_resident(cfg, layout) if cfg.resident else open_streamed(cfg, layout)
     if cfg.resolved_slot_format == "quant":  # CPU kernels: what they no longer need goes before the cap feels it
         from .footprint import trim
 
         trim()
-    recorder = source = RoutingRecorder(source) if cfg.trace_out else source
-    if cfg.force_routing:  # outside the recorder: the trace shows the forced ids
-        source = forced_source(cfg, source, layout, len(ids))
+    recorder = backend = RoutingRecorder(backend) if cfg.trace_out else backend
+    # forced ids replace the router's before the backend (and the recorder) sees them
+    model = model.with_bank(ExpertBank(backend, forced=forced_ids(cfg, backend, layout, len(ids))))
+    hook = prefetcher(cfg, model)
     load_s = time.perf_counter() - t0
     single = len(ids) == 1 and not cfg.json
     if header is not None:
@@ -292,10 +307,10 @@ def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
     if single and echo_prompt and cfg.prompts:
         print(cfg.prompts[0], end="", flush=True)
     stream = TextStream(tok.decode, lambda _i, text: print(text, end="", flush=True)) if single else None
-    with source:
-        result = generate(model, source, ids, cfg.max_new_tokens, cfg.sampling, tok.stop_ids, tok.pad_id,
+    with model.bank:
+        result = generate(model, ids, cfg.max_new_tokens, cfg.sampling, tok.stop_ids, tok.pad_id,
                           on_token=stream, observer=hook)
-        stats = source.stats()
+        stats = model.bank.stats()
     if cfg.trace_out:
         recorder.write(cfg.trace_out, layout.hparams.n_layer, layout.hparams.n_expert)
     if stream is not None:
@@ -306,17 +321,17 @@ def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
     else:
         print_results(result, tok, single)
     if cfg.stats:
-        print_stats(result, load_s, stats, prefetch)
+        print_stats(result, load_s, stats)
     return 0
 
 
-def result_json(result: GenerationResult, tok: GGUFTokenizer, ids: list[list[int]], load_s: float, stats: dict,
-                prefetch: dict | None) -> dict[str, Any]:
+def result_json(result: GenerationResult, tok: GGUFTokenizer, ids: list[list[int]], load_s: float,
+                stats: BankStats, prefetch: PrefetcherStats | None) -> dict[str, Any]:
     return {"prompt_tokens": [len(p) for p in ids], "tokens": result.tokens,
             "text": [tok.decode(t) for t in result.tokens], "finish": result.finish,
             "new_tokens": result.new_tokens, "steps": result.steps, "load_s": load_s,
             "prefill_s": result.prefill_s, "decode_s": result.decode_s, "decode_tok_s": result.decode_tok_s(),
-            "stats": stats, "prefetch": prefetch}
+            "stats": stats.as_dict(), "prefetch": prefetch.as_dict() if prefetch is not None else None}
 
 
 def print_results(result: GenerationResult, tok: GGUFTokenizer, streamed: bool) -> None:
@@ -328,23 +343,12 @@ def print_results(result: GenerationResult, tok: GGUFTokenizer, streamed: bool) 
         print(tok.decode(ids))
 
 
-def print_stats(result: GenerationResult, load_s: float, source_stats: dict, prefetch_stats: dict | None) -> None:
+def print_stats(result: GenerationResult, load_s: float, bank_stats: BankStats) -> None:
     """Counters for people, on stderr (stdout carries the text)."""
     out = sys.stderr
     print(f"stats: decode {result.decode_tok_s():.1f} tok/s ({result.new_tokens} tokens, {result.steps} decode steps), "
           f"prefill {result.prefill_s * 1e3:.1f} ms, load {load_s:.2f} s", file=out)
-    st = source_stats
-    if st["source"] == "streamed" and st.get("slot_format") == "quant":
-        from .experts.arena import describe_stats
-
-        print(describe_stats(st), file=out)
-    elif st["source"] == "streamed":
-        from .experts.streamed import describe_stats as describe_slots
-
-        print(describe_slots(st), file=out)
-    else:
-        print(f"stats: experts: source=resident, {st['experts']} experts held ({st['slot_format']}, "
-              f"{st['bytes'] / 2**20:.1f} MiB), {st['acquired']} acquired", file=out)
+    print(bank_stats.describe(), file=out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ import torch
 from .generation.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SLOT_FORMATS = ("auto", "quant", "raw", "dequant")
+SLOT_FORMATS = ("auto", "quant", "raw")
 
 
 class ConfigError(ValueError):
@@ -33,7 +33,7 @@ class DecoderConfig:
     resident: bool = False  # every expert in process, no daemon
     device: str = "auto"  # auto -> cuda if available, else cpu
     dtype: str = "auto"  # auto -> bfloat16 on cuda, float32 on cpu
-    slots: int | None = None  # device slot cache size, in experts (streamed, raw/dequant slots)
+    slots: int | None = None  # device slot cache size, in experts (streamed, raw slots)
     cache_bytes: int | None = None  # ... or in bytes
     slot_format: str = "auto"  # auto -> raw on cuda, quant on cpu
     prefetch: int = 1  # layers of router look-ahead (0 = off)
@@ -99,10 +99,10 @@ class DecoderConfig:
         fmt = self.resolved_slot_format
         if fmt == "quant" and self.torch_device.type != "cpu":
             raise ConfigError("slot format 'quant' (experts computed on their quantized blocks where they lie) "
-                              "is the CPU path; on CUDA use raw or dequant")
+                              "is the CPU path; on CUDA use raw")
         if fmt == "quant" and self.iod and (self.slots is not None or self.cache_bytes is not None):
             raise ConfigError("with slot format 'quant' the daemon's arena is the only expert cache: size it with "
-                              "`moestream-iod --memory`, not --slots/--cache-bytes (those size raw/dequant slot caches)")
+                              "`moestream-iod --memory`, not --slots/--cache-bytes (those size a raw slot cache)")
 
     @property
     def torch_device(self) -> torch.device:

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from ..experts.source import ExpertSource
+    from ..experts.bank import ExpertBank
+    from ..experts.source import ExpertBackend
     from ..experts.prefetch import Prefetcher
 
 
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed and prompt (default 0)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per phase, median reported (default 3)")
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
-    p.add_argument("--slot-format", default="auto", choices=("auto", "quant", "raw", "dequant"),
+    p.add_argument("--slot-format", default="auto", choices=("auto", "quant", "raw"),
                    help="expert format (auto: quant on cpu, raw on cuda); resident uses the same")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice); on a small, "
                    "busy CPU 1 is often fastest, since waiting OMP threads get preempted")
@@ -91,11 +92,11 @@ class Run:
         g = torch.Generator().manual_seed(args.seed)
         self.prompt = torch.randint(0, hp.n_vocab, (args.prompt_tokens,), generator=g).tolist()
 
-    def decode(self, source: ExpertSource, hook: Prefetcher | None = None) -> float:
+    def decode(self, bank: ExpertBank, hook: Prefetcher | None = None) -> float:
         """Decode tok/s of one generation (EOS ignored: every run decodes the same count)."""
         from ..generation.loop import generate
 
-        result = generate(self.model, source, [self.prompt], self.args.tokens, self.cfg.sampling, observer=hook)
+        result = generate(self.model.with_bank(bank), [self.prompt], self.args.tokens, self.cfg.sampling, observer=hook)
         if self.cfg.torch_device.type == "cuda":
             torch.cuda.synchronize(self.cfg.torch_device)
         return result.decode_tok_s()
@@ -120,7 +121,7 @@ class Run:
 
             landing = None if self.args.landing == "auto" else self.args.landing
             source = open_streamed(self.layout, self.endpoint, device=self.cfg.torch_device,
-                                   dtype=self.cfg.torch_dtype, slots=slots, slot_format=self.cfg.resolved_slot_format,
+                                   dtype=self.cfg.torch_dtype, slots=slots,
                                    name="bench-decode", landing=landing)
             status = None
         self.stack.enter_context(source)
@@ -133,22 +134,25 @@ class Run:
 class Phase:
     """One expert source under test; `once()` times one generation and accumulates its counters."""
 
-    def __init__(self, run: Run, source: ExpertSource, hook: Prefetcher | None = None, slots: int = 0, prefetch: int = 0,
+    def __init__(self, run: Run, source: ExpertBackend, hook: Prefetcher | None = None, slots: int = 0, prefetch: int = 0,
                  status: str | None = None):
+        from ..experts.bank import ExpertBank
+
         self.run, self.source, self.hook = run, source, hook
+        self.bank = ExpertBank(source)
         self.slots, self.prefetch, self.status = slots, prefetch, status
         self.tok_s: list[float] = []
         self.delta: dict[str, float] = {}
-        run.decode(source, hook)  # warm-up, untimed: allocator, kernels, and the slot cache's contents
+        run.decode(self.bank, hook)  # warm-up, untimed: allocator, kernels, and the slot cache's contents
 
     def once(self) -> None:
         before = self._counters()
-        self.tok_s.append(self.run.decode(self.source, self.hook))
+        self.tok_s.append(self.run.decode(self.bank, self.hook))
         for k, v in self._counters().items():
             self.delta[k] = self.delta.get(k, 0) + v - before[k]
 
     def _counters(self) -> dict[str, float]:
-        st = self.source.stats()
+        st = self.bank.stats().as_dict()
         if self.status is not None:  # the arena source: its daemon counts what was read
             from ...tools.status import get_status
 
@@ -188,8 +192,7 @@ def make_phases(run: Run, stack: contextlib.ExitStack) -> dict[str, Phase]:
     else:
         from ..experts.source import ResidentExperts
 
-        resident = stack.enter_context(ResidentExperts(run.layout, cfg.torch_device, cfg.torch_dtype,
-                                                       cfg.resolved_slot_format))
+        resident = stack.enter_context(ResidentExperts(run.layout, cfg.torch_device, cfg.torch_dtype))
     phases = {"resident": Phase(run, resident)}
     plan = [("working_set", run.n_experts, 0), ("tight", tight, args.prefetch)]
     if args.prefetch:
@@ -203,15 +206,13 @@ def make_phases(run: Run, stack: contextlib.ExitStack) -> dict[str, Phase]:
 def phase_bandwidth(run: Run, slot_format: str, endpoint: str) -> dict[str, Any]:
     """Fetch every expert once, layer by layer, and put it into a device slot: expert bytes/s.
 
-    With raw slots this is delivery (daemon -> arena -> device copy); with dequant slots it
-    includes dequantizing on insert, the real cost of a miss in that format; with quant (no
-    slot: computed in the arena) it is the daemon's delivery alone."""
+    With raw slots this is delivery (daemon -> arena -> device copy); with quant (no slot:
+    computed in the arena) it is the daemon's delivery alone."""
     from ...common.client import IodClient
     from ..experts.slot_cache import DeviceSlotCache
 
     hp = run.layout.hparams
-    fmt = "raw" if slot_format == "quant" else slot_format
-    cache = DeviceSlotCache(run.layout.experts, hp.n_expert, run.cfg.torch_device, slot_format=fmt,
+    cache = DeviceSlotCache(run.layout.experts, hp.n_expert, run.cfg.torch_device,
                             dtype=run.cfg.torch_dtype) if slot_format != "quant" else None
     nbytes = 0
     with IodClient(endpoint, expect_fingerprint=run.layout.fingerprint.as_dict(), name="bench-bw") as client:
@@ -239,16 +240,12 @@ def phase_bandwidth(run: Run, slot_format: str, endpoint: str) -> dict[str, Any]
 
 def bytes_per_token(run: Run) -> int:
     """Bytes a decode step reads at least: dense weights in the model dtype (one embedding row),
-    plus top-k experts per layer in the slot format (KV cache reads left out: short contexts)."""
-    from ..experts.slot_format import bytes_per_slot
-
+    plus top-k experts per layer as their quantized blobs (KV cache reads left out: short contexts)."""
     lay, hp = run.layout, run.layout.hparams
     tied = "output.weight" not in lay.dense
     dense = sum(math.prod(t.shape) for name, t in lay.dense.items() if tied or not name.startswith("token_embd"))
-    fmt = run.cfg.resolved_slot_format
     layers = lay.experts.n_layer
-    per_expert = (sum(lay.experts.blob_bytes(i) for i in range(layers)) / layers if fmt == "raw"
-                  else bytes_per_slot(lay.experts, fmt, run.cfg.torch_dtype))
+    per_expert = sum(lay.experts.blob_bytes(i) for i in range(layers)) / layers
     return int(dense * run.cfg.torch_dtype.itemsize + layers * hp.n_expert_used * per_expert)
 
 
@@ -298,7 +295,7 @@ def measure(run: Run) -> dict[str, Any]:
     fmt = run.cfg.resolved_slot_format
     endpoint = run.endpoint or run.last_endpoint
     out["delivery"] = phase_bandwidth(run, "quant" if fmt == "quant" else "raw", endpoint)
-    out["bandwidth"] = out["delivery"] if fmt in ("raw", "quant") else phase_bandwidth(run, fmt, endpoint)
+    out["bandwidth"] = out["delivery"]
     compute = out["resident"]["tok_s"]
     out["working_set"]["ratio"] = out["working_set"]["tok_s"] / compute
     for name in ("tight", "tight_no_prefetch"):
@@ -397,7 +394,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             return neighbour(run, args.threads or available_cpus())
         if args.iod and run.quant:
             raise ValueError("with the 'quant' format each phase needs its own daemon (the arena is the cache), so "
-                             "bench decode starts them: drop --iod, or use --slot-format raw/dequant")
+                             "bench decode starts them: drop --iod, or use --slot-format raw")
         if args.iod:
             return measure(run)
         if not run.quant:  # one daemon for every phase's slot cache

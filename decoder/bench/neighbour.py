@@ -58,6 +58,7 @@ def _condition(run: Any, source: Any, most: int, repeat: int) -> dict[str, Any]:
 
 def measure(run: Any, most: int) -> dict[str, Any]:
     """Both conditions on the resident quant source; the process's thread setting restored."""
+    from ..experts.bank import ExpertBank
     from ..experts.resident import QuantResidentExperts
 
     import numba
@@ -68,7 +69,7 @@ def measure(run: Any, most: int) -> dict[str, Any]:
     out: dict[str, Any] = {"model": str(run.args.model), "tokens": run.args.tokens, "repeat": run.args.repeat,
                            "threads_max": most}
     try:
-        with QuantResidentExperts(run.layout) as source:
+        with ExpertBank(QuantResidentExperts(run.layout)) as source:
             out["idle"] = _condition(run, source, most, run.args.repeat)
             hog = subprocess.Popen([sys.executable, "-c", _SPIN])
             try:

@@ -27,10 +27,10 @@ from collections.abc import Collection, Mapping, Sequence
 
 from ...common.client import IodClient
 from .prefetch import Receiver
-from .slot_cache import DeviceSlotCache, Key, SlotEntry
+from .slot_book import BookEntry
+from .slot_cache import DeviceSlotCache, Key
+from .stats import AheadCounters
 
-COUNTERS = ("prefetch_sent", "prefetch_dropped", "useful", "hidden", "late", "wasted", "cancelled",
-            "predicted", "predicted_right", "routed")
 
 
 class AheadPrefetches:
@@ -46,7 +46,7 @@ class AheadPrefetches:
         self._deferred: dict[int, set[int]] = {}  # predictions waiting for the next demand fetch
         self._holds: set[Key] = set()  # prefetched keys whose hold pin is still held
         self._predicted: dict[int, set[int]] = {}  # layer -> its last prediction, until scored
-        self.c = dict.fromkeys(COUNTERS, 0)
+        self.counts = AheadCounters()
 
     @property
     def has_deferred(self) -> bool:
@@ -85,11 +85,11 @@ class AheadPrefetches:
                 if e in mine or key in self.cache:
                     continue
                 if leases is not None and len(keys) >= leases:
-                    self.c["prefetch_dropped"] += 1
+                    self.counts.prefetch_dropped += 1
                     continue
                 if eager:  # lazy: no slot yet, a wrong guess evicts nothing
                     if room <= 0 or not self._claim_held(key):
-                        self.c["prefetch_dropped"] += 1
+                        self.counts.prefetch_dropped += 1
                         continue
                     room -= 1
                 keys.append(key)
@@ -97,9 +97,9 @@ class AheadPrefetches:
 
     def _claim_held(self, key: Key) -> bool:
         """A slot for an eager prefetch: claim's pin is the in-flight one, plus the hold pin."""
-        if self.cache.claim(key) is None:
+        if self.cache.claim(key, "fill") is None:  # the receiver drops the fill pin once the bytes are in
             return False
-        self.cache.pin(key)
+        self.cache.pin(key, "hold")
         self._holds.add(key)
         return True
 
@@ -115,18 +115,18 @@ class AheadPrefetches:
             self._futures.setdefault(key[0], {})[key[1]] = fut
             if self.landing == "eager":
                 self.receiver.submit(key, fut)
-        self.c["prefetch_sent"] += len(keys)
+        self.counts.prefetch_sent += len(keys)
 
     # -- judging ---------------------------------------------------------------------------
     def score(self, layer: int, wanted: Collection[int]) -> None:
         """Count how much of `layer`'s last prediction its real routing `wanted` confirms."""
         predicted = self._predicted.pop(layer, None)
         if predicted is not None:
-            self.c["predicted"] += len(predicted)
-            self.c["predicted_right"] += len(predicted.intersection(wanted))
-            self.c["routed"] += len(wanted)
+            self.counts.predicted += len(predicted)
+            self.counts.predicted_right += len(predicted.intersection(wanted))
+            self.counts.routed += len(wanted)
 
-    def take(self, layer: int, present: Mapping[int, SlotEntry], missing: Collection[int]) -> dict[int, cf.Future]:
+    def take(self, layer: int, present: Mapping[int, BookEntry], missing: Collection[int]) -> dict[int, cf.Future]:
         """`layer` is acquired: its prefetches of `present` experts (landed eagerly, READY in
         time or late) and, with lazy landing, of `missing` ones (to be joined) are used; the
         rest are given up. Drops their hold pins; returns the used ones' futures."""
@@ -138,8 +138,11 @@ class AheadPrefetches:
             if in_time is None:
                 unused.append(fut)
             else:
-                self.c["useful"] += 1
-                self.c["hidden" if in_time else "late"] += 1
+                self.counts.useful += 1
+                if in_time:
+                    self.counts.hidden += 1
+                else:
+                    self.counts.late += 1
                 used[e] = fut
             self._drop_hold((layer, e))
         if unused:
@@ -149,7 +152,7 @@ class AheadPrefetches:
     def _drop_hold(self, key: Key) -> None:
         if key in self._holds:
             self._holds.discard(key)
-            self.cache.unpin(key)
+            self.cache.unpin(key, "hold")
 
     def end_step(self) -> None:
         """A new forward pass: give up the prefetches of layers never acquired (and their
@@ -173,7 +176,7 @@ class AheadPrefetches:
     def release_holds(self) -> None:
         """Give up every hold pin (the cache is full of pins and a demand miss needs a slot)."""
         for key in sorted(self._holds):
-            self.cache.unpin(key)
+            self.cache.unpin(key, "hold")
         self._holds.clear()
 
     def drop_all(self) -> None:
@@ -196,14 +199,14 @@ class AheadPrefetches:
         self.client.cancel([f for f in futures if not f.done()])  # a lease arriving later goes back
         for fut in futures:
             if fut.cancelled():
-                self.c["cancelled"] += 1
+                self.counts.cancelled += 1
                 continue
-            self.c["wasted"] += 1
+            self.counts.wasted += 1
             if self.landing == "lazy" and fut.exception() is None:
                 self.client.release(fut.result())
 
 
-def _in_time(entry: SlotEntry | None, fut: cf.Future, joined: bool) -> bool | None:
+def _in_time(entry: BookEntry | None, fut: cf.Future, joined: bool) -> bool | None:
     """A used prefetch landed in time: its eagerly landed entry is READY, or the lease it joins
     is in. None: not used."""
     if entry is not None:

@@ -60,7 +60,7 @@ from ...common import protocol as P
 from ...common.arena import ArenaView
 from ...common.client import IodClient, IodRequestError, IodUnavailable, Lease, LeaseVoided
 from ...common.layout import ModelLayout
-from .source import ExpertSource, Predictions, combine, group_by_expert
+from .source import ExpertBackend, Predictions, combine, group_by_expert
 from .resident import Mats, expert_mats, run_experts
 
 RETRYABLE = P.GIVEN_UP | {P.ErrorCode.BUSY.value, P.ErrorCode.DEADLINE.value}  # fetched again `now`
@@ -150,8 +150,10 @@ def _leased(f: cf.Future) -> bool:
     return f.done() and not f.cancelled() and f.exception() is None
 
 
-class ArenaExperts(ExpertSource):
+class ArenaExperts(ExpertBackend):
     """Experts computed from leased arena slots of a moestream-iod (see the module docstring)."""
+
+    kind = "cpu-arena"
 
     def __init__(self, client: IodClient, layout: ModelLayout, *, fetch_timeout_s: float = 60.0,
                  owns_client: bool = False, prefetch_limit: int | None = None):
@@ -173,7 +175,7 @@ class ArenaExperts(ExpertSource):
         self.c.update(stall_s=0.0, compute_s=0.0, deadline_wait_s=0.0, waited_on="")
         self._deadline_since: dict[tuple[int, int], float] = {}  # expert -> its first `deadline` in a row
 
-    # -- ExpertSource ----------------------------------------------------------------------
+    # -- ExpertBackend ----------------------------------------------------------------------
     def begin_step(self) -> None:
         self._deferred.clear()
         self._deadline_since.clear()

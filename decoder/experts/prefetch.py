@@ -19,12 +19,13 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
 
 import torch
 
 from ...common.client import IodClient
-from .source import ExpertSource
+from .bank import ExpertBank
+from .source import ExpertBackend
+from .stats import PrefetcherStats
 from ..models.moe_transformer import LayerObserver, MoEModel
 from .slot_cache import DeviceSlotCache, Key
 
@@ -128,7 +129,7 @@ class Receiver:
         try:
             parts = {name: self.client.part_view(lease, name) for name in lease.parts}
             self.cache.write(key, parts)
-            self.cache.unpin(key)  # the in-flight pin; the source's hold pin stays until its layer runs
+            self.cache.unpin(key, "fill")  # the in-flight pin; the source's hold pin stays until its layer runs
             self.bytes += sum(n for _, n in lease.parts.values())
         except BaseException:
             self.cache.abort(key)
@@ -147,18 +148,20 @@ class Prefetcher(LayerObserver):
       accurate guess, but the fetch overlaps all of layer L's MoE block). The source sends it
       once layer L's own experts are pinned and its misses requested (`prefetch_ahead(...,
       defer=True)`), so a prefetch never evicts what the current layer is about to use.
-    `source` is any `ExpertSource`: `prefetch_ahead` gets all of a call's layers at once.
+    `bank` is the model's `ExpertBank` (or a backend): `prefetch_ahead` gets all of a call's layers
+    at once. The owner of the pass (generation loop, serve engine) passes this observer in: the
+    model itself never plans prefetches.
     """
 
     AT = ("layer", "attention")
 
-    def __init__(self, model: MoEModel, source: ExpertSource, depth: int = 1, top_k: int | None = None, at: str = "layer"):
+    def __init__(self, model: MoEModel, bank: ExpertBank | ExpertBackend, depth: int = 1, top_k: int | None = None, at: str = "layer"):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"prefetch depth must be an int >= 0, got {depth!r}")
         if at not in self.AT:
             raise ValueError(f"prefetch point must be one of {self.AT}, got {at!r}")
         hp = model.hparams
-        self.model, self.source, self.depth, self.at = model, source, depth, at
+        self.model, self.bank, self.depth, self.at = model, bank, depth, at
         self.k = hp.n_expert_used
         self.top_k = min(top_k or self.k, self.k)  # fetched ahead; the rest of the top-k only if cached
         self.n_layer = hp.n_layer
@@ -190,8 +193,8 @@ class Prefetcher(LayerObserver):
         if_cached = {nxt: sorted({e for row in rows for e in row[self.top_k:]} - set(predictions[nxt]))
                      for nxt, rows in zip(layers, picked)}
         self.predictions += sum(len(es) for es in predictions.values())
-        self.source.prefetch_ahead(predictions, defer=defer, if_cached=if_cached)
+        self.bank.prefetch_ahead(predictions, defer=defer, if_cached=if_cached)
         self.predict_s += time.perf_counter() - t0
 
-    def stats(self) -> dict[str, Any]:
-        return {"depth": self.depth, "at": self.at, "predictions": self.predictions, "predict_s": self.predict_s}
+    def stats(self) -> PrefetcherStats:
+        return PrefetcherStats(self.depth, self.at, self.predictions, self.predict_s)

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import replace
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
 from ...common.layout import ExpertPart, ModelLayout
-from .source import ExpertSource, combine, group_by_expert
+from .source import ExpertBackend, combine, group_by_expert
+from .stats import ResidentStats
 from ..kernels.cpu import Bias, QMatrix, expert_table, swiglu_experts
 
 Mats = tuple  # (gate, up, down) QMatrix, or (gate, up, down, Bias) for experts with biases (qkernels.Bias)
@@ -104,7 +105,7 @@ def run_experts(x: torch.Tensor, groups: Mapping[int, tuple[torch.Tensor, torch.
     return out
 
 
-class QuantResidentExperts(ExpertSource):
+class QuantResidentExperts(ExpertBackend):
     """Every expert resident as the file's own quantized bytes (a read-only memory map).
 
     The reference the streamed CPU source must match bit for bit; memory is the file's
@@ -112,13 +113,17 @@ class QuantResidentExperts(ExpertSource):
     its gate, up and down tensors in three parts: the kernels then get each one's own map.
     """
 
+    kind = "cpu-mmap"
+
     def __init__(self, layout: ModelLayout):
         if any(r.data is None for r in layout.readers):
             raise ValueError(f"{layout.path}: no memory map of the file")
         self.layout = layout
         self._bases = {layer: self._layer_bases(layer) for layer in layout.experts.moe_layers}
         self._mats: dict[tuple[int, int], Mats] = {}
-        self.c = {"acquired": 0, "compute_s": 0.0}
+        ex = layout.experts
+        nbytes = sum(ex.blob_bytes(layer) * ex.n_expert for layer in ex.moe_layers)
+        self.counts = ResidentStats(self.kind, "quant", experts=ex.n_blobs, bytes=nbytes)
 
     def mats(self, layer: int, expert: int) -> Mats:
         key = (layer, expert)
@@ -134,8 +139,8 @@ class QuantResidentExperts(ExpertSource):
         groups = group_by_expert(ids)
         outputs = run_experts(x, groups, weights, self._bases[layer], {e: self.mats(layer, e) for e in groups},
                               self.layout.spec.expert_act)
-        self.c["acquired"] += len(groups)
-        self.c["compute_s"] += time.perf_counter() - t0
+        self.counts.acquired += len(groups)
+        self.counts.compute_s += time.perf_counter() - t0
         return combine(x, outputs)
 
     def _layer_bases(self, layer: int) -> np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -147,11 +152,8 @@ class QuantResidentExperts(ExpertSource):
             return self.layout.data(which[0])
         return tuple(self.layout.data(f) for f in which)
 
-    def stats(self) -> dict[str, Any]:
-        ex = self.layout.experts
-        nbytes = sum(ex.blob_bytes(layer) * ex.n_expert for layer in ex.moe_layers)
-        return {"source": "resident", "slot_format": "quant", "experts": ex.n_blobs,
-                "bytes": nbytes, **self.c}
+    def stats(self) -> ResidentStats:
+        return replace(self.counts)  # a snapshot
 
     def close(self) -> None:
         self._mats.clear()

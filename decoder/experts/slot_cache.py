@@ -1,17 +1,15 @@
 """The device slot cache: a fixed number of expert slots on the compute device.
 
-`(layer, expert) -> slot` is decided by `common.policy.SlotPolicy` (hotness-decayed LFU, LRU
-tiebreak); an entry is pinned while it is in flight (its bytes are being written) and while
-the current step computes with it, and a pinned entry is never evicted. When every slot is
-pinned, `claim` returns None: the caller waits or bypasses the cache, it never overcommits.
+The bookkeeping is a pure `slot_book.SlotBook`: `(layer, expert) -> slot` (evictions chosen by
+`common.policy.SlotPolicy`: hotness-decayed LFU, LRU tiebreak, never a pinned entry), each
+entry FILLING (`claim`), then READY (`write`) or FAILED (`abort`: dropped, its waiters get
+FetchFailed), its pins counted per named owner: `fill` (an eager prefetch's bytes in flight),
+`hold` (a prefetch kept for its layer), `layer` (a layer computing with it; a demand miss's
+claim is the layer's). When every slot is pinned, `claim` returns None: the caller waits or
+bypasses the cache, it never overcommits. This class keeps the device memory and the threading.
 
-An entry is FILLING (`claim`), then READY (`write`) or FAILED (`abort`: dropped, its waiters
-get FetchFailed). Its pins are counted in one place, the policy (`pin`/`unpin`), whoever holds
-them: the filler (claim's in-flight pin), a prefetch's hold, a layer's `pin_present`.
-
-Slot formats (``raw`` quantized blobs, ``dequant`` float tensors) and their sizes are in
-`slot_format`. With raw slots and the fused Triton kernels (`kernels`, on CUDA by default), a
-hit is a `SlotRef` (the slot's index, nothing dequantized) and the kernels read the slot
+A slot holds an expert's quantized blocks (`slot_format`: layout and sizes). With the fused
+Triton kernels (`kernels`, on CUDA by default), a hit is a `SlotRef` (the slot's index, nothing dequantized) and the kernels read the slot
 memory itself; an expert served without a slot goes to a `spare` row (index n_slots + i).
 
 Delivery on CUDA: the daemon's arena mapping is registered with CUDA once (`register_host`,
@@ -31,16 +29,16 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Hashable, Mapping
-from enum import Enum
 from typing import Any
 
 import torch
 
 from ...common.layout import ExpertIndex
 from ...common.policy import SlotPolicy
+from .slot_book import BookEntry, SlotBook, SlotState
 from .source import ExpertWeights, blob_to_weights
-from .slot_format import (SLOT_FORMATS, SlotLayout, check_parts, default_slot_format, dequant_shapes, pack_parts,
-                          slot_kernels, slot_layouts)
+from .stats import CacheStats
+from .slot_format import SlotLayout, check_parts, pack_parts, slot_kernels, slot_layouts
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -58,47 +56,25 @@ class SlotRef:
         self.slot = slot
 
 
-class EntryState(Enum):
-    FILLING = "filling"  # claimed, its bytes on their way: pinned in flight, not readable
-    READY = "ready"  # bytes in: its weights may be read
-    FAILED = "failed"  # the fill failed or the entry was dropped: gone from the cache with its pins
+class Fill:
+    """The storage side of a book entry (`BookEntry.data`): set once the entry leaves FILLING
+    (threads wait on it), and the CUDA event recorded after its copies."""
 
+    __slots__ = ("event", "settled")
 
-class SlotEntry:
-    """One slot's occupant: FILLING, then READY (`write`) or FAILED (`abort`, even after READY).
-    State changes happen under the cache's lock; waiters block until it leaves FILLING."""
-
-    __slots__ = ("_settled", "event", "slot", "state")
-
-    def __init__(self, slot: int) -> None:
-        self.slot = slot
-        self.state = EntryState.FILLING
-        self.event: Any = None  # CUDA event recorded after the fill's copies
-        self._settled = threading.Event()  # host side: no longer FILLING
-
-    @property
-    def ready(self) -> bool:
-        return self.state is EntryState.READY
-
-    def settle(self, state: EntryState) -> None:
-        self.state = state
-        self._settled.set()
-
-    def wait(self, timeout: float | None) -> bool:
-        """Block until the entry is READY or FAILED; False on timeout."""
-        return self._settled.wait(timeout)
+    def __init__(self) -> None:
+        self.event: Any = None
+        self.settled = threading.Event()
 
 
 class DeviceSlotCache:
-    """Expert slots on `device`; see `slot_format` for the formats, the module docstring for threading."""
+    """Expert slots on `device`; see `slot_format` for a slot's layout, the module docstring for
+    threading. `dtype`: the float type experts are dequantized to where no fused kernel runs."""
 
     def __init__(self, index: ExpertIndex, n_slots: int, device: torch.device | str = "cpu", *,
-                 slot_format: str | None = None, dtype: torch.dtype = torch.float32,
-                 decay: float = 0.9, policy: SlotPolicy | None = None, kernels: bool | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, decay: float = 0.9, policy: SlotPolicy | None = None,
+                 kernels: bool | None = None) -> None:
         self.device = torch.device(device)
-        self.slot_format = slot_format or default_slot_format(self.device)
-        if self.slot_format not in SLOT_FORMATS:
-            raise ValueError(f"slot_format must be one of {SLOT_FORMATS}, got {self.slot_format!r}")
         if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
             raise ValueError(f"the device slot cache needs n_slots >= 1, got {n_slots!r}")
         self.n_slots, self.dtype, self.n_expert = n_slots, dtype, index.n_expert
@@ -108,76 +84,56 @@ class DeviceSlotCache:
         if self.policy.capacity != n_slots:
             raise ValueError(f"policy capacity {self.policy.capacity} != n_slots {n_slots}")
         self._lock = threading.Lock()
-        self._entries: dict[Key, SlotEntry] = {}
+        self.book = SlotBook(self.policy)  # under `_lock`
         self._cuda = self.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
         self._last_use: dict[int, Any] = {}  # slot -> CUDA event of the compute stream's last read
         self._staging: list[tuple[torch.Tensor, Any]] = []  # free host buffers (+ event of last H2D copy)
         self.writes = self.bytes_written = self.bypassed = self.direct_copies = 0
-        self._alloc_storage()
-        self.kernels = slot_kernels(self.layouts, self.device, kernels) if self.slot_format == "raw" else None
+        self.blobs = torch.zeros(n_slots, self.slot_bytes, dtype=torch.uint8, device=self.device)  # [n_slots, slot_bytes]
+        self.spare = torch.zeros(1, self.slot_bytes, dtype=torch.uint8, device=self.device)  # [n_spare, slot_bytes]
+        self.kernels = slot_kernels(self.layouts, self.device, kernels)
         self._spare_used = 0  # spare rows handed out in the current layer
         self._registered: list[tuple[int, torch.Tensor]] = []  # host mappings registered with CUDA (address, bytes)
-
-    def _alloc_storage(self) -> None:
-        n, dev = self.n_slots, self.device
-        if self.slot_format == "raw":
-            self.blobs = torch.zeros(n, self.slot_bytes, dtype=torch.uint8, device=dev)  # [n_slots, slot_bytes]
-            self.spare = torch.zeros(1, self.slot_bytes, dtype=torch.uint8, device=dev)  # [n_spare, slot_bytes]
-            return
-        shapes = dequant_shapes(self.layouts)
-        self.store = {name: torch.zeros(n, *shape, dtype=self.dtype, device=dev)  # [n_slots, rows, cols]
-                      for name, shape in shapes.items()}
-        # one view object per slot, made once: `weights` is on the hot path of every hit
-        self._views = [ExpertWeights(self.store["gate"][s], self.store["up"][s], self.store["down"][s])
-                       for s in range(n)]
 
     @property
     def nbytes(self) -> int:
         """Device bytes the slots take."""
-        if self.slot_format == "raw":
-            return self.blobs.numel()
-        return sum(t.numel() * t.element_size() for t in self.store.values())
+        return self.blobs.numel()
 
     # -- queries ---------------------------------------------------------------------------
     def __contains__(self, key: Hashable) -> bool:
         with self._lock:
-            return key in self._entries
+            return key in self.book
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._entries)
+            return len(self.book)
 
     def slot_of(self, key: Key) -> int | None:
         with self._lock:
-            entry = self._entries.get(key)
+            entry = self.book.get(key)
             return None if entry is None else entry.slot
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> CacheStats:
         with self._lock:
-            out = self.policy.stats()
-        out.update(slot_format=self.slot_format, device=str(self.device), slot_bytes=self.slot_bytes,
-                   cache_bytes=self.nbytes, writes=self.writes, bytes_written=self.bytes_written,
-                   bypassed=self.bypassed, direct_copies=self.direct_copies, host_registered=bool(self._registered),
-                   kernels="triton" if self.kernels is not None else "torch")
-        return out
+            policy = self.policy.stats()
+        return CacheStats(**policy, device=str(self.device), slot_bytes=self.slot_bytes, cache_bytes=self.nbytes,
+                          writes=self.writes, bytes_written=self.bytes_written, bypassed=self.bypassed,
+                          direct_copies=self.direct_copies, host_registered=bool(self._registered),
+                          kernels="triton" if self.kernels is not None else "torch")
 
     # -- pins and accesses -----------------------------------------------------------------
-    def pin_present(self, layer: int, experts: list[int]) -> tuple[dict[int, SlotEntry], list[int]]:
+    def pin_present(self, layer: int, experts: list[int]) -> tuple[dict[int, BookEntry], list[int]]:
         """One layer's lookups under one lock: each resident expert counts a hit and is pinned
-        (returned with its entry), each absent one counts a miss (returned in the list)."""
+        for the layer (returned with its entry), each absent one counts a miss (in the list)."""
         present, missing = {}, []
-        policy = self.policy
         with self._lock:
             for e in experts:
-                key = (layer, e)
-                entry = self._entries.get(key)
+                entry = self.book.lookup((layer, e), "layer")
                 if entry is None:
-                    policy.lookup(key)  # counts the miss
                     missing.append(e)
                 else:
-                    policy.pin(key)  # pin first: the access then skips a heap push unpin redoes anyway
-                    policy.lookup(key)
                     present[e] = entry
         return present, missing
 
@@ -190,55 +146,45 @@ class DeviceSlotCache:
             event.record(torch.cuda.current_stream(self.device))
         with self._lock:
             for e in experts:
-                entry = self._entries.get((layer, e))
+                entry = self.book.get((layer, e))
                 if entry is not None:
                     if event is not None:
                         self._last_use[entry.slot] = event
-                    self.policy.unpin((layer, e))
+                    self.book.unpin((layer, e), "layer")
 
-    def pin(self, key: Key) -> None:
-        """One more pin on a resident key (raises KeyError when absent)."""
+    def pin(self, key: Key, owner: str = "layer") -> None:
+        """One more pin of `owner` on a resident key (raises KeyError when absent)."""
         with self._lock:
-            self.policy.pin(key)
+            self.book.pin(key, owner)
 
     def pinned(self) -> int:
         """How many entries hold at least one pin."""
         with self._lock:
-            return self.policy.pinned
+            return self.book.pinned
 
-    def unpin(self, key: Key) -> None:
-        """Drop one pin; a key already dropped by `abort` is ignored."""
+    def unpin(self, key: Key, owner: str = "layer") -> None:
+        """Drop one of `owner`'s pins; a key already dropped by `abort` is ignored."""
         with self._lock:
-            if key in self._entries:
-                self.policy.unpin(key)
+            self.book.unpin(key, owner)
 
     def step(self) -> None:
         """One decode step: the policy's decay tick."""
         with self._lock:
             self.policy.step()
 
-    def claim(self, key: Key) -> int | None:
-        """Give `key` a slot, pinned and 'filling'; None when every slot is pinned (CacheFull)."""
+    def claim(self, key: Key, owner: str = "layer") -> int | None:
+        """Give `key` a slot, FILLING and pinned for `owner` (the layer that fetches it on demand,
+        or `fill` for a prefetch the receiver lands); None when every slot is pinned."""
         with self._lock:
-            if key in self._entries:
-                raise ValueError(f"expert {key} already has slot {self._entries[key].slot}")
-            got = self.policy.try_insert(key, pin=True)
-            if got is None:
-                return None
-            slot, evicted = got
-            if evicted is not None:
-                del self._entries[evicted]
-            self._entries[key] = SlotEntry(slot)
-            return slot
+            entry = self.book.claim(key, owner, Fill())
+        return None if entry is None else entry.slot
 
     def abort(self, key: Key) -> None:
         """The fill of `key` failed: drop it and wake its waiters with FetchFailed."""
         with self._lock:
-            entry = self._entries.pop(key, None)
-            if entry is None:
-                return
-            self.policy.remove(key)
-            entry.settle(EntryState.FAILED)
+            entry = self.book.fail(key)
+        if entry is not None:
+            entry.data.settled.set()
 
     # -- bytes in --------------------------------------------------------------------------
     def write(self, key: Key, parts: Mapping[str, Any]) -> None:
@@ -248,28 +194,29 @@ class DeviceSlotCache:
         on CUDA the device copy may still be running on the side stream. Marks the entry READY.
         """
         with self._lock:
-            entry = self._entries.get(key)
-        if entry is None or entry.state is not EntryState.FILLING:
+            entry = self.book.get(key)
+        if entry is None or entry.state is not SlotState.FILLING:
             raise ValueError(f"expert {key} has no slot waiting for bytes")
         lay = self.layouts[key[0]]
         try:
             check_parts(key, lay, parts)
-            entry.event = self._fill(entry.slot, lay, parts)
+            entry.data.event = self._fill(entry.slot, lay, parts)
         except BaseException:
             self.abort(key)
             raise
         with self._lock:
             self.writes += 1
             self.bytes_written += sum(n for _, n in lay.ranges.values())
-            if entry.state is EntryState.FILLING:  # an `abort` meanwhile keeps it FAILED
-                entry.settle(EntryState.READY)
+            ready = self.book.ready(key, entry) is not None  # an `abort` meanwhile keeps it FAILED
+        if ready:
+            entry.data.settled.set()
 
     def _fill(self, slot: int, lay: SlotLayout, parts: Mapping[str, Any]) -> Any:
-        if not self._cuda and self.slot_format == "raw":
+        if not self._cuda:
             row = self.blobs[slot].numpy()  # writable view of the slot: one memcpy per part
             pack_parts(row, lay, parts)
             return None
-        direct = self._registered_parts(parts) if self._registered and self.slot_format == "raw" else None
+        direct = self._registered_parts(parts) if self._registered else None
         if direct is not None:
             return self._copy_direct(slot, lay, direct)
         staging, event = self._take_staging(), None
@@ -281,19 +228,12 @@ class DeviceSlotCache:
             self._give_staging(staging, event)
 
     def _upload(self, slot: int, lay: SlotLayout, staging: torch.Tensor) -> Any:
-        """Host staging bytes -> slot (and dequantize for the dequant format)."""
-        if not self._cuda:
-            self._store_weights(slot, blob_to_weights(list(lay.parts), staging, lay.ranges, self.dtype))
-            return None
+        """Pinned host staging bytes -> slot, on the side stream (CUDA)."""
         with torch.cuda.stream(self._side):
             last = self._last_use.get(slot)
             if last is not None:
                 self._side.wait_event(last)  # compute may still read the old contents
-            if self.slot_format == "raw":
-                self.blobs[slot, :lay.nbytes].copy_(staging[:lay.nbytes], non_blocking=True)
-            else:
-                blob = staging[:lay.nbytes].to(self.device, non_blocking=True)  # [nbytes]
-                self._store_weights(slot, blob_to_weights(list(lay.parts), blob, lay.ranges, self.dtype))
+            self.blobs[slot, :lay.nbytes].copy_(staging[:lay.nbytes], non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._side)
         return event
@@ -313,11 +253,6 @@ class DeviceSlotCache:
         with self._lock:  # the receiver thread copies too
             self.direct_copies += 1
         return event
-
-    def _store_weights(self, slot: int, w: ExpertWeights) -> None:
-        self.store["gate"][slot].copy_(w.gate)  # [ff, d]
-        self.store["up"][slot].copy_(w.up)  # [ff, d]
-        self.store["down"][slot].copy_(w.down)  # [d, ff]
 
     def _take_staging(self) -> torch.Tensor:
         """A host buffer of one slot (pinned on CUDA), from a small free list."""
@@ -341,29 +276,31 @@ class DeviceSlotCache:
         On CUDA the current (compute) stream is made to wait for the slot's copy, not the host.
         """
         with self._lock:
-            entry = self._entries.get(key)
+            entry = self.book.get(key)
         if entry is None:
             raise FetchFailed(f"expert {key} is not in the device slot cache")
-        if not entry.wait(timeout):
+        if not entry.data.settled.wait(timeout):
             return False
-        if entry.state is EntryState.FAILED:
+        if entry.state is SlotState.FAILED:
             raise FetchFailed(f"expert {key}: its bytes never arrived")
-        if entry.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(entry.event)
+        if entry.data.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(entry.data.event)
         return True
 
     def weights(self, key: Key) -> ExpertWeights:
         """The expert's weights from its (ready, pinned) slot."""
         with self._lock:
-            entry = self._entries[key]
+            entry = self.book.get(key)
+        if entry is None:
+            raise KeyError(f"expert {key} is not in the device slot cache")
         return self._weights_at(key[0], entry.slot)
 
-    def ready_weights(self, layer: int, entry: SlotEntry) -> ExpertWeights | None:
+    def ready_weights(self, layer: int, entry: BookEntry) -> ExpertWeights | None:
         """The hit path: weights of a pinned entry whose bytes are in, else None (use `wait`)."""
         if not entry.ready:
             return None
-        if entry.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(entry.event)
+        if entry.data.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(entry.data.event)
         return self._weights_at(layer, entry.slot)
 
     def fused(self, layer: int) -> bool:
@@ -371,8 +308,6 @@ class DeviceSlotCache:
         return self.kernels is not None and self.kernels.supports(layer)
 
     def _weights_at(self, layer: int, slot: int) -> Any:
-        if self.slot_format == "dequant":
-            return self._views[slot]
         if self.fused(layer):
             return SlotRef(slot)
         lay = self.layouts[layer]
@@ -419,7 +354,7 @@ class DeviceSlotCache:
     def register_host(self, view: Any) -> bool:
         """Register a host mapping (the daemon's arena, read-only) with CUDA so parts inside it
         are copied straight to their slot; False (and the staging path) where that fails."""
-        if not (self._cuda and self.slot_format == "raw"):
+        if not self._cuda:
             return False
         start, n = _address(view), memoryview(view).nbytes
         if any(a == start for a, _ in self._registered):
@@ -458,11 +393,7 @@ class DeviceSlotCache:
     def check(self) -> None:
         """Assert internal invariants (used by tests after every operation)."""
         with self._lock:
-            slots = [e.slot for e in self._entries.values()]
-            assert len(slots) <= self.n_slots, f"{len(slots)} entries > {self.n_slots} slots"
-            assert len(set(slots)) == len(slots), "two entries share a slot"
-            assert set(self.policy.keys()) == set(self._entries), "policy and cache disagree"
-            assert all(self.policy.slot_of(k) == e.slot for k, e in self._entries.items())
+            self.book.check()
 
 
 def _address(view: Any) -> int:

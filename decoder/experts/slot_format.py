@@ -1,17 +1,11 @@
-"""Slot storage formats of the device slot cache: what one slot holds and how big it is.
+"""The device slot cache's slot layout: what one slot holds and how big it is.
 
-Two slot formats (`DecoderConfig.slot_format`):
-
-- ``raw``: one preallocated uint8 tensor ``blobs [n_slots, slot_bytes]`` holding quantized
-  blobs, dequantized on every use. More experts fit; the default on CUDA, where
-  dequantize-on-use kernels are cheap::
+A slot holds one expert's quantized blocks as the file has them (the ``raw`` format, the only
+one: a dequantized copy costs 2-7x the memory), in one preallocated uint8 tensor
+``blobs [n_slots, slot_bytes]``, read in place by the fused kernels or dequantized on use::
 
       blobs[slot]:  +-- gate --+pad64+-- up --+pad64+-- down --+pad64+ ... +
                     ranges come from `SlotLayout` (one per layer), not from the daemon's arena
-
-- ``dequant``: preallocated float tensors ``gate/up [n_slots, ff, d]`` and
-  ``down [n_slots, d, ff]``, filled once on insert. The default on CPU, where dequantizing on
-  every use would cost more than the matmuls.
 """
 
 from __future__ import annotations
@@ -25,13 +19,7 @@ import torch
 
 from ...common.layout import ExpertIndex, ExpertPart, round_up
 
-SLOT_FORMATS = ("raw", "dequant")
 _ALIGN = 64  # part alignment inside a device slot: any dtype view of a part stays aligned
-
-
-def default_slot_format(device: torch.device | str) -> str:
-    """raw on CUDA (dequantize-on-use is cheap there), dequant elsewhere."""
-    return "raw" if torch.device(device).type == "cuda" else "dequant"
 
 
 @dataclass(frozen=True)
@@ -57,43 +45,17 @@ def slot_layouts(index: ExpertIndex) -> list[SlotLayout]:
     return out
 
 
-def dequant_shapes(layouts: list[SlotLayout]) -> dict[str, tuple[int, int]]:
-    """Torch shapes of gate/up/down for the dequant format; every layer must agree."""
-    shapes = None
-    for layer, lay in enumerate(layouts):
-        if not lay.parts:
-            continue  # a dense layer: no experts
-        mats = {p.name: tuple(reversed(p.shape)) for p in lay.parts}  # [n_out, n_in]
-        if "gate_up" in mats:
-            two_ff, d = mats.pop("gate_up")
-            mats["gate"] = mats["up"] = (two_ff // 2, d)
-        if set(mats) != {"gate", "up", "down"}:
-            raise ValueError(f"dequant slots support gate/up/down experts only; layer {layer} has {sorted(mats)}")
-        if shapes is not None and mats != shapes:
-            raise ValueError(f"dequant slots need one expert shape for all layers: layer {layer} has {mats}, "
-                             f"layer 0 has {shapes}; use slot_format='raw'")
-        shapes = mats
-    assert shapes is not None
-    return shapes
+def bytes_per_slot(index: ExpertIndex) -> int:
+    """Device bytes one slot takes: the largest layer's expert blob, parts 64-byte aligned."""
+    return max(lay.nbytes for lay in slot_layouts(index))
 
 
-def bytes_per_slot(index: ExpertIndex, slot_format: str, dtype: torch.dtype = torch.float32) -> int:
-    """Device bytes one slot takes in `slot_format`."""
-    layouts = slot_layouts(index)
-    if slot_format == "raw":
-        return max(lay.nbytes for lay in layouts)
-    if slot_format == "dequant":
-        return sum(a * b for a, b in dequant_shapes(layouts).values()) * dtype.itemsize
-    raise ValueError(f"slot_format must be one of {SLOT_FORMATS}, got {slot_format!r}")
-
-
-def slots_for_bytes(index: ExpertIndex, cache_bytes: int, slot_format: str,
-                    dtype: torch.dtype = torch.float32) -> int:
+def slots_for_bytes(index: ExpertIndex, cache_bytes: int) -> int:
     """How many slots `cache_bytes` of device memory holds (`--cache-bytes`)."""
-    per = bytes_per_slot(index, slot_format, dtype)
+    per = bytes_per_slot(index)
     n = int(cache_bytes) // per
     if n < 1:
-        raise ValueError(f"--cache-bytes {cache_bytes} is smaller than one {slot_format} slot ({per} bytes)")
+        raise ValueError(f"--cache-bytes {cache_bytes} is smaller than one slot ({per} bytes)")
     return n
 
 

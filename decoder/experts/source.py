@@ -1,19 +1,20 @@
-"""Expert sources: where the MoE block gets a layer's experts computed.
+"""Expert backends: where an `ExpertBank` gets a layer's experts computed.
 
-The model never knows where experts live: the MoE block routes, then asks its `ExpertSource`
-to `mix(layer, x, weights, ids)` (every routed expert's SwiGLU output, weighted and summed).
+The model never knows where experts live: the MoE block routes, then asks its `ExpertBank`
+(`bank.py`) to `mix(layer, x, weights, ids)` (every routed expert's SwiGLU output, weighted and
+summed); the bank hands that to its backend, an `ExpertBackend` (this module's ABC).
 
 - CPU, the `quant` format: computed on the quantized GGUF blocks where they lie, the file's
-  memory map (`quant_experts.QuantResidentExperts`) or a leased slot of the daemon's
-  shared-memory arena (`arena_experts.ArenaExperts`); no dequantized copy is kept.
-- `AcquireSource` family: float weights per expert, `acquire`d for a layer and `release`d
-  after it: `ResidentExperts` below (dequantized at start, or raw and dequantized on use)
-  and the device slot cache of `streamed.StreamedExperts` (the GPU path). With raw slots on
-  CUDA both override `mix` to run the fused Triton kernels (`triton_experts`) on the slot
-  memory instead: nothing is dequantized into a copy, and the (layer, expert) -> slot map is a
-  device tensor.
+  memory map (`resident.QuantResidentExperts`, `cpu-mmap`) or a leased slot of the daemon's
+  shared-memory arena (`arena.ArenaExperts`, `cpu-arena`); no dequantized copy is kept.
+- `AcquireSource` family: raw slots of quantized blocks on the device, `acquire`d for a layer
+  and `release`d after it: `ResidentExperts` below (`gpu-resident`) and the device slot cache of
+  `streamed.StreamedExperts` (`gpu-slots`). On CUDA both override `mix` to run the fused Triton
+  kernels (`triton_experts`) on the slot memory: nothing is dequantized into a copy, and the
+  (layer, expert) -> slot map is a device tensor; elsewhere an acquired expert is dequantized
+  for its layer only.
 
-Every source sums its experts' outputs in ascending expert order (`combine`), whatever order
+Every backend sums its experts' outputs in ascending expert order (`combine`), whatever order
 they were computed or arrived in, so streamed and resident decoding are bit-identical.
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from ...common.arch import EXPERT_ACTS, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from ...common.layout import ExpertPart, ModelLayout
 from ..kernels.dequant import dequantize
+from .stats import ResidentStats
 
 Predictions = Mapping[int, Sequence[int]]  # layer -> experts predicted for it
 
@@ -83,8 +85,11 @@ def combine(x: torch.Tensor, outputs: Mapping[int, tuple[torch.Tensor, torch.Ten
     return out
 
 
-class ExpertSource(ABC):
-    """Computes a layer's routed experts. Calls come from the compute thread."""
+class ExpertBackend(ABC):
+    """Computes a layer's routed experts for an `ExpertBank` (`bank.py`). Calls come from the
+    compute thread. `kind` names it in the bank's table."""
+
+    kind: str = ""
 
     def begin_step(self) -> None:
         """One forward pass starts (policy decay tick; prefetches of the last one are given up)."""
@@ -99,13 +104,14 @@ class ExpertSource(ABC):
     def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_j weights[:, j] * expert_{ids[:, j]}(x) for rows x [N, d], weights/ids [N, k] -> [N, d]."""
 
-    def stats(self) -> dict:
-        return {}
+    def stats(self) -> Any:
+        """A typed snapshot of the counters (`stats.py`): `describe()`, `as_dict()`, `traffic()`."""
+        raise NotImplementedError
 
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> "ExpertSource":
+    def __enter__(self) -> "ExpertBackend":
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -165,7 +171,7 @@ def blob_to_weights(
 _PART_NAMES = ("gate", "up", "down", "gate_up", "gate.bias", "up.bias", "down.bias", "gate_up.bias")
 
 
-class AcquireSource(ExpertSource):
+class AcquireSource(ExpertBackend):
     """A source of float weights per expert: `acquire` pins a layer's experts, `mix` computes
     them with torch, `release` unpins. `expert_act`: the family's activation (`common.arch`)."""
 
@@ -232,31 +238,22 @@ def read_blob(layout: ModelLayout, layer: int,
 
 
 class ResidentExperts(AcquireSource):
-    """Every expert in process, no daemon: the reference streamed decoding must match.
-
-    `slot_format="dequant"` dequantizes every expert once at start (fast compute, float
-    memory); `"raw"` keeps the quantized bytes on the device in the device slot cache's layout
-    (one slot per expert, `blobs [n_layer * n_expert, slot_bytes]`, slot = layer * n_expert +
-    expert) and computes on them as a raw-slot streamed cache does: with the fused Triton kernels
-    (`kernels`, see `slot_format.slot_kernels`; on CUDA by default), else dequantizing on each
-    acquire. The (layer, expert) -> slot map is a device tensor: a fused layer makes no host sync.
+    """Every expert in process, no daemon (`gpu-resident`): the quantized bytes on the device in
+    the device slot cache's layout (one slot per expert, `blobs [n_layer * n_expert, slot_bytes]`,
+    slot = layer * n_expert + expert), computed on as a streamed slot cache does: with the fused
+    Triton kernels (`kernels`, see `slot_format.slot_kernels`; on CUDA by default), else
+    dequantizing on each acquire. The (layer, expert) -> slot map is a device tensor: a fused layer
+    makes no host sync. (On a CPU, `resident.QuantResidentExperts` is the fast resident path.)
     """
 
+    kind = "gpu-resident"
+
     def __init__(self, layout: ModelLayout, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, slot_format: str = "dequant", progress: bool = False,
-                 kernels: bool | None = None):
-        if slot_format not in ("raw", "dequant"):
-            raise ValueError(f"slot_format must be 'raw' or 'dequant', got {slot_format!r}")
+                 dtype: torch.dtype = torch.float32, progress: bool = False, kernels: bool | None = None):
         self.layout, self.device, self.dtype = layout, torch.device(device), dtype
         self.expert_act = layout.spec.expert_act
-        self.slot_format = slot_format
-        self._weights: dict[tuple[int, int], ExpertWeights] = {}
         self._acquired = 0
-        self.kernels = None
-        if slot_format == "raw":
-            self._load_raw(progress, kernels)
-        else:
-            self._load(progress)
+        self._load(progress, kernels)
 
     def _keys(self, progress: bool):
         hp = self.layout.hparams
@@ -267,13 +264,7 @@ class ResidentExperts(AcquireSource):
             keys = tqdm(keys, desc="experts", unit="expert", leave=False)
         return keys
 
-    def _load(self, progress: bool) -> None:
-        for key in self._keys(progress):
-            parts, raw, ranges = read_blob(self.layout, *key)
-            blob = torch.from_numpy(raw).to(self.device)  # [blob bytes]; on the CPU no copy
-            self._weights[key] = blob_to_weights(parts, blob, ranges, self.dtype)
-
-    def _load_raw(self, progress: bool, kernels: bool | None) -> None:
+    def _load(self, progress: bool, kernels: bool | None) -> None:
         from .slot_format import pack_parts, slot_kernels, slot_layouts
 
         hp = self.layout.experts  # n_layer, n_expert as the expert index counts them
@@ -306,27 +297,17 @@ class ResidentExperts(AcquireSource):
         out = {}
         n_expert = self.layout.hparams.n_expert
         for e in experts:
-            key = (layer, int(e))
-            if not (0 <= layer < self.layout.hparams.n_layer and 0 <= key[1] < n_expert):
-                raise KeyError(f"no expert {key} in this model")
-            if self.slot_format == "raw":
-                lay = self.layouts[layer]
-                out[key[1]] = blob_to_weights(list(lay.parts), self.blobs[layer * n_expert + key[1]], lay.ranges,
-                                              self.dtype)
-            else:
-                out[key[1]] = self._weights[key]
+            if not (0 <= layer < self.layout.hparams.n_layer and 0 <= int(e) < n_expert):
+                raise KeyError(f"no expert {(layer, int(e))} in this model")
+            lay = self.layouts[layer]
+            out[int(e)] = blob_to_weights(list(lay.parts), self.blobs[layer * n_expert + int(e)], lay.ranges,
+                                          self.dtype)
         self._acquired += len(out)
         return out
 
-    def stats(self) -> dict:
-        if self.slot_format == "raw":
-            held, nbytes = self.blobs.shape[0], self.blobs.numel()
-        else:
-            held, nbytes = len(self._weights), sum(w.nbytes for w in self._weights.values())
-        return {"source": "resident", "slot_format": self.slot_format, "experts": held, "bytes": nbytes,
-                "acquired": self._acquired, "kernels": "triton" if self.kernels is not None else "torch"}
+    def stats(self) -> ResidentStats:
+        return ResidentStats(self.kind, "raw", experts=self.blobs.shape[0], bytes=self.blobs.numel(),
+                             acquired=self._acquired, kernels="triton" if self.kernels is not None else "torch")
 
     def close(self) -> None:
-        self._weights.clear()
-        if self.slot_format == "raw":
-            self.blobs = self._spare = torch.empty(0, dtype=torch.uint8)
+        self.blobs = self._spare = torch.empty(0, dtype=torch.uint8)

@@ -1,4 +1,4 @@
-"""Streamed experts: the daemon's client behind the `ExpertSource` interface.
+"""Streamed experts: the daemon's client behind the `ExpertBackend` interface (`gpu-slots`).
 
 `acquire(layer, experts)` reads as: score the layer's prediction → pin the resident experts
 (`pin_present`, one lock) → `ahead.take` the layer's prefetches (used ones come back as
@@ -19,7 +19,7 @@ arena, and the layer's `acquire` lands it (a wrong guess then costs no slot, no 
 no copy). `open_streamed` picks eager on CUDA and lazy elsewhere (`default_landing`).
 
 The prefetch bookkeeping is a composed object, `self.ahead` (`ahead.AheadPrefetches`), with
-its own state and counters, merged into `stats()`.
+its own state and counters (`stats.AheadCounters`), which `stats()` nests.
 
 Fused layers (raw slots with the Triton kernels, `cache.fused(layer)`): `mix` learns the
 layer's distinct experts with one host sync (the one the host cannot skip: it decides what to
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
+from dataclasses import replace
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,12 +45,16 @@ from ...common.layout import ModelLayout
 from .ahead import AheadPrefetches
 from .source import AcquireSource, ExpertWeights
 from .prefetch import Receiver
-from .slot_cache import DeviceSlotCache, FetchFailed, Key, SlotEntry
+from .slot_book import BookEntry
+from .slot_cache import DeviceSlotCache, FetchFailed, Key
+from .stats import DemandCounters, SlotStats
 
 
 
 class StreamedExperts(AcquireSource):
     """Experts fetched from moestream-iod into a `DeviceSlotCache`."""
+
+    kind = "gpu-slots"
 
     def __init__(self, client: IodClient, layout: ModelLayout, cache: DeviceSlotCache, *,
                  fetch_timeout_s: float = 60.0, owns_client: bool = False, landing: str = "eager"):
@@ -65,13 +70,12 @@ class StreamedExperts(AcquireSource):
                                      max_in_flight=None if quota is None else max(0, quota - top_k))
         self._bypassed: dict[int, set[int]] = {}  # layer -> experts served without a slot (no pin)
         self._closed = False
-        self.c = dict.fromkeys(("acquired", "hits", "misses", "bypassed", "refetched", "demand_bytes",
-                                "ahead_bytes", "deadlines"), 0)
+        self.counts = DemandCounters()
         self.stall_s = 0.0
         self._arena: Any = None  # the client's arena mapping as registered with CUDA
         self._register_arena()
 
-    # -- ExpertSource ----------------------------------------------------------------------
+    # -- ExpertBackend ----------------------------------------------------------------------
     def begin_step(self) -> None:
         self.cache.step()
         self.ahead.end_step()
@@ -116,7 +120,7 @@ class StreamedExperts(AcquireSource):
         self.ahead.score(layer, wanted)
         present, missing = self.cache.pin_present(layer, wanted)  # one lock for the layer
         used = self.ahead.take(layer, present, missing)
-        self.c["hits"] += sum(1 for e in present if e not in used)
+        self.counts.hits += sum(1 for e in present if e not in used)
         held = set(present)  # the experts whose slot this acquire pins, until `release`
         try:
             out, slow = self._ready_hits(layer, present)
@@ -137,7 +141,7 @@ class StreamedExperts(AcquireSource):
             raise
         if len(held) < len(wanted):
             self._bypassed.setdefault(layer, set()).update(set(wanted) - held)
-        self.c["acquired"] += len(wanted)
+        self.counts.acquired += len(wanted)
         return out
 
     def release(self, layer: int, experts: Sequence[int]) -> None:
@@ -147,19 +151,11 @@ class StreamedExperts(AcquireSource):
             keep = [e for e in keep if e not in bypassed]
         self.cache.release_many(layer, keep)
 
-    def stats(self) -> dict[str, Any]:
-        c = {**self.c, **self.ahead.c}
-        would_miss = c["misses"] + c["useful"]
-        out = {"source": "streamed", **c, "stall_s": self.stall_s,
-               "hit_rate": c["hits"] / c["acquired"] if c["acquired"] else 0.0,
-               "bytes_fetched": c["demand_bytes"] + c["ahead_bytes"] + self.receiver.bytes,
-               "prefetch_bytes": c["ahead_bytes"] + self.receiver.bytes, "landing": self.landing,
-               "hidden_share": c["hidden"] / would_miss if would_miss else 0.0,
-               "prefetch_precision": c["predicted_right"] / c["predicted"] if c["predicted"] else 0.0,
-               "prefetch_recall": c["predicted_right"] / c["routed"] if c["routed"] else 0.0,
-               "receiver_copy_s": self.receiver.copy_s, "landed_by_compute": self.receiver.stolen}
-        out["cache"] = self.cache.stats()
-        return out
+    def stats(self) -> SlotStats:
+        r = self.receiver
+        return SlotStats(demand=replace(self.counts), ahead=replace(self.ahead.counts), cache=self.cache.stats(),
+                         landing=self.landing, stall_s=self.stall_s, receiver_bytes=r.bytes,
+                         receiver_copy_s=r.copy_s, landed_by_compute=r.stolen)
 
     def close(self) -> None:
         if self._closed:
@@ -175,7 +171,7 @@ class StreamedExperts(AcquireSource):
             self.client.close()
 
     # -- demand internals ------------------------------------------------------------------
-    def _ready_hits(self, layer: int, present: Mapping[int, SlotEntry]) -> tuple[dict[int, ExpertWeights], list[int]]:
+    def _ready_hits(self, layer: int, present: Mapping[int, BookEntry]) -> tuple[dict[int, ExpertWeights], list[int]]:
         """The hit path: weights of the present experts whose bytes are in; the others (slow)."""
         out, slow = {}, []
         for e, entry in present.items():
@@ -205,8 +201,8 @@ class StreamedExperts(AcquireSource):
         joined = joined or {}
         slotted = {e for e in missing if self._claim((layer, e))}
         fresh = [e for e in missing if e not in joined]
-        self.c["misses"] += len(fresh)
-        self.c["bypassed"] += len(missing) - len(slotted)
+        self.counts.misses += len(fresh)
+        self.counts.bypassed += len(missing) - len(slotted)
         out: dict[int, ExpertWeights] = {}
         futures: list[cf.Future] = []
         try:
@@ -214,7 +210,7 @@ class StreamedExperts(AcquireSource):
             futures = [joined.get(e) or sent[e] for e in missing]
             self.ahead.flush_deferred()
             for e, fut in zip(missing, futures):
-                out[e] = self._land_now(layer, e, fut, e in slotted, "ahead_bytes" if e in joined else "demand_bytes")
+                out[e] = self._land_now(layer, e, fut, e in slotted, prefetched=e in joined)
         except BaseException:
             self._abandon(layer, futures, out, slotted)
             raise
@@ -231,10 +227,14 @@ class StreamedExperts(AcquireSource):
         self.client.cancel(futures)
         _release_unused(self.client, futures, len(out))
 
-    def _land_now(self, layer: int, e: int, fut: cf.Future, slotted: bool, counter: str) -> ExpertWeights:
+    def _land_now(self, layer: int, e: int, fut: cf.Future, slotted: bool, prefetched: bool) -> ExpertWeights:
         lease, parts = self._leased_parts(layer, e, fut)
         try:
-            self.c[counter] += sum(n for _, n in lease.parts.values())
+            n = sum(n for _, n in lease.parts.values())
+            if prefetched:  # a lazy prefetch joined here
+                self.counts.ahead_bytes += n
+            else:
+                self.counts.demand_bytes += n
             if not slotted:
                 return self.cache.bypass_weights(layer, parts)
             self.cache.write((layer, e), parts)
@@ -257,14 +257,14 @@ class StreamedExperts(AcquireSource):
             except IodRequestError as exc:
                 if exc.code == P.ErrorCode.DEADLINE.value:
                     waited += self.client.welcome.get("queue_deadline_s", 0.0)
-                    self.c["deadlines"] += 1
+                    self.counts.deadlines += 1
                     if waited > self.fetch_timeout_s:
                         raise IodUnavailable(f"expert {(layer, e)}: no arena room for {waited:.0f}s: {exc}") from None
                 elif exc.code not in P.GIVEN_UP:
                     raise
             except LeaseVoided:
                 pass
-            self.c["refetched"] += 1
+            self.counts.refetched += 1
             fut = self.client.fetch([(layer, e)], "now")[0]
 
     def _result(self, fut: cf.Future, key: Key) -> Lease:
@@ -281,7 +281,7 @@ class StreamedExperts(AcquireSource):
         try:
             return self._landed(key, fut), True
         except FetchFailed:  # the prefetch failed or was cancelled, its entry gone with its pins
-            self.c["refetched"] += 1
+            self.counts.refetched += 1
             got, slotted = self._fetch_now(layer, [e])
             return got[e], bool(slotted)
         except BaseException:
@@ -325,8 +325,7 @@ def _release_unused(client: IodClient, futures: list[cf.Future], used: int) -> N
 
 
 def open_streamed(layout: ModelLayout, endpoint: str, *, device: Any = "cpu", dtype: Any = None,
-                  slots: int | None = None, cache_bytes: int | None = None, slot_format: str | None = None,
-                  decay: float = 0.9, timeout_s: float = 5.0, fetch_timeout_s: float = 60.0,
+                  slots: int | None = None, cache_bytes: int | None = None, decay: float = 0.9, timeout_s: float = 5.0, fetch_timeout_s: float = 60.0,
                   name: str | None = None, landing: str | None = None, reconnect_s: float = 30.0,
                   kernels: bool | None = None) -> StreamedExperts:
     """Connect to the daemon at `endpoint` (checking it serves this file) and build the slot cache.
@@ -336,17 +335,16 @@ def open_streamed(layout: ModelLayout, endpoint: str, *, device: Any = "cpu", dt
     """
     import torch
 
-    from .slot_format import default_slot_format, slots_for_bytes
+    from .slot_format import slots_for_bytes
 
     dtype = dtype or torch.float32
-    fmt = slot_format or default_slot_format(device)
     if layout.spec.expert_act != "swiglu":  # the slot stores and the Triton kernels hold gate/up/down only
         raise ValueError(f"{layout.arch_name}'s experts ({layout.spec.expert_act}, with biases) are not supported on "
                          "the device slot-cache path yet; use the CPU quant path (--slot-format quant)")
     if (slots is None) == (cache_bytes is None):
         raise ValueError("give exactly one of slots (--slots) or cache_bytes (--cache-bytes)")
-    n = slots if slots is not None else slots_for_bytes(layout.experts, cache_bytes, fmt, dtype)
-    cache = DeviceSlotCache(layout.experts, n, device, slot_format=fmt, dtype=dtype, decay=decay, kernels=kernels)
+    n = slots if slots is not None else slots_for_bytes(layout.experts, cache_bytes)
+    cache = DeviceSlotCache(layout.experts, n, device, dtype=dtype, decay=decay, kernels=kernels)
     client = IodClient(endpoint, expect_fingerprint=layout.fingerprint.as_dict(), timeout_s=timeout_s, name=name,
                        reconnect_s=reconnect_s)
     try:
@@ -356,19 +354,3 @@ def open_streamed(layout: ModelLayout, endpoint: str, *, device: Any = "cpu", dt
         client.close()
         raise
 
-
-def describe_stats(st: dict[str, Any]) -> str:
-    """Streaming counters for people: hit rate, bytes, stall, prefetch usefulness."""
-    cache = st.get("cache", {})
-    lines = [
-        f"experts: {st['acquired']} used, hit rate {st['hit_rate']:.1%} ({st['hits']} hits, {st['misses']} misses, "
-        f"{st['useful']} prefetched), {st['bytes_fetched'] / 2**20:.2f} MiB fetched, stall {st['stall_s'] * 1e3:.1f} ms",
-        f"slot cache: {cache.get('resident', 0)}/{cache.get('capacity', 0)} slots ({cache.get('slot_format')}), "
-        f"{cache.get('evictions', 0)} evictions, {st['bypassed']} served without a slot (cache full of pins)",
-    ]
-    if st["prefetch_sent"]:
-        lines.append(
-            f"prefetch: {st['prefetch_sent']} sent, {st['useful']} useful ({st['hidden']} landed in time, "
-            f"{st['late']} late), {st['wasted']} wasted, {st['cancelled']} cancelled; hid {st['hidden_share']:.1%} "
-            f"of the misses; predictions precision {st['prefetch_precision']:.1%}, recall {st['prefetch_recall']:.1%}")
-    return "\n".join(lines)

@@ -15,8 +15,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..experts.source import ExpertSource
 from ..kernels.threads import decode_step
+from ..models.layers import KVCache
 from ..models.moe_transformer import LayerObserver, MoEModel
 from .sampling import Sampler, SamplingParams
 
@@ -86,12 +86,21 @@ class _Batch:
         return torch.tensor([not f for f in self.finish])  # [B] bool
 
 
+def forward_step(model: MoEModel, tokens: torch.Tensor, cache: KVCache, valid: torch.Tensor | None = None,
+                 observer: LayerObserver | None = None, last_only: bool = False) -> torch.Tensor:
+    """One forward pass as its owner runs it: the model's expert bank begins a step (policy decay,
+    the last pass's prefetches given up), then the model computes logits (`MoEModel.forward`)."""
+    model.bank.begin_step()
+    return model.forward(tokens, cache, valid, observer, last_only)
+
+
 @torch.inference_mode()
-def generate(model: MoEModel, experts: ExpertSource, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+def generate(model: MoEModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              sampling: SamplingParams = SamplingParams(), stop_ids: frozenset[int] = frozenset(),
              pad_id: int = 0, on_token: OnToken | None = None, observer: LayerObserver | None = None,
              keep_logits: bool = False) -> GenerationResult:
-    """Generate up to `max_new_tokens` per prompt (token ids), stopping each on a stop id."""
+    """Generate up to `max_new_tokens` per prompt (token ids), stopping each on a stop id, with
+    the experts of the model's bank."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     tokens, valid = left_pad(prompts, pad_id, model.device)  # [B, L]
@@ -100,7 +109,7 @@ def generate(model: MoEModel, experts: ExpertSource, prompts: Sequence[Sequence[
     result = GenerationResult(batch.tokens, batch.finish, [len(p) for p in prompts])
     t0 = time.perf_counter()
     whole = bool(valid.all())  # no padding: the pass needs no row selection (one check, at the prefill)
-    logits = model.forward(tokens, cache, experts, None if whole else valid, observer, last_only=True)  # [B, V]
+    logits = forward_step(model, tokens, cache, None if whole else valid, observer, last_only=True)  # [B, V]
     while True:
         if keep_logits:
             result.logits.append(logits.float().cpu())
@@ -113,7 +122,7 @@ def generate(model: MoEModel, experts: ExpertSource, prompts: Sequence[Sequence[
         step = torch.where(running, latest_tokens(batch), pad_id)[:, None].to(model.device)  # [B, 1]
         valid = None if bool(running.all()) else running[:, None].to(model.device)  # None: no masking, no sync
         with decode_step():  # the CPU kernels' thread count, adapted to the host's load unless fixed
-            logits = model.forward(step, cache, experts, valid, observer, last_only=True)
+            logits = forward_step(model, step, cache, valid, observer, last_only=True)
         result.steps += 1
     result.decode_s = time.perf_counter() - t0 - result.prefill_s
     return result

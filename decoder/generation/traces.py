@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ...common.traces import write_trace
-from ..experts.source import ExpertSource, Predictions
+from ..experts.source import ExpertBackend, Predictions
 from ..models.moe_transformer import LayerObserver, MoEModel
 from ...authoring.trace_stats import cache_hit_rates, predictability, report_markdown, skew
 
@@ -108,6 +108,7 @@ def pick_prompts(tok, n: int, length: int, seed: int) -> list[dict]:
 def record(cfg: TraceConfig) -> dict:
     """Generate over every prompt while recording; write the trace files; returns meta."""
     from ...common.layout import ModelLayout
+    from ..experts.bank import ExpertBank
     from ..experts.source import ResidentExperts
     from .loop import generate
     from ..models import load_model
@@ -118,10 +119,11 @@ def record(cfg: TraceConfig) -> dict:
     tok, model = GGUFTokenizer.from_layout(layout), load_model(layout)
     rec = Recorder(model)
     prompts, segments, texts = pick_prompts(tok, cfg.prompts, cfg.prompt_tokens, cfg.seed), [], []
-    with ResidentExperts(layout) as experts, torch.inference_mode():
+    with ExpertBank(ResidentExperts(layout)) as bank, torch.inference_mode():
+        model = model.with_bank(bank)
         for i, p in enumerate(prompts):
             params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed + i)
-            res = generate(model, experts, [p["ids"]], cfg.new_tokens, params, observer=rec)
+            res = generate(model, [p["ids"]], cfg.new_tokens, params, observer=rec)
             # The last sampled token is never fed back, so it has no routing.
             segments.append({"file": p["file"], "start_token": p["start_token"], "prompt": len(p["ids"]),
                              "generated": max(0, len(res.tokens[0]) - 1)})
@@ -185,12 +187,13 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-class RoutingRecorder(ExpertSource):
-    """An expert source that records, per forward pass, the (layer, expert) keys it routed to
-    (`generate --trace-out`), then hands everything to the source it wraps."""
+class RoutingRecorder(ExpertBackend):
+    """An expert backend that records, per forward pass, the (layer, expert) keys it routed to
+    (`generate --trace-out`), then hands everything to the backend it wraps."""
 
-    def __init__(self, inner: ExpertSource):
+    def __init__(self, inner: ExpertBackend):
         self.inner = inner
+        self.kind = inner.kind
         self.steps: list[list[tuple[int, int]]] = []
 
     def begin_step(self) -> None:

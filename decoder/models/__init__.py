@@ -14,6 +14,7 @@ from types import ModuleType
 import torch
 
 from ...common.layout import ModelLayout
+from ..experts.bank import ExpertBank
 from .moe_transformer import MoEModel
 
 # GGUF architecture name -> module under decoder.models (imported on first use)
@@ -43,10 +44,12 @@ def get_model_module(arch: str) -> ModuleType:
 
 
 def load_model(layout: ModelLayout, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               progress: bool = False, keep_quantized: bool = False) -> MoEModel:
+               progress: bool = False, keep_quantized: bool = False, bank: ExpertBank | None = None) -> MoEModel:
     """The architecture's `Model` with every dense weight of `layout` materialized on `device`
-    (2-D quantized ones kept as their blocks with `keep_quantized`, on a CPU)."""
+    (2-D quantized ones kept as their blocks with `keep_quantized`, on a CPU), computing its
+    experts with `bank` (without one: weights only, until `model.with_bank(bank)`)."""
     from .weights import load_dense
 
     dense = load_dense(layout, device, dtype or torch.float32, progress, keep_quantized)
-    return get_model_module(layout.hparams.arch).Model(layout.hparams, dense)
+    model = get_model_module(layout.hparams.arch).Model(layout.hparams, dense)
+    return model if bank is None else model.with_bank(bank)

@@ -39,7 +39,6 @@ import torch.nn.functional as F
 
 from ...common.arch import MLADims, mla_dims
 from ...common.layout import HParams, ModelFormatError
-from ..experts.source import ExpertSource
 from .weights import QuantWeight
 from . import qwen3moe
 from .layers import (
@@ -291,8 +290,8 @@ class Model(MoETransformer):
         logits = linear(rms_norm(h, w["ffn_norm"], self.hparams.rms_eps), w["ffn_gate_inp"])  # [N, E]
         return selection_scores(logits, w.get("exp_probs_b.bias"), self.routing)[1]
 
-    def ffn(self, layer: int, x: torch.Tensor, experts: ExpertSource, observer: LayerObserver) -> torch.Tensor:
+    def ffn(self, layer: int, x: torch.Tensor, observer: LayerObserver) -> torch.Tensor:
         if self.hparams.is_moe_layer(layer):
-            return super().ffn(layer, x, experts, observer)
+            return super().ffn(layer, x, observer)
         w = self.layers[layer]  # a leading dense layer: SwiGLU, nothing fetched
         return linear(F.silu(linear(x, w["ffn_gate"])) * linear(x, w["ffn_up"]), w["ffn_down"])  # [n, d]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 
 from ...common.layout import HParams, ModelFormatError
-from ..experts.source import ExpertSource
 from . import qwen3moe
 from .deepseek2 import GATING, Routing, route_grouped, selection_scores
 from .layers import AttnShape, dense_ffn, linear, rms_norm
@@ -101,8 +100,8 @@ class Model(SigmoidRouted):
         for w in self.layers:  # the generic block and router_logits norm with `ffn_norm`
             w["ffn_norm"] = w["post_attention_norm"]
 
-    def ffn(self, layer: int, x: torch.Tensor, experts: ExpertSource, observer: LayerObserver) -> torch.Tensor:
+    def ffn(self, layer: int, x: torch.Tensor, observer: LayerObserver) -> torch.Tensor:
         if self.hparams.is_moe_layer(layer):
-            return super().ffn(layer, x, experts, observer)  # routed + shared
+            return super().ffn(layer, x, observer)  # routed + shared
         return dense_ffn(x, self.layers[layer])  # a leading dense layer: nothing fetched
 

@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from ...common.layout import HParams
-from ..experts.source import ExpertSource
 from . import qwen3moe
 from .layers import KVCache, StepAttn, apply_rope_norm, attention_mask, dense_ffn, linear, shared_expert
 from .moe_transformer import LayerObserver, MoETransformer
@@ -141,7 +140,7 @@ class Model(MoETransformer):
         out = out.reshape(B, H, T, hd).transpose(1, 2).reshape(B * T, H * hd)  # [N, H*hd]
         return linear(out, w["attn_output"])  # [N, d]
 
-    def ffn(self, layer: int, x: torch.Tensor, experts: ExpertSource, observer: LayerObserver) -> torch.Tensor:
+    def ffn(self, layer: int, x: torch.Tensor, observer: LayerObserver) -> torch.Tensor:
         w = self.layers[layer]
         if not self.hparams.is_moe_layer(layer):
             return dense_ffn(x, w)  # nothing fetched
@@ -152,7 +151,7 @@ class Model(MoETransformer):
         n, k = ids.shape
         rows = (x[:, None, :] * weights[..., None]).reshape(n * k, -1)  # [n*k, d]: each pair's scaled input
         ones = torch.ones(n * k, 1, dtype=x.dtype, device=x.device)  # [n*k, 1]
-        routed = experts.mix(layer, rows, ones, ids.reshape(n * k, 1)).reshape(n, k, -1).sum(1)  # [n, d]
+        routed = self.experts().mix(layer, rows, ones, ids.reshape(n * k, 1)).reshape(n, k, -1).sum(1)  # [n, d]
         return routed + shared_expert(x, w)  # [n, d]
 
 

@@ -9,17 +9,22 @@ something is really new (another attention, dense leading layers), a subclass ov
 
 The interfaces callers use are typed here: `MoEModel` (what generation, prefetch and the
 benchmarks need of a model) and `LayerObserver` (what a caller may see during a forward pass).
+
+A model holds its `ExpertBank` (given at build time: `load_model(..., bank=)`, or `with_bank`
+for the same weights over another bank); its MoE blocks call only `bank.mix`. Whoever runs the
+pass (the generation loop, the serve engine) calls `bank.begin_step()` before it.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Protocol
 
 import torch
 
 from ...common.arch import ArchSpec, get_arch
 from ...common.layout import HParams
-from ..experts.source import ExpertSource
+from ..experts.bank import ExpertBank
 from .layers import (ROUTING, AttnShape, KVCache, StepAttn, Weights, attention, embed, linear, rms_norm,
                      shared_expert, step_attn)
 
@@ -57,14 +62,16 @@ class MoEModel(Protocol):
     hparams: HParams
     device: torch.device
     dtype: torch.dtype
+    bank: ExpertBank | None
 
     def new_cache(self, batch: int, capacity: int) -> KVCache: ...
 
     def router_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor: ...
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, experts: ExpertSource,
-                valid: torch.Tensor | None = None, observer: LayerObserver | None = None,
-                last_only: bool = False) -> torch.Tensor: ...
+    def forward(self, tokens: torch.Tensor, cache: KVCache, valid: torch.Tensor | None = None,
+                observer: LayerObserver | None = None, last_only: bool = False) -> torch.Tensor: ...
+
+    def with_bank(self, bank: ExpertBank) -> "MoEModel": ...
 
 
 _NO_OBSERVER = LayerObserver()
@@ -81,9 +88,10 @@ def layer_weights(dense: dict[str, torch.Tensor], layer: int) -> Weights:
 
 
 class MoETransformer:
-    """Forward pass over dense weights (materialized at start) and an `ExpertSource`."""
+    """Forward pass over dense weights (materialized at start) and the model's `ExpertBank`."""
 
     def __init__(self, hparams: HParams, dense: dict[str, torch.Tensor]):
+        self.bank: ExpertBank | None = None  # given once, at build time (`load_model`, `with_bank`)
         self.hparams = hp = hparams
         self.spec: ArchSpec = get_arch(hp.arch)
         self.embed = dense["token_embd.weight"]  # [V, d]
@@ -94,6 +102,13 @@ class MoETransformer:
                               self.spec.qk_norm, self.spec.rope)
         self._route = ROUTING[self.spec.routing]
         self.device, self.dtype = self.norm.device, self.norm.dtype
+
+    def with_bank(self, bank: ExpertBank) -> "MoETransformer":
+        """This model's weights (shared, not copied) over `bank`: the bank a model object has is
+        fixed, so two banks over one set of weights are two model objects."""
+        other = copy.copy(self)
+        other.bank = bank
+        return other
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         """Attention state for `batch` sequences of up to `capacity` tokens (a family with other
@@ -117,16 +132,23 @@ class MoETransformer:
         hp = self.hparams
         return self._route(linear(x, self.layers[layer]["ffn_gate_inp"]), hp.n_expert_used, hp.norm_topk_prob)
 
-    def ffn(self, layer: int, x: torch.Tensor, experts: ExpertSource, observer: LayerObserver) -> torch.Tensor:
+    def ffn(self, layer: int, x: torch.Tensor, observer: LayerObserver) -> torch.Tensor:
         """The feed-forward half of a layer on normed rows x [n, d]: routed experts (+ shared) -> [n, d]."""
         if x.shape[0] == 0:
             return torch.zeros_like(x)  # no real token in this step: nothing to fetch
         weights, ids = self.route(layer, x)  # [n, k], [n, k]
         observer.routed(layer, ids)
-        out = experts.mix(layer, x, weights, ids)  # [n, d]
+        out = self.experts().mix(layer, x, weights, ids)  # [n, d]
         if self.spec.shared_expert:
             out = out + shared_expert(x, self.layers[layer])  # [n, d]
         return out
+
+    def experts(self) -> ExpertBank:
+        """The bank the MoE blocks compute with (a model built without one cannot run them)."""
+        if self.bank is None:
+            raise ValueError("this model has no expert bank: build it with load_model(..., bank=ExpertBank(...)) "
+                             "or use model.with_bank(bank)")
+        return self.bank
 
     # -- the pass -------------------------------------------------------------------------
     def router_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
@@ -135,22 +157,22 @@ class MoETransformer:
         return linear(rms_norm(h, w["ffn_norm"], self.hparams.rms_eps), w["ffn_gate_inp"])
 
     def block(self, layer: int, h: torch.Tensor, active: torch.Tensor | None, cache: KVCache, st: StepAttn,
-              experts: ExpertSource, observer: LayerObserver) -> torch.Tensor:
+              observer: LayerObserver) -> torch.Tensor:
         """One layer on rows h [N, d]; only the `active` rows [n] go through the FFN (None: all)."""
         w, eps = self.layers[layer], self.hparams.rms_eps
         h = h + self.attend(layer, rms_norm(h, w["attn_norm"], eps), cache, st)  # [N, d]
         real = h if active is None else h[active]  # [n, d] real tokens only: pads fetch no experts
         observer.after_attention(layer, real)
-        y = self.ffn(layer, rms_norm(real, w["ffn_norm"], eps), experts, observer)  # [n, d]
+        y = self.ffn(layer, rms_norm(real, w["ffn_norm"], eps), observer)  # [n, d]
         return h + y if active is None else h.index_put((active,), y, accumulate=True)  # [N, d]
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, experts: ExpertSource,
-                valid: torch.Tensor | None = None, observer: LayerObserver | None = None,
-                last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, valid: torch.Tensor | None = None,
+                observer: LayerObserver | None = None, last_only: bool = False) -> torch.Tensor:
         """Logits [B, T, V] (or [B, V] with `last_only`) for tokens [B, T] appended to `cache`.
 
         `valid` [B, T] marks real tokens (False = left padding / finished sequence); their
-        rows are computed through attention but skip the FFN and never move positions.
+        rows are computed through attention but skip the FFN and never move positions. The
+        caller has begun the bank's step (`bank.begin_step()`).
         """
         obs = observer or _NO_OBSERVER
         B, T = tokens.shape
@@ -158,17 +180,16 @@ class MoETransformer:
         active = None if valid is None else valid.reshape(-1).nonzero().squeeze(1)  # [n] real rows
         valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid.to(torch.bool)
         st = self.prepare(cache, valid)
-        experts.begin_step()
         h = embed(tokens.reshape(-1), self.embed, self.dtype)  # [N, d]
         for i in range(self.hparams.n_layer):
-            h = self.block(i, h, active, cache, st, experts, obs)
+            h = self.block(i, h, active, cache, st, obs)
             obs.after_layer(i, h if active is None else h[active])
         h = h.reshape(B, T, -1)[:, -1] if last_only else h.reshape(B, T, -1)  # [B, d] | [B, T, d]
         return linear(rms_norm(h, self.norm, self.hparams.rms_eps), self.lm_head)  # [B, (T,) V]
 
     __call__ = forward
 
-    def forward_many(self, steps: list[tuple[torch.Tensor, KVCache]], experts: ExpertSource,
+    def forward_many(self, steps: list[tuple[torch.Tensor, KVCache]],
                      observer: LayerObserver | None = None) -> torch.Tensor:
         """Last-token logits [S, V] of S sequences, each with its own cache: steps[i] = (tokens
         [1, T_i], cache_i), every token real (a prefill chunk or one decode token).
@@ -182,7 +203,6 @@ class MoETransformer:
         obs, eps = observer or _NO_OBSERVER, self.hparams.rms_eps
         sts = [self.prepare(cache, torch.ones_like(tok, dtype=torch.bool)) for tok, cache in steps]
         sizes = [tok.shape[1] for tok, _ in steps]
-        experts.begin_step()
         hs = [embed(tok.reshape(-1), self.embed, self.dtype) for tok, _ in steps]  # S x [T_i, d]
         for i in range(self.hparams.n_layer):
             w = self.layers[i]
@@ -190,7 +210,7 @@ class MoETransformer:
                   for h, (_, cache), st in zip(hs, steps, sts)]
             h = torch.cat(hs)  # [N, d] every sequence's rows
             obs.after_attention(i, h)
-            h = h + self.ffn(i, rms_norm(h, w["ffn_norm"], eps), experts, obs)  # [N, d]
+            h = h + self.ffn(i, rms_norm(h, w["ffn_norm"], eps), obs)  # [N, d]
             obs.after_layer(i, h)
             hs = list(h.split(sizes))
         last = torch.stack([h[-1] for h in hs])  # [S, d]

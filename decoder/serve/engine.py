@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..experts.source import ExpertSource
+from ..experts.bank import ExpertBank
 from ..models.moe_transformer import MoEModel
 from ..generation.sampling import adjust_logits
 from .metrics import ServeMetrics
@@ -40,12 +40,15 @@ log = logging.getLogger("moestream.serve")
 
 @dataclass
 class Parts:
-    """What the engine thread builds at start: model, expert source, observer, stop ids."""
+    """What the engine thread builds at start: model (holding its expert bank), observer, stop ids."""
 
     model: MoEModel
-    source: ExpertSource
     observer: StepExperts
     stop_ids: frozenset[int]
+
+    @property
+    def bank(self) -> ExpertBank:
+        return self.model.bank
 
 
 class Engine:
@@ -97,13 +100,13 @@ class Engine:
 
     def source_down(self) -> str | None:
         """Why a request now would only wait (the daemon connection is not up), cheaply: no ping."""
-        client = getattr(self.parts.source, "client", None) if self.parts is not None else None
+        client = self.parts.bank.client if self.parts is not None else None
         state = client.state.value if client is not None else "connected"
         return None if state == "connected" else f"moestream-iod at {client.endpoint} is unreachable ({state})"
 
     def unreachable(self) -> str | None:
         """Why the expert source cannot serve now (a daemon that is gone or reconnecting), or None."""
-        client = getattr(self.parts.source, "client", None) if self.parts is not None else None
+        client = self.parts.bank.client if self.parts is not None else None
         if client is None:
             return None
         if (down := self.source_down()) is not None:
@@ -116,7 +119,7 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """The expert source's counters (read from another thread: a snapshot, good enough to print)."""
-        return dict(self.parts.source.stats()) if self.parts is not None else {}
+        return self.parts.bank.stats().as_dict() if self.parts is not None else {}
 
     def close(self) -> None:
         self._stop = True
@@ -138,7 +141,7 @@ class Engine:
                 self._loop()
         finally:
             self._finish_all(DoneEvent("cancelled"))
-            self.parts.source.close()
+            self.parts.bank.close()
 
     def _loop(self) -> None:
         while not self._stop:
@@ -231,10 +234,11 @@ class Engine:
         p = self.parts
         dev = p.model.device
         steps = [(torch.tensor([toks], dtype=torch.int64, device=dev), s.cache) for s, toks in batch]  # [1, T_i]
-        client = getattr(p.source, "client", None)
-        before_used, before = p.observer.bytes, expert_counters(p.source.stats(), getattr(client, "bytes_received", None))
-        logits = p.model.forward_many(steps, p.source, p.observer)  # [S, V]
-        after = expert_counters(p.source.stats(), getattr(client, "bytes_received", None))
+        client = p.bank.client
+        before_used, before = p.observer.bytes, expert_counters(p.bank.stats(), getattr(client, "bytes_received", None))
+        p.bank.begin_step()  # the engine owns the step: sequences joined and left before it
+        logits = p.model.forward_many(steps, p.observer)  # [S, V]
+        after = expert_counters(p.bank.stats(), getattr(client, "bytes_received", None))
         deltas = {k: max(0.0, after[k] - before[k]) / len(batch) for k in after}
         used = p.observer.bytes - before_used
         for s, _ in batch:
@@ -338,13 +342,14 @@ def open_parts(cfg: ServeConfig, layout: ModelLayout, stop_ids: frozenset[int],
                name: str = "moestream-serve") -> Parts:
     """Model, expert source and observer for a `ServeConfig`, opened as `moestream generate` opens
     them (called on the engine thread, which then owns them)."""
-    from ..cli import open_resident, open_streamed, use_threads
+    from ..cli import open_resident, open_streamed, prefetcher, use_threads
     from ..models import load_model
 
     dc = cfg.decoder_config()
     use_threads(dc.threads)  # this (the engine) thread's compute
     model = load_model(layout, dc.torch_device, dc.torch_dtype, progress=dc.progress,
                        keep_quantized=dc.resolved_slot_format == "quant")
-    source, hook = open_resident(dc, layout, model) if dc.resident else open_streamed(dc, layout, model, name)
+    backend = open_resident(dc, layout) if dc.resident else open_streamed(dc, layout, name)
+    model = model.with_bank(ExpertBank(backend))
     blob_bytes = [layout.experts.blob_bytes(i) for i in range(layout.hparams.n_layer)]
-    return Parts(model, source, StepExperts(blob_bytes, hook), stop_ids)
+    return Parts(model, StepExperts(blob_bytes, prefetcher(dc, model)), stop_ids)

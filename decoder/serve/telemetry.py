@@ -18,24 +18,22 @@ requests add up to the source's counters over the same steps. `usage.moestream` 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 
+from ..experts.bank import BankStats
 from ..models.moe_transformer import LayerObserver
 
 
-def expert_counters(st: dict[str, Any], received: int | None = None) -> dict[str, float]:
-    """The counters a request gets a share of, from either streamed source's stats (the arena
-    source counts demand fetches and nests its prefetch counters; the slot cache counts hits).
+COUNTERS = ("expert_bytes_fetched", "arena_hits", "arena_misses", "stall_s", "prefetch_hidden", "prefetch_useful")
+
+
+def expert_counters(st: BankStats, received: int | None = None) -> dict[str, float]:
+    """The counters a request gets a share of, from the bank's typed stats (`traffic()`).
     `received`: the daemon client's count of every blob delivered (prefetches too), preferred."""
-    pre = st.get("prefetch") if isinstance(st.get("prefetch"), dict) else {}
-    misses = st.get("misses", st.get("demand", 0))
-    fetched = received if received is not None else st.get("bytes_fetched", 0)
-    return {"expert_bytes_fetched": float(fetched),
-            "arena_hits": float(st.get("hits", st.get("acquired", 0) - misses)), "arena_misses": float(misses),
-            "stall_s": float(st.get("stall_s", 0.0)), "prefetch_hidden": float(st.get("hidden", pre.get("hidden", 0))),
-            "prefetch_useful": float(st.get("useful", pre.get("useful", 0)))}
+    t = st.traffic()
+    fetched = received if received is not None else t.bytes_fetched
+    return dict(zip(COUNTERS, map(float, (fetched, t.hits, t.misses, t.stall_s, t.prefetch_hidden,
+                                          t.prefetch_useful))))
 
 
 @dataclass
@@ -43,7 +41,7 @@ class ExpertShare:
     """One request's part of the expert traffic of the steps it ran in."""
 
     used_bytes: float = 0.0  # distinct experts of each step's routing
-    counters: dict[str, float] = field(default_factory=lambda: dict.fromkeys(expert_counters({}), 0.0))
+    counters: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))
     steps: int = 0
 
     def add(self, used: float, deltas: dict[str, float]) -> None:

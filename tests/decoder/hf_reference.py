@@ -13,6 +13,8 @@ import torch
 from gguf import GGUFReader
 from qref import dequantize as gguf_dequantize  # gguf-py's numpy code (Q1_0: a reference from ggml's layout)
 
+from moestream.decoder.experts.bank import ExpertBank
+from moestream.decoder.generation.loop import forward_step
 from moestream.common.layout import ModelLayout
 from moestream.decoder.experts.source import ResidentExperts
 from moestream.decoder.models import load_model
@@ -48,7 +50,7 @@ def max_logit_diff(path: str | Path, build_hf: Callable[[str | Path], torch.nn.M
     cache = ours.new_cache(1, prompt_len + decode_steps)
     worst = 0.0
     with torch.inference_mode():
-        logits = ours.forward(seq, cache, experts)  # [1, T, V]
+        logits = forward_step(ours.with_bank(ExpertBank(experts)), seq, cache)  # [1, T, V]
         for step in range(decode_steps + 1):
             ref = hf(input_ids=seq, use_cache=False).logits  # [1, T, V]
             mine = logits if step == 0 else logits[:, -1:]
@@ -59,5 +61,5 @@ def max_logit_diff(path: str | Path, build_hf: Callable[[str | Path], torch.nn.M
             if check_greedy:
                 assert nxt.item() == mine[:, -1].argmax(-1).item(), f"greedy token differs at step {step}"
             seq = torch.cat([seq, nxt], dim=1)
-            logits = ours.forward(nxt, cache, experts)  # [1, 1, V]
+            logits = forward_step(ours.with_bank(ExpertBank(experts)), nxt, cache)  # [1, 1, V]
     return worst

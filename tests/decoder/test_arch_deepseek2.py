@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGUFReader
+from moestream.decoder.experts.bank import ExpertBank
 from moestream.common.client import IodClient, IodRequestError
 from moestream.common.layout import ModelFormatError, ModelLayout
 from moestream.decoder.experts.arena import open_arena
@@ -200,11 +201,11 @@ def test_streamed_arena_equals_resident_bit_for_bit(streamed_setup, start_daemon
     path, layout, model = streamed_setup
     slots = layout.experts.n_blobs // 4  # 25 % of the 24 experts
     with QuantResidentExperts(layout) as resident:
-        want = generate(model, resident, PROMPTS, 6, keep_logits=True)
+        want = generate(model.with_bank(ExpertBank(resident)), PROMPTS, 6, keep_logits=True)
     daemon = start_daemon(path, arena_slots=slots)
     with open_arena(layout, daemon.endpoint) as src:
         hook = Prefetcher(model, src, 2)  # looks 2 layers ahead from layer 0: across dense layer 1
-        got = generate(model, src, PROMPTS, 6, keep_logits=True, observer=hook)
+        got = generate(model.with_bank(ExpertBank(src)), PROMPTS, 6, keep_logits=True, observer=hook)
         st = src.stats()
     assert same(got, want)
     assert st["acquired"] > 0 and st["bytes_fetched"] > 0 and st["prefetch"]["sent"] > 0
@@ -214,15 +215,15 @@ def test_streamed_slot_cache_equals_resident_bit_for_bit(streamed_setup, start_d
     path, layout, model = streamed_setup
     slots = layout.experts.n_blobs // 4
     with ResidentExperts(layout) as resident:
-        want = generate(model, resident, PROMPTS, 6, keep_logits=True)
+        want = generate(model.with_bank(ExpertBank(resident)), PROMPTS, 6, keep_logits=True)
     daemon = start_daemon(path)
-    cache = DeviceSlotCache(layout.experts, slots, slot_format="dequant")
+    cache = DeviceSlotCache(layout.experts, slots)
     client = IodClient(daemon.endpoint, expect_fingerprint=layout.fingerprint.as_dict())
     with StreamedExperts(client, layout, cache, owns_client=True) as src:
         seen = Routed()
-        got = generate(model, src, PROMPTS, 6, keep_logits=True, observer=Prefetcher(model, src, 1))
-        generate(model, src, PROMPTS[:1], 1, observer=seen)
-        st = src.stats()
+        got = generate(model.with_bank(ExpertBank(src)), PROMPTS, 6, keep_logits=True, observer=Prefetcher(model, src, 1))
+        generate(model.with_bank(ExpertBank(src)), PROMPTS[:1], 1, observer=seen)
+        st = src.stats().as_dict()
     assert same(got, want)
     assert st["misses"] > slots and st["cache"]["evictions"] > 0 and st["prefetch_sent"] > 0
     assert seen.layers == {2, 3}  # the dense layers 0 and 1 never route
@@ -304,7 +305,7 @@ def test_dense_weights_kept_quantized_decode_like_the_dequantized_ones(streamed_
     _, layout, model = streamed_setup
     quant = load(layout, keep_quantized=True)
     with QuantResidentExperts(layout) as experts:
-        got = generate(quant, experts, PROMPTS, 4, keep_logits=True)
-        want = generate(model, experts, PROMPTS, 4, keep_logits=True)
+        got = generate(quant.with_bank(ExpertBank(experts)), PROMPTS, 4, keep_logits=True)
+        want = generate(model.with_bank(ExpertBank(experts)), PROMPTS, 4, keep_logits=True)
     for a, b in zip(got.logits, want.logits):
         assert (a - b).abs().max().item() <= 1e-4 * max(1.0, b.abs().max().item())

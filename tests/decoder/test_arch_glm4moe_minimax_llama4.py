@@ -15,6 +15,7 @@ import gguf
 import pytest
 import torch
 from gguf import GGUFReader
+from moestream.decoder.experts.bank import ExpertBank
 from moestream.common.layout import ModelFormatError, ModelLayout
 from moestream.decoder.experts.arena import open_arena
 from moestream.decoder.experts.prefetch import Prefetcher
@@ -168,10 +169,10 @@ def test_streamed_equals_resident_bit_for_bit(make_tiny_model, start_daemon, cas
     layout = ModelLayout(path)
     model = load_model(layout, keep_quantized=True)
     with QuantResidentExperts(layout) as resident:
-        want = generate(model, resident, PROMPTS, 6, keep_logits=True)
+        want = generate(model.with_bank(ExpertBank(resident)), PROMPTS, 6, keep_logits=True)
     daemon = start_daemon(path, arena_slots=max(layout.hparams.n_expert_used, layout.experts.n_blobs // 4))
     with open_arena(layout, daemon.endpoint) as src:
-        got = generate(model, src, PROMPTS, 6, keep_logits=True, observer=Prefetcher(model, src, 1))
+        got = generate(model.with_bank(ExpertBank(src)), PROMPTS, 6, keep_logits=True, observer=Prefetcher(model, src, 1))
         st = src.stats()
     assert got.tokens == want.tokens and all(torch.equal(x, y) for x, y in zip(got.logits, want.logits))
     assert st["acquired"] > 0 and st["bytes_fetched"] > 0
@@ -191,13 +192,13 @@ def test_streamed_slot_cache_equals_resident_bit_for_bit(make_tiny_model, start_
     model = load_model(layout)
     slots = max(layout.hparams.n_expert_used, layout.experts.n_blobs // 4)
     with ResidentExperts(layout) as resident:
-        want = generate(model, resident, PROMPTS, 6, keep_logits=True)
+        want = generate(model.with_bank(ExpertBank(resident)), PROMPTS, 6, keep_logits=True)
     daemon = start_daemon(path)
-    cache = DeviceSlotCache(layout.experts, slots, slot_format="dequant")
+    cache = DeviceSlotCache(layout.experts, slots)
     client = IodClient(daemon.endpoint, expect_fingerprint=layout.fingerprint.as_dict())
     with StreamedExperts(client, layout, cache, owns_client=True) as src:
-        got = generate(model, src, PROMPTS, 6, keep_logits=True, observer=Prefetcher(model, src, 1))
-        st = src.stats()
+        got = generate(model.with_bank(ExpertBank(src)), PROMPTS, 6, keep_logits=True, observer=Prefetcher(model, src, 1))
+        st = src.stats().as_dict()
     assert got.tokens == want.tokens and all(torch.equal(x, y) for x, y in zip(got.logits, want.logits))
     assert st["misses"] > slots and st["cache"]["evictions"] > 0
 

@@ -14,12 +14,13 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
+from moestream.decoder.experts.bank import ExpertBank
 from moestream.common.arch import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from moestream.common.layout import ModelLayout
 from moestream.decoder.kernels import cpu as qk
 from moestream.decoder.experts.arena import open_arena
 from moestream.decoder.experts.source import ResidentExperts
-from moestream.decoder.generation.loop import generate
+from moestream.decoder.generation.loop import generate, forward_step
 from moestream.decoder.models import get_model_module, load_model
 from moestream.decoder.experts.prefetch import Prefetcher
 from moestream.decoder.experts.resident import QuantResidentExperts
@@ -154,8 +155,8 @@ def test_logits_match_hf(make_tiny_model, variant):
     for experts in (ResidentExperts(layout), QuantResidentExperts(layout)):
         cache, worst = ours.new_cache(1, T + steps), 0.0
         with torch.inference_mode():
-            got = [ours.forward(seq[:, :T], cache, experts)]  # [1, T, V]
-            got += [ours.forward(seq[:, T + i:T + i + 1], cache, experts) for i in range(steps)]  # [1, 1, V] each
+            got = [forward_step(ours.with_bank(ExpertBank(experts)), seq[:, :T], cache)]  # [1, T, V]
+            got += [forward_step(ours.with_bank(ExpertBank(experts)), seq[:, T + i:T + i + 1], cache) for i in range(steps)]  # [1, 1, V] each
         for mine, ref in zip(got, refs):
             worst = max(worst, (mine - ref[:, -mine.shape[1]:]).abs().max().item())
         assert worst <= TOL, f"{type(experts).__name__}: max abs logit diff vs HF {worst}"
@@ -167,8 +168,8 @@ def test_left_padding_changes_nothing(make_tiny_model):
     layout = ModelLayout(make_tiny_model(**MODEL))
     model, experts = load_model(layout), QuantResidentExperts(layout)
     short = PROMPT[3:9]
-    alone = generate(model, experts, [short], 6, keep_logits=True)
-    batched = generate(model, experts, [PROMPT, short], 6, keep_logits=True)
+    alone = generate(model.with_bank(ExpertBank(experts)), [short], 6, keep_logits=True)
+    batched = generate(model.with_bank(ExpertBank(experts)), [PROMPT, short], 6, keep_logits=True)
     assert batched.tokens[1] == alone.tokens[0]
     for a, b in zip(alone.logits, batched.logits):
         assert (a[0] - b[1]).abs().max().item() <= 1e-5
@@ -204,11 +205,11 @@ def test_streamed_equals_resident_bit_for_bit(make_tiny_model, start_daemon):
     model = load_model(layout, keep_quantized=True)
     prompts = [PROMPT, PROMPT[:5]]
     with QuantResidentExperts(layout) as resident:
-        want = generate(model, resident, prompts, 6, keep_logits=True)
+        want = generate(model.with_bank(ExpertBank(resident)), prompts, 6, keep_logits=True)
     daemon = start_daemon(path, arena_slots=6)
     with open_arena(layout, daemon.endpoint) as src:
         hook = Prefetcher(model, src, 1)
-        got = generate(model, src, prompts, 6, keep_logits=True, observer=hook)
+        got = generate(model.with_bank(ExpertBank(src)), prompts, 6, keep_logits=True, observer=hook)
         st = src.stats()
     assert got.tokens == want.tokens and all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
     assert st["demand"] > 0 and st["bytes_fetched"] > 0

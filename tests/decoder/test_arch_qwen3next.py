@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moestream.decoder.experts.bank import ExpertBank
 from moestream.common.layout import ModelFormatError, ModelLayout
 from moestream.decoder.experts.arena import open_arena
 from moestream.decoder.experts.source import ResidentExperts
-from moestream.decoder.generation.loop import generate
+from moestream.decoder.generation.loop import generate, forward_step
 from moestream.decoder.models import get_model_module, load_model
 from moestream.decoder.experts.prefetch import Prefetcher
 from moestream.decoder.experts.resident import QuantResidentExperts
@@ -162,8 +163,8 @@ def test_left_padded_batch_equals_each_prompt_alone(make_tiny_model, arch):
     layout = ModelLayout(make_tiny_model(arch=arch, quant="F32", **MODEL))
     model = load_model(layout)
     with ResidentExperts(layout) as experts:
-        batch = generate(model, experts, PROMPTS, N_NEW, keep_logits=True)
-        alone = [generate(model, experts, [p], N_NEW, keep_logits=True) for p in PROMPTS]
+        batch = generate(model.with_bank(ExpertBank(experts)), PROMPTS, N_NEW, keep_logits=True)
+        alone = [generate(model.with_bank(ExpertBank(experts)), [p], N_NEW, keep_logits=True) for p in PROMPTS]
     for b, single in enumerate(alone):
         assert batch.tokens[b] == single.tokens[0]
         for step, (x, y) in enumerate(zip(batch.logits, single.logits)):
@@ -177,11 +178,11 @@ def test_streamed_equals_resident_bit_for_bit(make_tiny_model, start_daemon, arc
     model = load_model(layout)
     slots = layout.hparams.n_layer * layout.hparams.n_expert // 4  # 25 % of the experts
     with QuantResidentExperts(layout) as resident:
-        want = generate(model, resident, PROMPTS, N_NEW, keep_logits=True)
+        want = generate(model.with_bank(ExpertBank(resident)), PROMPTS, N_NEW, keep_logits=True)
     daemon = start_daemon(path, arena_slots=slots)
     with open_arena(layout, daemon.endpoint) as src:
         hook = Prefetcher(model, src, depth) if depth else None
-        got = generate(model, src, PROMPTS, N_NEW, keep_logits=True, observer=hook)
+        got = generate(model.with_bank(ExpertBank(src)), PROMPTS, N_NEW, keep_logits=True, observer=hook)
         st = src.stats()
     assert got.tokens == want.tokens
     assert all(torch.equal(x, y) for x, y in zip(got.logits, want.logits))
@@ -243,7 +244,7 @@ def test_legacy_ssm_in_file_decodes_the_same(make_tiny_model, tmp_path):
         for p in (path, tmp_path / "legacy.gguf"):
             layout = ModelLayout(p)
             model = load_model(layout)
-            out.append(model.forward(seq, model.new_cache(1, seq.shape[1]), ResidentExperts(layout)))
+            out.append(forward_step(model.with_bank(ExpertBank(ResidentExperts(layout))), seq, model.new_cache(1, seq.shape[1])))
     assert "blk.0.ssm_in.weight" in ModelLayout(tmp_path / "legacy.gguf").dense
     assert (out[0] - out[1]).abs().max().item() <= 1e-5
 
@@ -268,5 +269,5 @@ def test_mtp_block_after_the_stack_is_not_run(tmp_path):
             layout = ModelLayout(tmp_path / name)
             assert layout.hparams.n_layer == 4 and layout.experts.n_layer == 4
             model = load_model(layout)
-            out.append(model.forward(seq, model.new_cache(1, 6), ResidentExperts(layout)))
+            out.append(forward_step(model.with_bank(ExpertBank(ResidentExperts(layout))), seq, model.new_cache(1, 6)))
     assert torch.equal(out[0], out[1])

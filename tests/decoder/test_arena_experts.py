@@ -12,11 +12,12 @@ import concurrent.futures as cf
 
 import pytest
 import torch
+from moestream.decoder.experts.bank import ExpertBank
 from moestream.common.client import IodRequestError
 from moestream.common.layout import ModelLayout
 from moestream.decoder.experts.arena import open_arena
 from moestream.decoder.experts.source import ResidentExperts
-from moestream.decoder.generation.loop import generate
+from moestream.decoder.generation.loop import generate, forward_step
 from moestream.decoder.models import get_model_module
 from moestream.decoder.experts.prefetch import Prefetcher
 from moestream.decoder.experts.resident import QuantResidentExperts
@@ -35,7 +36,7 @@ class Setup:
         self.n_experts = hp.n_layer * hp.n_expert
 
     def run(self, source, hook=None, prompts=(PROMPT,)):
-        return generate(self.model, source, list(prompts), N_NEW, keep_logits=True, observer=hook)
+        return generate(self.model.with_bank(ExpertBank(source)), list(prompts), N_NEW, keep_logits=True, observer=hook)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def test_resident_quant_matches_the_dequantized_reference(setups, quant):
         q, ref = s.run(quant_src), s.run(dequant_src)
     for a, b in zip(q.logits, ref.logits):  # same weights, float32: only the summation order differs
         assert (a - b).abs().max().item() <= 1e-4 * max(1.0, b.abs().max().item())
-    st = QuantResidentExperts(s.layout).stats()
+    st = QuantResidentExperts(s.layout).stats().as_dict()
     expert_bytes = sum(s.layout.experts.blob_bytes(layer) * s.layout.hparams.n_expert for layer in range(3))
     assert st["bytes"] == expert_bytes and st["slot_format"] == "quant"  # the file's bytes, no more
 
@@ -87,8 +88,8 @@ def test_token_by_token_equals_one_prompt(setups, start_daemon):
     daemon = start_daemon(s.path, arena_slots=6)
     with open_arena(s.layout, daemon.endpoint) as src, QuantResidentExperts(s.layout) as resident:
         cache = s.model.new_cache(1, len(PROMPT))
-        steps = [s.model.forward(torch.tensor([[t]]), cache, src) for t in PROMPT]  # [1, 1, V] each
-        whole = s.model.forward(torch.tensor([PROMPT]), s.model.new_cache(1, len(PROMPT)), resident)
+        steps = [forward_step(s.model.with_bank(ExpertBank(src)), torch.tensor([[t]]), cache) for t in PROMPT]  # [1, 1, V] each
+        whole = forward_step(s.model.with_bank(ExpertBank(resident)), torch.tensor([PROMPT]), s.model.new_cache(1, len(PROMPT)))
     assert (torch.cat(steps, dim=1) - whole).abs().max().item() < 1e-4
 
 
@@ -240,8 +241,8 @@ def test_dense_weights_kept_quantized_match_dequantized(setups, quant):
     assert torch.equal(quant_model.embed.rows(ids, torch.float32), table[ids])
     with QuantResidentExperts(s.layout) as experts:
         tokens = torch.tensor([PROMPT])
-        got = quant_model.forward(tokens, quant_model.new_cache(1, len(PROMPT)), experts)
-        want = s.model.forward(tokens, s.model.new_cache(1, len(PROMPT)), experts)
+        got = forward_step(quant_model.with_bank(ExpertBank(experts)), tokens, quant_model.new_cache(1, len(PROMPT)))
+        want = forward_step(s.model.with_bank(ExpertBank(experts)), tokens, s.model.new_cache(1, len(PROMPT)))
     assert (got - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
 
 
@@ -255,7 +256,7 @@ def test_every_architecture_runs_quantized(make_tiny_model, arch):
     layout = ModelLayout(path)
     quant, ref = load_model(layout, keep_quantized=True), load_model(layout)
     with QuantResidentExperts(layout) as q_src, ResidentExperts(layout) as ref_src:
-        got = generate(quant, q_src, [PROMPT[:9]], 4, keep_logits=True)
-        want = generate(ref, ref_src, [PROMPT[:9]], 4, keep_logits=True)
+        got = generate(quant.with_bank(ExpertBank(q_src)), [PROMPT[:9]], 4, keep_logits=True)
+        want = generate(ref.with_bank(ExpertBank(ref_src)), [PROMPT[:9]], 4, keep_logits=True)
     for a, b in zip(got.logits, want.logits):
         assert (a - b).abs().max().item() <= 1e-4 * max(1.0, b.abs().max().item())

@@ -1,6 +1,7 @@
 """`moestream chat` as a person uses it: a real process, lines on stdin, replies on stdout."""
 
 from __future__ import annotations
+from moestream.decoder.experts.bank import ExpertBank
 
 import signal
 import subprocess
@@ -30,7 +31,7 @@ def greedy_reply(message: str, n: int) -> str:
     ids = tok.encode(tok.render_chat([{"role": "user", "content": message}]))
     model = load_model(layout, "cpu", torch.float32, keep_quantized=True)
     with QuantResidentExperts(layout) as experts:
-        return tok.decode(generate(model, experts, [ids], n, stop_ids=tok.stop_ids).tokens[0])
+        return tok.decode(generate(model.with_bank(ExpertBank(experts)), [ids], n, stop_ids=tok.stop_ids).tokens[0])
 
 
 def test_chat_replies_with_the_template_and_answers_commands():

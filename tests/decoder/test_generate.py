@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moestream.decoder.experts.bank import ExpertBank
 from moestream.common.layout import ModelLayout
 from moestream.decoder import cli
 from moestream.decoder.experts.source import ResidentExperts
@@ -28,9 +29,9 @@ def setup(tiny_model):
 
 def test_batch_equals_one_prompt_at_a_time(setup):
     model, experts, _ = setup
-    batch = generate(model, experts, PROMPTS, 10, keep_logits=True)
+    batch = generate(model.with_bank(ExpertBank(experts)), PROMPTS, 10, keep_logits=True)
     for i, p in enumerate(PROMPTS):
-        alone = generate(model, experts, [p], 10, keep_logits=True)
+        alone = generate(model.with_bank(ExpertBank(experts)), [p], 10, keep_logits=True)
         assert batch.tokens[i] == alone.tokens[0], f"prompt {i}"
         for step, logits in enumerate(alone.logits):
             assert (batch.logits[step][i] - logits[0]).abs().max().item() < 1e-4
@@ -40,9 +41,9 @@ def test_batch_equals_one_prompt_at_a_time(setup):
 
 def test_stop_token_ends_that_sequence_only(setup):
     model, experts, _ = setup
-    free = generate(model, experts, PROMPTS, 8)
+    free = generate(model.with_bank(ExpertBank(experts)), PROMPTS, 8)
     stop = free.tokens[0][3]  # the 4th token prompt 0 generates becomes a stop id
-    out = generate(model, experts, PROMPTS, 8, stop_ids=frozenset({stop}))
+    out = generate(model.with_bank(ExpertBank(experts)), PROMPTS, 8, stop_ids=frozenset({stop}))
     first = free.tokens[0].index(stop)
     assert out.tokens[0] == free.tokens[0][:first] and out.finish[0] == "stop"
     for i in (1, 2):  # the others continue exactly as before, up to their own stop
@@ -53,12 +54,12 @@ def test_stop_token_ends_that_sequence_only(setup):
 def test_sampling_is_seeded(setup):
     model, experts, _ = setup
     hot = SamplingParams(temperature=1.5, seed=3)
-    a = generate(model, experts, PROMPTS[:2], 12, sampling=hot)
-    b = generate(model, experts, PROMPTS[:2], 12, sampling=hot)
-    c = generate(model, experts, PROMPTS[:2], 12, sampling=SamplingParams(temperature=1.5, seed=4))
-    greedy = generate(model, experts, PROMPTS[:2], 12)
+    a = generate(model.with_bank(ExpertBank(experts)), PROMPTS[:2], 12, sampling=hot)
+    b = generate(model.with_bank(ExpertBank(experts)), PROMPTS[:2], 12, sampling=hot)
+    c = generate(model.with_bank(ExpertBank(experts)), PROMPTS[:2], 12, sampling=SamplingParams(temperature=1.5, seed=4))
+    greedy = generate(model.with_bank(ExpertBank(experts)), PROMPTS[:2], 12)
     assert a.tokens == b.tokens and a.tokens != c.tokens and a.tokens != greedy.tokens
-    top1 = generate(model, experts, PROMPTS[:2], 12, sampling=SamplingParams(temperature=1.5, top_k=1, seed=5))
+    top1 = generate(model.with_bank(ExpertBank(experts)), PROMPTS[:2], 12, sampling=SamplingParams(temperature=1.5, top_k=1, seed=5))
     assert top1.tokens == greedy.tokens
 
 
@@ -72,14 +73,6 @@ def test_filters():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
     assert Sampler(SamplingParams())(logits).tolist() == [1]
-
-
-def test_raw_and_dequant_resident_are_bit_identical(tiny_model, setup):
-    model, experts, _ = setup
-    raw = ResidentExperts(ModelLayout(tiny_model), slot_format="raw")
-    a = generate(model, experts, PROMPTS, 4, keep_logits=True)
-    b = generate(model, raw, PROMPTS, 4, keep_logits=True)
-    assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
 
 
 def test_text_stream_reassembles_text(setup):
@@ -97,7 +90,7 @@ def test_text_stream_reassembles_text(setup):
 def test_empty_prompt_is_an_error(setup):
     model, experts, _ = setup
     with pytest.raises(ValueError, match="prompt 1 is empty"):
-        generate(model, experts, [[1], []], 2)
+        generate(model.with_bank(ExpertBank(experts)), [[1], []], 2)
 
 
 def test_cli_resident(tiny_model, capsys):
@@ -134,15 +127,15 @@ def test_cli_streamed_matches_resident(tiny_model, capsys):
     args = ["--model", str(tiny_model), "--prompt", "import os", "-n", "8", "--no-progress"]
     assert cli.main([*args, "--resident"]) == 0
     resident = capsys.readouterr().out
-    assert cli.main([*args, "--resident", "--slot-format", "dequant"]) == 0
-    resident_dequant = capsys.readouterr().out
+    assert cli.main([*args, "--resident", "--slot-format", "raw"]) == 0
+    resident_raw = capsys.readouterr().out
     with spawn_daemon(tiny_model, arena_slots=6) as daemon:  # a quarter of the experts
         assert cli.main([*args, "--iod", daemon.endpoint, "--stats"]) == 0
         cap = capsys.readouterr()
         assert cap.out == resident and "fetched now" in cap.err and "MiB delivered" in cap.err
-        assert cli.main([*args, "--iod", daemon.endpoint, "--slots", "4", "--slot-format", "dequant", "--stats"]) == 0
+        assert cli.main([*args, "--iod", daemon.endpoint, "--slots", "4", "--slot-format", "raw", "--stats"]) == 0
         cap = capsys.readouterr()
-    assert cap.out == resident_dequant and "hit rate" in cap.err and "slot cache: " in cap.err
+    assert cap.out == resident_raw and "hit rate" in cap.err and "slot cache: " in cap.err
 
 
 def test_cli_json_and_trace(tiny_model, tmp_path, capsys):

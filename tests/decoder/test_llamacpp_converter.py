@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from hf_reference import max_logit_diff
+from moestream.decoder.experts.bank import ExpertBank
 from moestream.common.layout import ModelLayout
 from moestream.decoder.experts.arena import open_arena
 from moestream.decoder.generation.loop import generate
@@ -231,8 +232,8 @@ def test_converter_written_file_streams_as_it_decodes_resident(converted, start_
     model = load_model(layout, keep_quantized=True)
     prompts = [[3, 14, 15, 92, 65], [35, 89, 79]]
     with QuantResidentExperts(layout) as resident:
-        want = generate(model, resident, prompts, 6).tokens
+        want = generate(model.with_bank(ExpertBank(resident)), prompts, 6).tokens
     slots = max(layout.hparams.n_expert_used, layout.experts.n_blobs // 4)  # a quarter of the experts
     d = start_daemon(gguf, arena_slots=slots)
     with open_arena(layout, d.endpoint) as streamed:
-        assert generate(model, streamed, prompts, 6).tokens == want
+        assert generate(model.with_bank(ExpertBank(streamed)), prompts, 6).tokens == want

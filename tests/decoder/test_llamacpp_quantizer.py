@@ -22,6 +22,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
+from moestream.decoder.experts.bank import ExpertBank
+from moestream.decoder.generation.loop import forward_step
 from moestream.common.layout import ModelLayout
 from moestream.decoder.experts.resident import QuantResidentExperts
 from moestream.decoder.kernels.dequant import dequantize
@@ -107,7 +109,7 @@ def test_llamacpp_logits_agree(quantized, tmp_path):
     layout = ModelLayout(quantized)
     model = load_model(layout)
     with QuantResidentExperts(layout) as experts, torch.inference_mode():
-        ours = model.forward(torch.tensor([prompt]), model.new_cache(1, len(prompt)), experts)[0]  # [T, V]
+        ours = forward_step(model.with_bank(ExpertBank(experts)), torch.tensor([prompt]), model.new_cache(1, len(prompt)))[0]  # [T, V]
     theirs = torch.from_numpy(_llamacpp_logits(quantized, prompt, tmp_path))  # [T, V]
     scale = theirs.abs().max().item()
     per_pos = (ours - theirs).abs().amax(-1)  # [T]

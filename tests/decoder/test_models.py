@@ -2,7 +2,7 @@
 
 Each architecture gets, for free: output shape and dtype, the KV-cache path (incremental
 decode == one full forward), a left-padded batch == each sequence alone, the `after_layer`
-hook and `router_logits`, and the MoE block's contract with its `ExpertSource` (one `mix` per layer
+hook and `router_logits`, and the MoE block's contract with its `ExpertBank` (one `mix` per layer
 with the routed ids, pads never routed).
 """
 
@@ -11,18 +11,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from moestream.decoder.experts.bank import ExpertBank
+from moestream.decoder.generation.loop import forward_step
 from moestream.common.layout import ModelLayout
-from moestream.decoder.experts.source import ExpertSource, ResidentExperts
+from moestream.decoder.experts.source import ExpertBackend, ResidentExperts
 from moestream.decoder.models import architectures, load_model
 from moestream.decoder.models.moe_transformer import OnLayer
 
 T = 12
 
 
-class Recording(ExpertSource):
+class Recording(ExpertBackend):
     """Wraps a source and records the calls the model makes."""
 
-    def __init__(self, inner: ExpertSource):
+    def __init__(self, inner: ExpertBackend):
         self.inner, self.calls = inner, []
 
     def begin_step(self):
@@ -56,7 +58,7 @@ def test_shape_dtype_and_source_contract(arch_model):
     layout, model, experts = arch_model
     hp, rec = layout.hparams, Recording(experts)
     seen = []
-    logits = model.forward(tokens(layout, 2, T), model.new_cache(2, T), rec,
+    logits = forward_step(model.with_bank(ExpertBank(rec)), tokens(layout, 2, T), model.new_cache(2, T),
                            observer=OnLayer(lambda i, h: seen.append((i, tuple(h.shape)))))
     assert logits.shape == (2, T, hp.n_vocab) and logits.dtype == torch.float32
     assert torch.isfinite(logits).all()
@@ -73,10 +75,10 @@ def test_shape_dtype_and_source_contract(arch_model):
 def test_cache_path_matches_full_forward(arch_model):
     layout, model, experts = arch_model
     seq = tokens(layout, 2, T, seed=1)
-    full = model.forward(seq, model.new_cache(2, T), experts)  # [2, T, V]
+    full = forward_step(model.with_bank(ExpertBank(experts)), seq, model.new_cache(2, T))  # [2, T, V]
     cache = model.new_cache(2, T)
-    parts = [model.forward(seq[:, :5], cache, experts)]
-    parts += [model.forward(seq[:, t:t + 1], cache, experts) for t in range(5, T)]
+    parts = [forward_step(model.with_bank(ExpertBank(experts)), seq[:, :5], cache)]
+    parts += [forward_step(model.with_bank(ExpertBank(experts)), seq[:, t:t + 1], cache) for t in range(5, T)]
     inc = torch.cat(parts, dim=1)  # [2, T, V]
     assert (inc - full).abs().max().item() < 1e-4
     assert torch.equal(inc.argmax(-1), full.argmax(-1))
@@ -91,9 +93,9 @@ def test_padded_batch_matches_each_sequence_alone(arch_model):
     valid = torch.ones(2, T, dtype=torch.bool)
     valid[1, :T - 5] = False
     rec = Recording(experts)
-    out = model.forward(batch, model.new_cache(2, T + 1), rec, valid=valid)  # [2, T, V]
-    alone_a = model.forward(a, model.new_cache(1, T), experts)
-    alone_b = model.forward(b, model.new_cache(1, 5), experts)
+    out = forward_step(model.with_bank(ExpertBank(rec)), batch, model.new_cache(2, T + 1), valid=valid)  # [2, T, V]
+    alone_a = forward_step(model.with_bank(ExpertBank(experts)), a, model.new_cache(1, T))
+    alone_b = forward_step(model.with_bank(ExpertBank(experts)), b, model.new_cache(1, 5))
     assert (out[0] - alone_a[0]).abs().max().item() < 1e-4
     assert (out[1, T - 5:] - alone_b[0]).abs().max().item() < 1e-4
     assert all(c[3] == (T + 5) * rows_per_token(layout) for c in rec.calls if c[0] == "mix")  # pads never reach experts
@@ -106,7 +108,7 @@ def test_pads_are_not_routed(arch_model):
     rec = Recording(experts)
     valid = torch.zeros(1, 4, dtype=torch.bool)
     valid[0, -1] = True  # one real token: each layer routes exactly top_k experts
-    model.forward(tokens(layout, 1, 4), model.new_cache(1, 4), rec, valid=valid)
+    forward_step(model.with_bank(ExpertBank(rec)), tokens(layout, 1, 4), model.new_cache(1, 4), valid=valid)
     mixes = [c for c in rec.calls if c[0] == "mix"]
     n_moe = sum(hp.is_moe_layer(i) for i in range(hp.n_layer))
     assert len(mixes) == n_moe and all(len(c[2]) == hp.n_expert_used and c[3] == rows_per_token(layout) for c in mixes)
@@ -117,7 +119,7 @@ def test_bfloat16_runs(arch_model):
     layout, _, _ = arch_model
     model = load_model(layout, dtype=torch.bfloat16)
     experts = ResidentExperts(layout, dtype=torch.bfloat16)
-    logits = model.forward(tokens(layout, 2, 4), model.new_cache(2, 4), experts)
+    logits = forward_step(model.with_bank(ExpertBank(experts)), tokens(layout, 2, 4), model.new_cache(2, 4))
     assert logits.dtype == torch.bfloat16 and logits.shape == (2, 4, layout.hparams.n_vocab)
     assert torch.isfinite(logits.float()).all()
 
@@ -140,5 +142,5 @@ def test_shared_expert_gate_as_the_converter_writes_it_decodes_the_same(tmp_path
         layout = ModelLayout(tmp_path / f"{i}.gguf")
         model = load_model(layout)
         with ResidentExperts(layout) as experts:
-            logits.append(model.forward(torch.tensor([[3, 1, 4, 1, 5]]), model.new_cache(1, 5), experts))
+            logits.append(forward_step(model.with_bank(ExpertBank(experts)), torch.tensor([[3, 1, 4, 1, 5]]), model.new_cache(1, 5)))
     assert torch.equal(logits[0], logits[1])

@@ -8,11 +8,12 @@ import threading
 
 import pytest
 import torch
+from moestream.decoder.experts.bank import ExpertBank
 from moestream.common.client import IodClient, IodRequestError
 from moestream.common.layout import ModelLayout
 from moestream.tools.spawn import spawn_daemon
 from moestream.decoder.experts.source import ResidentExperts
-from moestream.decoder.generation.loop import generate
+from moestream.decoder.generation.loop import generate, forward_step
 from moestream.decoder.models import load_model
 from moestream.decoder.models.moe_transformer import OnLayer
 from moestream.decoder.experts.prefetch import Prefetcher
@@ -67,7 +68,7 @@ def test_prefetcher_hints_the_next_layers_top_k(setup, depth):
     hook = Prefetcher(model, src, depth)
     seen = []
     cache = model.new_cache(1, 8)
-    model.forward(torch.tensor([[5, 17, 99, 3]]), cache, src,
+    forward_step(model.with_bank(ExpertBank(src)), torch.tensor([[5, 17, 99, 3]]), cache,
                   observer=OnLayer(lambda i, h: (seen.append(h.clone()), hook.after_layer(i, h))))
     want = [(nxt, reference_topk(model, nxt, seen[layer], 2))
             for layer in range(3) for nxt in range(layer + 1, min(layer + 1 + depth, 3))]
@@ -98,7 +99,7 @@ def test_prefetches_land_on_the_receiver_thread(setup):
         want = resident.acquire(1, [2, 6])
         assert same(got, want, (2, 6))
         src.release(1, [2, 6])
-        st = src.stats()
+        st = src.stats().as_dict()
     assert writers == {(1, 2): "moestream-receiver", (1, 6): "moestream-receiver"}
     assert st["misses"] == 0 and st["useful"] == st["hidden"] == 2 and st["hidden_share"] == 1.0
     assert st["hits"] == 0  # a prefetched expert counts as useful, not as a hit
@@ -113,10 +114,10 @@ def test_wrong_predictions_are_counted_and_unpinned(setup):
         src.acquire(2, [1, 5])
         src.release(2, [1, 5])
         assert src.receiver.drain(10.0)
-        st = src.stats()
+        st = src.stats().as_dict()
         src.acquire(2, [1, 5])  # both resident now, nothing prefetched: two plain hits
         src.release(2, [1, 5])
-        again = src.stats()
+        again = src.stats().as_dict()
     assert st["hits"] == 0 and again["hits"] == 2 and again["acquired"] == 4 and again["hit_rate"] == 0.5
     assert st["prefetch_sent"] == 2 and st["useful"] == 1 and st["wasted"] + st["cancelled"] == 1
     assert st["misses"] == 1 and st["predicted"] == 2 and st["predicted_right"] == 1
@@ -168,7 +169,7 @@ def test_failed_prefetch_is_fetched_again_on_demand(setup):
         boom.join()
         assert torch.equal(got[4].up, resident.acquire(0, [4])[4].up)
         src.release(0, [4])
-        st = src.stats()
+        st = src.stats().as_dict()
     assert st["refetched"] == 1 and st["misses"] == 1 and st["cache"]["pinned"] == 0
 
 
@@ -176,10 +177,10 @@ def test_every_prefetch_is_judged_in_a_real_decode(setup):
     layout, model, _, endpoint = setup
     with streamed(layout, endpoint) as src:
         hook = Prefetcher(model, src, 1)
-        generate(model, src, [[5, 17, 99, 3, 250], [7, 300]], 12, SamplingParams(temperature=1.0, seed=1),
+        generate(model.with_bank(ExpertBank(src)), [[5, 17, 99, 3, 250], [7, 300]], 12, SamplingParams(temperature=1.0, seed=1),
                  observer=hook)
         assert src.receiver.drain(10.0)  # a wasted prefetch still landing holds its slot until it lands
-        st = src.stats()
+        st = src.stats().as_dict()
     assert st["prefetch_sent"] > 0 and st["hidden"] > 0
     assert st["prefetch_sent"] == st["useful"] + st["wasted"] + st["cancelled"]
     assert 0 < st["hidden_share"] <= 1 and st["useful"] == st["hidden"] + st["late"]
@@ -196,7 +197,7 @@ def test_lazy_prefetch_claims_no_slot_and_lands_on_use(setup):
         got = src.acquire(1, [2, 6])
         assert same(got, resident.acquire(1, [2, 6]), [2, 6])
         src.release(1, [2, 6])
-        st = src.stats()
+        st = src.stats().as_dict()
         assert not src.client._held  # every lease went back
     assert st["misses"] == 0 and st["useful"] == st["hidden"] == 2 and st["prefetch_sent"] == 2
     assert st["prefetch_bytes"] == st["bytes_fetched"] > 0 and st["cache"]["pinned"] == 0
@@ -212,7 +213,7 @@ def test_lazy_wrong_guesses_hand_their_leases_back(setup):
         assert same(got, resident.acquire(2, [1, 5]), [1, 5])
         src.release(2, [1, 5])
         src.client.ping(5.0)  # a lease that arrived after its cancel has been handed back by now
-        st = src.stats()
+        st = src.stats().as_dict()
         assert not src.client._held
     assert st["useful"] == 1 and st["misses"] == 1 and st["wasted"] + st["cancelled"] == 1
     assert st["cache"]["resident"] == 2 and st["cache"]["pinned"] == 0
@@ -234,7 +235,7 @@ def test_compute_thread_takes_over_a_landing_the_receiver_has_not_started(setup)
         assert same(got, resident.acquire(0, [3]), [3])
         src.release(0, [3])
         assert src.receiver.drain(10.0)  # the receiver saw it taken and skipped it
-        st = src.stats()
+        st = src.stats().as_dict()
     assert writers == ["MainThread"] and st["landed_by_compute"] == 1 and st["useful"] == 1
     assert st["cache"]["pinned"] == 0 and st["prefetch_sent"] == st["useful"]
 
@@ -244,12 +245,12 @@ def test_compute_thread_takes_over_a_landing_the_receiver_has_not_started(setup)
 def test_every_landing_and_prediction_point_is_bit_identical(setup, landing, at):
     layout, model, resident, endpoint = setup
     sampling = SamplingParams(temperature=1.0, seed=3)
-    want = generate(model, resident, PROMPTS, 6, sampling, keep_logits=True)
+    want = generate(model.with_bank(ExpertBank(resident)), PROMPTS, 6, sampling, keep_logits=True)
     with streamed(layout, endpoint, landing) as src:
         hook = Prefetcher(model, src, 1, at=at)
-        got = generate(model, src, PROMPTS, 6, sampling, observer=hook, keep_logits=True)
+        got = generate(model.with_bank(ExpertBank(src)), PROMPTS, 6, sampling, observer=hook, keep_logits=True)
         src.close()
-        st = src.stats()
+        st = src.stats().as_dict()
     assert got.tokens == want.tokens and all(torch.equal(g, w) for g, w in zip(got.logits, want.logits))
     assert st["prefetch_sent"] > 0 and st["useful"] > 0 and st["cache"]["pinned"] == 0
     assert st["prefetch_sent"] == st["useful"] + st["wasted"] + st["cancelled"]
@@ -269,7 +270,7 @@ def test_attention_point_hints_are_sent_after_the_layer_pins_its_own(setup):
             calls.append(("hint", defer, sorted(predictions)))
 
     hook = Prefetcher(model, Source(layout), 2, at="attention")
-    model.forward(torch.tensor([[5, 17, 99]]), model.new_cache(1, 4), hook.source, observer=hook)
+    forward_step(model.with_bank(ExpertBank(hook.bank)), torch.tensor([[5, 17, 99]]), model.new_cache(1, 4), observer=hook)
     assert calls == [("hint", True, [1, 2]), ("acquire", 0), ("hint", True, [2]), ("acquire", 1), ("acquire", 2)]
 
 
@@ -280,9 +281,9 @@ def test_prefetch_stays_within_the_daemons_lease_quota_beside_another_client(mak
     layout = ModelLayout(path)
     model, resident = load_model(layout), ResidentExperts(layout)
     d = start_daemon(path, arena_slots=9, extra_args=["--queue-deadline", "2"])  # quota 4 of 9
-    want = generate(model, resident, PROMPTS, 8, keep_logits=True)
+    want = generate(model.with_bank(ExpertBank(resident)), PROMPTS, 8, keep_logits=True)
     with IodClient(d.endpoint, name="other"), streamed(layout, d.endpoint, "lazy", slots=16) as src:
         assert src.client.lease_quota == 4 and src.ahead.max_in_flight == 2
-        got = generate(model, src, PROMPTS, 8, observer=Prefetcher(model, src, 3), keep_logits=True)
-        st = src.stats()
+        got = generate(model.with_bank(ExpertBank(src)), PROMPTS, 8, observer=Prefetcher(model, src, 3), keep_logits=True)
+        st = src.stats().as_dict()
     assert got.tokens == want.tokens and st["prefetch_sent"] > 0

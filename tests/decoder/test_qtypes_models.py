@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from moestream.decoder.experts.bank import ExpertBank
 from moestream.common.layout import ModelLayout
 from moestream.decoder.experts.arena import open_arena
 from moestream.decoder.experts.prefetch import Prefetcher
@@ -67,10 +68,10 @@ def test_streamed_equals_resident(model, start_daemon):
     layout = ModelLayout(model)
     m = get_model_module(layout.hparams.arch).Model(layout.hparams, load_dense(layout, "cpu", progress=False))
     with QuantResidentExperts(layout) as resident:
-        want = generate(m, resident, [PROMPT, PROMPT[:4]], 4, keep_logits=True)
+        want = generate(m.with_bank(ExpertBank(resident)), [PROMPT, PROMPT[:4]], 4, keep_logits=True)
     daemon = start_daemon(model, arena_slots=6)  # a quarter of the 24 experts: evictions
     with open_arena(layout, daemon.endpoint) as src:
-        got = generate(m, src, [PROMPT, PROMPT[:4]], 4, keep_logits=True, observer=Prefetcher(m, src, 1))
+        got = generate(m.with_bank(ExpertBank(src)), [PROMPT, PROMPT[:4]], 4, keep_logits=True, observer=Prefetcher(m, src, 1))
         assert src.stats()["bytes_fetched"] > 0
     assert got.tokens == want.tokens
     assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))

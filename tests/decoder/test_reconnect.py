@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moestream.decoder.experts.bank import ExpertBank
 from moestream.common.client import IodClient, State
 from moestream.common.layout import ModelLayout
 from moestream.tools.spawn import spawn_daemon
@@ -115,12 +116,12 @@ def same_run(a, b) -> bool:
 def test_arena_decoder_survives_a_killed_daemon(setup, tmp_path):
     path, layout, model = setup
     with QuantResidentExperts(layout) as resident:
-        want = generate(model, resident, PROMPTS, N_NEW, keep_logits=True)
+        want = generate(model.with_bank(ExpertBank(resident)), PROMPTS, N_NEW, keep_logits=True)
     r = Restarter(path, tmp_path / "run", arena_slots=8)  # 8 of 24 experts: misses and prefetches go on
     try:
         with open_arena(layout, r.endpoint, reconnect_s=20) as src:
             hook = KillAfterLayer(model, src, src.client, lambda: list(src.prefetches._by_layer.get(1, {}).values()), r)
-            got = generate(model, src, PROMPTS, N_NEW, keep_logits=True, observer=hook)
+            got = generate(model.with_bank(ExpertBank(src)), PROMPTS, N_NEW, keep_logits=True, observer=hook)
             stats, reconnects = src.stats(), src.client.reconnects
         assert reconnects == 1 and len(r.daemons) == 2
         assert hook.voidable > 0 and stats["voided"] >= hook.voidable  # landed prefetches fetched again
@@ -134,15 +135,15 @@ def test_arena_decoder_survives_a_killed_daemon(setup, tmp_path):
 def test_slot_cache_decoder_survives_a_killed_daemon(setup, tmp_path, landing):
     path, layout, model = setup
     with ResidentExperts(layout) as resident:
-        want = generate(model, resident, PROMPTS, N_NEW, keep_logits=True)
+        want = generate(model.with_bank(ExpertBank(resident)), PROMPTS, N_NEW, keep_logits=True)
     r = Restarter(path, tmp_path / "run")
     try:
-        cache = DeviceSlotCache(layout.experts, 8, slot_format="raw")
+        cache = DeviceSlotCache(layout.experts, 8)
         client = IodClient(r.endpoint, expect_fingerprint=layout.fingerprint.as_dict(), reconnect_s=20)
         with StreamedExperts(client, layout, cache, owns_client=True, landing=landing) as src:
             hook = KillAfterLayer(model, src, client, lambda: list(src.ahead._futures.get(1, {}).values()), r)
-            got = generate(model, src, PROMPTS, N_NEW, keep_logits=True, observer=hook)
-            stats, reconnects = src.stats(), client.reconnects
+            got = generate(model.with_bank(ExpertBank(src)), PROMPTS, N_NEW, keep_logits=True, observer=hook)
+            stats, reconnects = src.stats().as_dict(), client.reconnects
         assert reconnects == 1
         assert same_run(got, want)
         if landing == "lazy":  # landed leases wait in the arena for their layer: void, fetched again
@@ -156,21 +157,22 @@ def test_arena_decoder_reads_on_while_its_daemon_restarts(setup, tmp_path):
     computes from it through the restart (bit for bit), then moves to the new daemon's arena."""
     path, layout, model = setup
     with QuantResidentExperts(layout) as resident:
-        want = generate(model, resident, PROMPTS, N_NEW, keep_logits=True)
+        want = generate(model.with_bank(ExpertBank(resident)), PROMPTS, N_NEW, keep_logits=True)
     r = Restarter(path, tmp_path / "run")
     try:
         with open_arena(layout, r.endpoint, reconnect_s=20) as src:
+            streamed = model.with_bank(ExpertBank(src))
             hook = KillAfterLayer(model, src, src.client, lambda: [], r)
-            got = generate(model, src, PROMPTS, N_NEW, keep_logits=True)
+            got = generate(streamed, PROMPTS, N_NEW, keep_logits=True)
             assert same_run(got, want)  # warm: every expert is in the arena now
-            got = generate(model, src, PROMPTS, N_NEW, keep_logits=True, observer=hook)
+            got = generate(streamed, PROMPTS, N_NEW, keep_logits=True, observer=hook)
             assert same_run(got, want) and hook.passes >= 3
             r.wait_restarted()
             deadline = time.monotonic() + 20
             while src.client.reconnects == 0 and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert src.client.reconnects == 1
-            assert same_run(generate(model, src, PROMPTS, N_NEW, keep_logits=True), want)  # on the new arena
+            assert same_run(generate(streamed, PROMPTS, N_NEW, keep_logits=True), want)  # on the new arena
             assert src.client.arena.name == get_status(r.daemons[1].status_endpoint)["arena"]["name"]
     finally:
         r.stop()

@@ -4,6 +4,8 @@ resident decoder's `generate()` in this process.
 """
 
 from __future__ import annotations
+from moestream.decoder.experts.bank import ExpertBank
+from moestream.decoder.generation.loop import forward_step
 
 import concurrent.futures as cf
 import http.client
@@ -47,7 +49,7 @@ def references(resident, prompts: list[list[int]], n: int) -> list[list[int]]:
     from moestream.decoder.generation.loop import generate
 
     model, experts, tok = resident
-    return generate(model, experts, prompts, n, stop_ids=tok.stop_ids, pad_id=tok.pad_id).tokens
+    return generate(model.with_bank(ExpertBank(experts)), prompts, n, stop_ids=tok.stop_ids, pad_id=tok.pad_id).tokens
 
 
 @pytest.fixture(scope="module")
@@ -286,20 +288,22 @@ def test_forward_many_matches_forward_per_sequence(make_tiny_model, arch):
     layout = ModelLayout(make_tiny_model(arch=arch))
     model = load_model(layout, "cpu", torch.float32, keep_quantized=True)
     prompts = [[5, 6, 7, 8, 9], [100, 200], [33] * 12]
-    with QuantResidentExperts(layout) as experts, torch.inference_mode():
+    with ExpertBank(QuantResidentExperts(layout)) as bank, torch.inference_mode():
+        model = model.with_bank(bank)
         alone = []
         for p in prompts:
             cache = model.new_cache(1, 32)
-            rows = [model.forward(torch.tensor([p]), cache, experts, last_only=True)[0]]
+            rows = [forward_step(model, torch.tensor([p]), cache, last_only=True)[0]]
             for _ in range(3):
-                rows.append(model.forward(rows[-1].argmax().view(1, 1), cache, experts, last_only=True)[0])
+                rows.append(forward_step(model, rows[-1].argmax().view(1, 1), cache, last_only=True)[0])
             alone.append(rows)
         caches, got = [model.new_cache(1, 32) for _ in prompts], [[] for _ in prompts]
         for step in range(6):
             live = [i for i in range(3) if i <= step and len(got[i]) < 4]
             steps = [(torch.tensor([prompts[i]]) if step == i else got[i][-1].argmax().view(1, 1), caches[i])
                      for i in live]
-            for i, row in zip(live, model.forward_many(steps, experts)):
+            bank.begin_step()  # the engine's part: the step is its own
+            for i, row in zip(live, model.forward_many(steps)):
                 got[i].append(row)
     for a, b in zip(alone, got):
         assert len(a) == len(b) == 4

@@ -6,6 +6,8 @@ Greedy tokens are checked against the resident decoder in this process.
 """
 
 from __future__ import annotations
+from moestream.decoder.experts.bank import ExpertBank
+from moestream.decoder.generation.loop import forward_step
 
 import http.client as hc
 import json
@@ -88,13 +90,13 @@ def greedy(resident, ids: list[int], n: int, adjust=None) -> list[int]:
     model, experts, tok = resident
     cache, out = model.new_cache(1, len(ids) + n), []
     with torch.inference_mode():
-        logits = model.forward(torch.tensor([ids]), cache, experts, last_only=True)[0]
+        logits = forward_step(model.with_bank(ExpertBank(experts)), torch.tensor([ids]), cache, last_only=True)[0]
         for _ in range(n):
             t = int((adjust(logits.clone(), out) if adjust else logits).argmax())
             if t in tok.stop_ids:
                 break
             out.append(t)
-            logits = model.forward(torch.tensor([[t]]), cache, experts, last_only=True)[0]
+            logits = forward_step(model.with_bank(ExpertBank(experts)), torch.tensor([[t]]), cache, last_only=True)[0]
     return out
 
 

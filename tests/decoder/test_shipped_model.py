@@ -14,12 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from moestream.decoder.experts.bank import ExpertBank
 from moestream.common.client import IodClient
 from moestream.common.layout import ModelLayout
 from moestream.common.traces import load_trace
 from moestream.tools.spawn import spawn_daemon
 from moestream.decoder.experts.source import ResidentExperts
-from moestream.decoder.generation.loop import generate
+from moestream.decoder.generation.loop import generate, forward_step
 from moestream.decoder.models import load_model
 from moestream.decoder.experts.prefetch import Prefetcher
 from moestream.decoder.experts.slot_cache import DeviceSlotCache
@@ -62,7 +63,7 @@ def test_shipped_model_is_a_small_trained_qwen3moe(shipped):
 def test_resident_greedy_generation_produces_text(shipped):
     _, model, experts, tok = shipped
     with torch.inference_mode():
-        res = generate(model, experts, [tok.encode(PROMPT)], 24)
+        res = generate(model.with_bank(ExpertBank(experts)), [tok.encode(PROMPT)], 24)
     text = tok.decode(res.tokens[0])
     assert len(res.tokens[0]) >= 8 and len(set(res.tokens[0])) >= 4, f"degenerate output {text!r}"
     assert text.strip() and all(c.isprintable() or c in "\n\t" for c in text), f"not text: {text!r}"
@@ -97,7 +98,7 @@ def test_heldout_loss_is_clearly_below_unigram(shipped):
     layout, model, experts, tok = shipped
     win = _heldout_windows(tok)  # [W, T+1]
     with torch.inference_mode():
-        logits = model.forward(win[:, :-1], model.new_cache(WINDOWS, WINDOW), experts)  # [W, T, V]
+        logits = forward_step(model.with_bank(ExpertBank(experts)), win[:, :-1], model.new_cache(WINDOWS, WINDOW))  # [W, T, V]
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), win[:, 1:].flatten()).item()
     unigram = unigram_loss(_train_unigram_ids(tok), win[:, 1:].flatten().numpy(), layout.hparams.n_vocab)
     print(f"held-out loss {loss:.3f} nats/token, unigram {unigram:.3f}")
@@ -108,13 +109,13 @@ def test_streamed_decoding_gives_identical_tokens(shipped):
     layout, model, experts, tok = shipped
     prompts = [tok.encode(PROMPT), tok.encode("import os\nimport sys\n")]
     with torch.inference_mode():
-        want = generate(model, experts, prompts, 12)
+        want = generate(model.with_bank(ExpertBank(experts)), prompts, 12)
     with spawn_daemon(MODEL) as daemon:
         cache = DeviceSlotCache(layout.experts, layout.hparams.n_layer * layout.hparams.n_expert // 4)
         client = IodClient(daemon.endpoint, expect_fingerprint=layout.fingerprint.as_dict())
         with StreamedExperts(client, layout, cache, owns_client=True) as src, torch.inference_mode():
-            got = generate(model, src, prompts, 12, observer=Prefetcher(model, src, 1))
-            stats = src.stats()
+            got = generate(model.with_bank(ExpertBank(src)), prompts, 12, observer=Prefetcher(model, src, 1))
+            stats = src.stats().as_dict()
     assert got.tokens == want.tokens
     assert stats["misses"] > 0 and stats["cache"]["evictions"] > 0
 

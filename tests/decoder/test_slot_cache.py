@@ -75,12 +75,11 @@ def test_layout_aligns_parts_and_sizes_slots():
     lay = slot_layouts(f.index)[0]
     assert [off % 64 for off, _ in lay.ranges.values()] == [0, 0, 0]
     assert [n for _, n in lay.ranges.values()] == [p.nbytes for p in f.index.parts(0, 0)]
-    raw = bytes_per_slot(f.index, "raw")
+    raw = bytes_per_slot(f.index)
     assert raw == lay.nbytes >= sum(p.nbytes for p in f.index.parts(0, 0))
-    assert bytes_per_slot(f.index, "dequant") == 3 * D * FF * 4
-    assert slots_for_bytes(f.index, 5 * raw + 1, "raw") == 5
-    with pytest.raises(ValueError, match="smaller than one raw slot"):
-        slots_for_bytes(f.index, raw - 1, "raw")
+    assert slots_for_bytes(f.index, 5 * raw + 1) == 5
+    with pytest.raises(ValueError, match="smaller than one slot"):
+        slots_for_bytes(f.index, raw - 1)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True])
@@ -91,9 +90,9 @@ def test_rejects_bad_slot_count(bad):
 
 def test_rejects_bad_format_and_bad_parts():
     f = FakeFile(Q.F32)
-    with pytest.raises(ValueError, match="slot_format"):
-        DeviceSlotCache(f.index, 2, slot_format="fp8")
-    cache = DeviceSlotCache(f.index, 2, slot_format="raw")
+    with pytest.raises(ValueError, match="n_slots"):
+        DeviceSlotCache(f.index, 0)
+    cache = DeviceSlotCache(f.index, 2)
     cache.claim((0, 1))
     parts = f.parts(0, 1)
     with pytest.raises(ValueError, match="part 'down' has 10 bytes"):
@@ -104,10 +103,9 @@ def test_rejects_bad_format_and_bad_parts():
 
 
 @pytest.mark.parametrize("qtype,fused", [(Q.F32, False), (Q.Q8_0, False), (Q.Q4_K, True)])
-@pytest.mark.parametrize("fmt", ["raw", "dequant"])
-def test_fill_matches_gguf_reference(qtype, fused, fmt):
+def test_fill_matches_gguf_reference(qtype, fused):
     f = FakeFile(qtype, fused=fused)
-    cache = DeviceSlotCache(f.index, 3, slot_format=fmt)
+    cache = DeviceSlotCache(f.index, 3)
     for key in [(0, 0), (1, 7), (0, 0), (0, 5), (1, 2), (0, 0)]:  # 4 distinct keys through 3 slots
         if cache.pin_present(key[0], [key[1]])[0]:
             cache.wait(key)
@@ -116,13 +114,13 @@ def test_fill_matches_gguf_reference(qtype, fused, fmt):
         assert_weights(cache, f, key)
         cache.unpin(key)
         cache.check()
-    assert cache.stats()["evictions"] == 1 and cache.stats()["hits"] == 2
+    assert cache.stats().evictions == 1 and cache.stats().hits == 2
     assert (1, 7) not in cache  # the coldest, oldest entry went
 
 
 def test_never_evicts_pinned_and_reports_full():
     f = FakeFile(Q.Q8_0)
-    cache = DeviceSlotCache(f.index, 2, slot_format="raw")
+    cache = DeviceSlotCache(f.index, 2)
     fill(cache, f, (0, 0))
     fill(cache, f, (0, 1))  # both pinned by claim
     assert cache.claim((0, 2)) is None  # CacheFull: no overcommit
@@ -158,12 +156,11 @@ def test_wait_blocks_until_another_thread_writes_and_abort_wakes_waiters():
     cache.check()
 
 
-@pytest.mark.parametrize("fmt", ["raw", "dequant"])
-def test_long_random_decode_keeps_pins_and_capacity(fmt):
+def test_long_random_decode_keeps_pins_and_capacity():
     """A random decode with prefetch-like in-flight claims: pinned contents never change."""
     f = FakeFile(Q.Q8_0, n_layer=4, n_expert=16, seed=1)
     policy = CheckedPolicy(8)
-    cache = DeviceSlotCache(f.index, 8, slot_format=fmt, policy=policy)
+    cache = DeviceSlotCache(f.index, 8, policy=policy)
     rng = random.Random(0)
     refs = {(la, e): f.reference(la, e) for la in range(4) for e in range(16)}
     for step in range(150):
@@ -189,7 +186,7 @@ def test_long_random_decode_keeps_pins_and_capacity(fmt):
                 cache.unpin(key)
             cache.check()
     assert policy.checked > 100 and policy.evicted > 50
-    assert cache.stats()["pinned"] == 0
+    assert cache.stats().pinned == 0
 
 
 def test_pin_present_counts_and_pins_under_one_call():

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from moestream.decoder.experts.bank import ExpertBank
 from moestream.common.layout import ModelLayout
 from moestream.decoder.experts.source import ResidentExperts
 from moestream.decoder.generation.loop import generate
@@ -122,7 +123,7 @@ def test_recorder_sees_exactly_the_experts_the_moe_block_fetches(make_tiny_model
     model, src = load_model(layout), _Logged(layout)
     rec = Recorder(model)
     with torch.inference_mode():
-        generate(model, src, [[5, 9, 31, 7, 100]], 6, observer=rec)
+        generate(model.with_bank(ExpertBank(src)), [[5, 9, 31, 7, 100]], 6, observer=rec)
     real, pred = rec.arrays()
     assert real.shape == (5 + 5, 3, 2) and pred.shape == (10, 2, 3, 2)
     per_forward = [{int(e) for e in ids.flatten().tolist()} for f in rec.real for ids in f]

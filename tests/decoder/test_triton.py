@@ -24,6 +24,8 @@ from gguf.quants import dequantize as gguf_dequantize
 
 triton = pytest.importorskip("triton")
 
+from moestream.decoder.experts.bank import ExpertBank
+from moestream.decoder.generation.loop import forward_step
 from moestream.common.layout import ExpertIndex, TensorInfo
 from moestream.decoder.kernels import triton_experts as tx
 from moestream.decoder.kernels import triton_quant as tq
@@ -265,8 +267,8 @@ def logits(model, source, one_sequence: bool) -> torch.Tensor:
     """Logits [T, V] of PROMPT, as one forward pass (prefill path) or token by token (decode path)."""
     cache = model.new_cache(1, len(PROMPT))
     if one_sequence:
-        return model.forward(torch.tensor([PROMPT], device=model.device), cache, source)[0].float().cpu()
-    return torch.cat([model.forward(torch.tensor([[t]], device=model.device), cache, source)[0]
+        return forward_step(model.with_bank(ExpertBank(source)), torch.tensor([PROMPT], device=model.device), cache)[0].float().cpu()
+    return torch.cat([forward_step(model.with_bank(ExpertBank(source)), torch.tensor([[t]], device=model.device), cache)[0]
                       for t in PROMPT]).float().cpu()
 
 
@@ -282,18 +284,18 @@ def test_resident_and_streamed_on_the_kernels(tiny_model, start_daemon) -> None:
 
     layout = ModelLayout(tiny_model)
     model = load_model(layout, DEVICE, torch.float32)
-    fused = ResidentExperts(layout, DEVICE, torch.float32, "raw", kernels=True)
-    assert fused.stats()["kernels"] == "triton"
-    plain = ResidentExperts(layout, DEVICE, torch.float32, "dequant")
+    fused = ResidentExperts(layout, DEVICE, torch.float32, kernels=True)
+    assert fused.stats().as_dict()["kernels"] == "triton"
+    plain = ResidentExperts(layout, DEVICE, torch.float32, kernels=False)  # dequantized with torch on use
     daemon = start_daemon(tiny_model, arena_slots=8)
     for one_sequence in (False, True):
         want = logits(model, plain, one_sequence)
         got = logits(model, fused, one_sequence)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
-        with open_streamed(layout, daemon.endpoint, device=DEVICE, dtype=torch.float32, slots=2, slot_format="raw",
+        with open_streamed(layout, daemon.endpoint, device=DEVICE, dtype=torch.float32, slots=2,
                            kernels=True) as src:
             assert torch.equal(logits(model, src, one_sequence), got)
-            st = src.stats()
+            st = src.stats().as_dict()
             assert st["misses"] > 0 and st["cache"]["kernels"] == "triton"
             if one_sequence:  # 7 tokens x top-2 of 8 experts on 2 slots: some served without a slot
                 assert st["bypassed"] > 0

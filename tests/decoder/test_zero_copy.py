@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from moestream.common.layout import ModelLayout
+from moestream.decoder.experts.bank import ExpertBank
 from moestream.decoder.experts.source import ResidentExperts
+from moestream.decoder.generation.loop import forward_step
 from moestream.decoder.experts.zero_copy import open_arena_gpu
 from moestream.decoder.kernels.triton_experts import available
 from moestream.decoder.models import load_model
@@ -20,11 +22,12 @@ PROMPT = [5, 17, 99, 3, 250, 41, 7]
 pytestmark = pytest.mark.skipif(not available(DEVICE), reason="needs CUDA or TRITON_INTERPRET=1")
 
 
-def logits(model, source, one_sequence: bool) -> torch.Tensor:
-    cache = model.new_cache(1, len(PROMPT))
+def logits(model, backend, one_sequence: bool) -> torch.Tensor:
+    """Logits [T, V] of PROMPT, as one forward pass (prefill path) or token by token (decode path)."""
+    model, cache = model.with_bank(ExpertBank(backend)), model.new_cache(1, len(PROMPT))
     if one_sequence:
-        return model.forward(torch.tensor([PROMPT], device=model.device), cache, source)[0].float().cpu()
-    return torch.cat([model.forward(torch.tensor([[t]], device=model.device), cache, source)[0]
+        return forward_step(model, torch.tensor([PROMPT], device=model.device), cache)[0].float().cpu()
+    return torch.cat([forward_step(model, torch.tensor([[t]], device=model.device), cache)[0]
                       for t in PROMPT]).float().cpu()
 
 

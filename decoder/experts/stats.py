@@ -1,0 +1,213 @@
+"""Counters of the expert bank's backends and of the prefetcher, as typed dataclasses.
+
+Every backend's `stats()` returns one of these: `describe()` is the text `--stats` prints for
+people, `as_dict()` the JSON (`--json`, the server's /stats; the keys are those the dicts had
+before), and `traffic()` the few numbers the server splits among the requests of a step. The
+counters themselves are fields bumped where they happen (`counts.hits += n`), not dict keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Traffic:
+    """What a step's requests get a share of (`serve.telemetry`)."""
+
+    hits: float = 0.0  # experts computed without a fetch
+    misses: float = 0.0  # experts fetched on demand
+    bytes_fetched: float = 0.0
+    stall_s: float = 0.0  # time the compute waited on experts
+    prefetch_hidden: float = 0.0  # prefetches that landed in time
+    prefetch_useful: float = 0.0  # prefetches whose expert was used (in time or late)
+
+
+@dataclass
+class ResidentStats:
+    """Every expert in process (`cpu-mmap`: the file's map; `gpu-resident`: raw slots on the device)."""
+
+    kind: str
+    slot_format: str  # "quant" (the file's blocks where they lie) | "raw" (packed slots)
+    experts: int  # experts held
+    bytes: int  # their bytes
+    acquired: int = 0  # experts computed (per layer call), or routed pairs on the fused kernels
+    compute_s: float = 0.0  # time in the CPU kernels (cpu-mmap)
+    kernels: str = ""  # "triton" | "torch" (gpu-resident)
+
+    def describe(self) -> str:
+        return (f"stats: experts: source=resident, {self.experts} experts held ({self.slot_format}, "
+                f"{self.bytes / 2**20:.1f} MiB), {self.acquired} acquired")
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {"source": "resident", **asdict(self)}
+        if not self.kernels:
+            d.pop("kernels")
+        return d
+
+    def traffic(self) -> Traffic:
+        return Traffic(hits=float(self.acquired))
+
+
+@dataclass
+class DemandCounters:
+    """What the `gpu-slots` backend's layers asked of the slot cache (`StreamedExperts.counts`)."""
+
+    acquired: int = 0  # experts the layers used
+    hits: int = 0  # resident and not prefetched
+    misses: int = 0  # fetched `now`
+    bypassed: int = 0  # served without a slot (every slot pinned)
+    refetched: int = 0  # fetched again (a failed prefetch, a voided lease, a dropped request)
+    demand_bytes: int = 0
+    ahead_bytes: int = 0  # prefetched bytes the compute thread landed itself (lazy landing)
+    deadlines: int = 0  # requests that waited out the daemon's queue deadline
+
+
+@dataclass
+class AheadCounters:
+    """The prefetch bookkeeping's counters (`ahead.AheadPrefetches.counts`)."""
+
+    prefetch_sent: int = 0
+    prefetch_dropped: int = 0  # predictions not sent (no slot, over the lease quota)
+    useful: int = 0  # prefetched and used: hidden + late
+    hidden: int = 0  # landed in time
+    late: int = 0
+    wasted: int = 0  # landed (or failed) for nothing
+    cancelled: int = 0
+    predicted: int = 0  # (layer, expert) predictions scored against the real routing
+    predicted_right: int = 0
+    routed: int = 0  # the real routing's experts, for the predictions' recall
+
+
+@dataclass
+class CacheStats:
+    """The device slot cache: the policy's counters, then the storage's."""
+
+    capacity: int
+    resident: int
+    pinned: int
+    hits: int
+    misses: int
+    hit_rate: float
+    inserts: int
+    evictions: int
+    removes: int
+    steps: int
+    history: int
+    device: str
+    slot_bytes: int
+    cache_bytes: int
+    writes: int = 0
+    bytes_written: int = 0
+    bypassed: int = 0
+    direct_copies: int = 0  # fills copied straight from the registered arena (CUDA)
+    host_registered: bool = False
+    kernels: str = "torch"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class SlotStats:
+    """The `gpu-slots` backend: its layers' demand, its prefetches, the receiver and the slot cache."""
+
+    demand: DemandCounters
+    ahead: AheadCounters
+    cache: CacheStats
+    landing: str
+    stall_s: float = 0.0
+    receiver_bytes: int = 0  # prefetched bytes the receiver thread landed
+    receiver_copy_s: float = 0.0
+    landed_by_compute: int = 0  # landings the compute thread took over from the receiver
+    kind: str = field(default="gpu-slots")
+
+    @property
+    def bytes_fetched(self) -> int:
+        return self.demand.demand_bytes + self.prefetch_bytes
+
+    @property
+    def prefetch_bytes(self) -> int:
+        return self.demand.ahead_bytes + self.receiver_bytes
+
+    @property
+    def hit_rate(self) -> float:
+        return self.demand.hits / self.demand.acquired if self.demand.acquired else 0.0
+
+    @property
+    def hidden_share(self) -> float:
+        """Of the experts that would have missed, those whose read prefetch hid."""
+        would_miss = self.demand.misses + self.ahead.useful
+        return self.ahead.hidden / would_miss if would_miss else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        a = self.ahead
+        return {"source": "streamed", **asdict(self.demand), **asdict(a), "stall_s": self.stall_s,
+                "hit_rate": self.hit_rate, "bytes_fetched": self.bytes_fetched, "prefetch_bytes": self.prefetch_bytes,
+                "landing": self.landing, "hidden_share": self.hidden_share,
+                "prefetch_precision": a.predicted_right / a.predicted if a.predicted else 0.0,
+                "prefetch_recall": a.predicted_right / a.routed if a.routed else 0.0,
+                "receiver_copy_s": self.receiver_copy_s, "landed_by_compute": self.landed_by_compute,
+                "cache": self.cache.as_dict(), "kind": self.kind}
+
+    def describe(self) -> str:
+        """Hit rate, bytes, stall, prefetch usefulness, for people."""
+        d, a, c, st = self.demand, self.ahead, self.cache, self.as_dict()
+        lines = [
+            f"experts: {d.acquired} used, hit rate {self.hit_rate:.1%} ({d.hits} hits, {d.misses} misses, "
+            f"{a.useful} prefetched), {self.bytes_fetched / 2**20:.2f} MiB fetched, stall {self.stall_s * 1e3:.1f} ms",
+            f"slot cache: {c.resident}/{c.capacity} slots, {c.evictions} evictions, {d.bypassed} served without a "
+            f"slot (cache full of pins)",
+        ]
+        if a.prefetch_sent:
+            lines.append(
+                f"prefetch: {a.prefetch_sent} sent, {a.useful} useful ({a.hidden} landed in time, {a.late} late), "
+                f"{a.wasted} wasted, {a.cancelled} cancelled; hid {self.hidden_share:.1%} of the misses; predictions "
+                f"precision {st['prefetch_precision']:.1%}, recall {st['prefetch_recall']:.1%}")
+        return "\n".join(lines)
+
+    def traffic(self) -> Traffic:
+        return Traffic(hits=self.demand.hits, misses=self.demand.misses, bytes_fetched=self.bytes_fetched,
+                       stall_s=self.stall_s, prefetch_hidden=self.ahead.hidden, prefetch_useful=self.ahead.useful)
+
+
+@dataclass
+class ArenaStatsView:
+    """The `cpu-arena` backend's counters while `arena.py` still returns them as a dict: the one
+    adapter (`ExpertBank.stats`) that gives them the typed contract."""
+
+    counters: dict[str, Any]
+    kind: str = "cpu-arena"
+
+    def describe(self) -> str:
+        from .arena import describe_stats
+
+        return describe_stats(self.counters)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.counters)
+
+    def traffic(self) -> Traffic:
+        st, pre = self.counters, self.counters.get("prefetch") or {}
+        misses = st.get("demand", 0)
+        return Traffic(hits=st.get("acquired", 0) - misses, misses=misses, bytes_fetched=st.get("bytes_fetched", 0),
+                       stall_s=st.get("stall_s", 0.0), prefetch_hidden=pre.get("hidden", 0),
+                       prefetch_useful=pre.get("useful", 0))
+
+
+@dataclass
+class PrefetcherStats:
+    """The prefetcher's predictions (`prefetch.Prefetcher`)."""
+
+    depth: int
+    at: str
+    predictions: int = 0  # (layer, expert) keys predicted
+    predict_s: float = 0.0  # time spent applying the routers ahead
+
+    def describe(self) -> str:
+        return f"prefetcher: depth {self.depth} at {self.at}, {self.predictions} predictions, " \
+               f"{self.predict_s * 1e3:.1f} ms"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
