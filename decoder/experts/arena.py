@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
+from dataclasses import replace
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,6 +63,7 @@ from ...common.client import IodClient, IodRequestError, IodUnavailable, Lease, 
 from ...common.layout import ModelLayout
 from .source import ExpertBackend, Predictions, combine, group_by_expert
 from .resident import Mats, expert_mats, run_experts
+from .stats import ArenaCounters, ArenaPrefetchCounters, ArenaStats
 
 RETRYABLE = P.GIVEN_UP | {P.ErrorCode.BUSY.value, P.ErrorCode.DEADLINE.value}  # fetched again `now`
 # (busy: after a back-off; deadline: the daemon waited for room already, within a total bound)
@@ -75,8 +77,7 @@ class Prefetches:
     def __init__(self, client: IodClient, limit: int):
         self.client, self.limit = client, max(0, limit)
         self._by_layer: dict[int, dict[int, cf.Future]] = {}
-        self.c = dict.fromkeys(("sent", "sent_if_cached", "not_cached", "skipped", "useful", "hidden", "late",
-                                "wasted", "cancelled", "recalled"), 0)
+        self.counts = ArenaPrefetchCounters()
 
     def outstanding(self) -> int:
         return sum(len(m) for m in self._by_layer.values())
@@ -89,7 +90,7 @@ class Prefetches:
             mine = self._by_layer.setdefault(layer, {})
             for e in sorted({int(e) for e in predictions[layer]} - set(mine)):
                 if room <= 0:
-                    self.c["skipped"] += 1
+                    self.counts.skipped += 1
                     continue
                 keys.append((layer, e))
                 room -= 1
@@ -97,7 +98,10 @@ class Prefetches:
             return
         for (layer, e), fut in zip(keys, self.client.fetch(keys, priority)):
             self._by_layer[layer][e] = fut
-        self.c["sent" if priority == "ahead" else "sent_if_cached"] += len(keys)
+        if priority == "ahead":
+            self.counts.sent += len(keys)
+        else:
+            self.counts.sent_if_cached += len(keys)
 
     def take(self, layer: int, wanted: list[int]) -> dict[int, cf.Future]:
         """`layer` runs now: return its prefetches of `wanted` experts whose lease came; give up
@@ -109,10 +113,10 @@ class Prefetches:
         refused = [f for f in mine.values() if f.done() and not f.cancelled() and f.exception() is not None]
         late = [f for e, f in mine.items() if e in wanted and e not in landed and f not in refused]
         unused = [f for e, f in mine.items() if e not in wanted and f not in refused]
-        self.c["useful"] += len(landed) + len(late)
-        self.c["hidden"] += len(landed)
-        self.c["late"] += len(late)
-        self.c["not_cached"] += len(refused)  # or dropped: fetched `now` if wanted
+        self.counts.useful += len(landed) + len(late)
+        self.counts.hidden += len(landed)
+        self.counts.late += len(late)
+        self.counts.not_cached += len(refused)  # or dropped: fetched `now` if wanted
         self._count_unused(unused)
         self.give_up(late + unused)
         return landed
@@ -125,7 +129,7 @@ class Prefetches:
             return
         for layer, mine in self._by_layer.items():
             back = [e for e, f in mine.items() if _leased(f) and (f.result().slot, f.result().generation) in recalled]
-            self.c["recalled"] += len(back)
+            self.counts.recalled += len(back)
             self.give_up([mine.pop(e) for e in back])
 
     def give_up(self, futures: list[cf.Future]) -> None:
@@ -142,8 +146,8 @@ class Prefetches:
 
     def _count_unused(self, futures: list[cf.Future]) -> None:
         landed = sum(1 for f in futures if f.done())
-        self.c["wasted"] += landed  # read (or failed) for nothing
-        self.c["cancelled"] += len(futures) - landed
+        self.counts.wasted += landed  # read (or failed) for nothing
+        self.counts.cancelled += len(futures) - landed
 
 
 def _leased(f: cf.Future) -> bool:
@@ -170,9 +174,7 @@ class ArenaExperts(ExpertBackend):
         self._n_expert = layout.experts.n_expert
         self._deferred: list[tuple[Predictions, Predictions]] = []  # sent after the next layer's demand
         self._closed = False
-        self.c: dict[str, Any] = dict.fromkeys(("acquired", "direct", "demand", "refetched", "voided", "changed",
-                                                "bytes_fetched", "deadlines"), 0)
-        self.c.update(stall_s=0.0, compute_s=0.0, deadline_wait_s=0.0, waited_on="")
+        self.counts = ArenaCounters()
         self._deadline_since: dict[tuple[int, int], float] = {}  # expert -> its first `deadline` in a row
 
     # -- ExpertBackend ----------------------------------------------------------------------
@@ -220,7 +222,7 @@ class ArenaExperts(ExpertBackend):
                     computed = self._compute(layer, x, groups, weights, leases)
                 finally:
                     self.client.release_many(list(leases.values()))
-                self.c["compute_s"] += time.perf_counter() - t0
+                self.counts.compute_s += time.perf_counter() - t0
                 for e, lease in leases.items():
                     if e in computed and not self.client.voided(lease):
                         outputs[e] = computed[e]
@@ -229,14 +231,11 @@ class ArenaExperts(ExpertBackend):
         except BaseException:
             self.prefetches.give_up(list(pending))  # `_arrivals` keeps `pending` to what is still owed
             raise
-        self.c["acquired"] += len(groups)
+        self.counts.acquired += len(groups)
         return combine(x, outputs)
 
-    def stats(self) -> dict[str, Any]:
-        p = self.prefetches.c
-        would_miss = self.c["demand"] + p["useful"]
-        return {"source": "streamed", "slot_format": "quant", **self.c, "recalls": dict(self.client.recalls),
-                "prefetch": dict(p), "hidden_share": p["hidden"] / would_miss if would_miss else 0.0}
+    def stats(self) -> ArenaStats:
+        return ArenaStats(replace(self.counts), replace(self.prefetches.counts), dict(self.client.recalls))
 
     def close(self) -> None:
         if self._closed:
@@ -258,7 +257,7 @@ class ArenaExperts(ExpertBackend):
         pending = {f: e for e, f in landed.items()}
         if fresh:
             pending.update(zip(self.client.fetch([(layer, e) for e in fresh], "now"), fresh))
-            self.c["demand"] += len(fresh)
+            self.counts.demand += len(fresh)
         deferred, self._deferred = self._deferred, []
         for predictions, if_cached in deferred:
             self._send(predictions, if_cached)
@@ -290,8 +289,8 @@ class ArenaExperts(ExpertBackend):
             else:
                 self._refetch(layer, e, "changed", pending, retries)
         self.client.touch([(layer, e) for e in out])  # gathered by the client, sent without waiting
-        self.c["direct"] += len(out)
-        self.c["compute_s"] += time.perf_counter() - t0
+        self.counts.direct += len(out)
+        self.counts.compute_s += time.perf_counter() - t0
         return out
 
     def _slot_mats(self, layer: int, e: int, slot: int, arena: ArenaView) -> Mats:
@@ -316,7 +315,7 @@ class ArenaExperts(ExpertBackend):
         while pending:
             t0 = time.perf_counter()
             done, _ = cf.wait(list(pending), timeout=self.fetch_timeout_s, return_when=cf.FIRST_COMPLETED)
-            self.c["stall_s"] += time.perf_counter() - t0
+            self.counts.stall_s += time.perf_counter() - t0
             if not done:
                 raise IodUnavailable(f"experts of layer {layer} {sorted(pending.values())} not delivered "
                                      f"within {self.fetch_timeout_s}s")
@@ -325,7 +324,7 @@ class ArenaExperts(ExpertBackend):
                 e = pending.pop(f)
                 lease = self._lease_or_retry(layer, e, f, pending, retries)
                 if lease is not None:
-                    self.c["bytes_fetched"] += sum(n for _, n in lease.parts.values())
+                    self.counts.bytes_fetched += sum(n for _, n in lease.parts.values())
                     leases[e] = lease
             if leases:
                 yield leases
@@ -359,7 +358,12 @@ class ArenaExperts(ExpertBackend):
         if why == P.ErrorCode.BUSY.value:
             time.sleep(min(0.001 * 2 ** retries[e], 0.1))  # the daemon's queue is full: back off
         pending[self.client.fetch([(layer, e)], "now")[0]] = e
-        self.c[why if why in ("voided", "changed") else "refetched"] += 1
+        if why == "voided":
+            self.counts.voided += 1
+        elif why == "changed":
+            self.counts.changed += 1
+        else:
+            self.counts.refetched += 1
 
     def _waited_deadline(self, layer: int, e: int, exc: BaseException | None) -> None:
         """The daemon gave up waiting for arena room (`deadline`): others hold it. Ask again, until
@@ -367,9 +371,9 @@ class ArenaExperts(ExpertBackend):
         now = time.monotonic()
         first = self._deadline_since.setdefault((layer, e), now - self.client.welcome.get("queue_deadline_s", 0.0))
         message = getattr(exc, "message", str(exc))
-        self.c["deadlines"] += 1
-        self.c["deadline_wait_s"] += self.client.welcome.get("queue_deadline_s", 0.0)
-        self.c["waited_on"] = message[:300]
+        self.counts.deadlines += 1
+        self.counts.deadline_wait_s += self.client.welcome.get("queue_deadline_s", 0.0)
+        self.counts.waited_on = message[:300]
         if now - first > self.fetch_timeout_s:
             raise IodUnavailable(f"expert ({layer}, {e}): no arena room for {now - first:.0f}s "
                                  f"(fetch timeout {self.fetch_timeout_s:g}s): {message}")
@@ -424,27 +428,3 @@ def open_arena(layout: ModelLayout, endpoint: str, *, timeout_s: float = 5.0, fe
     except BaseException:
         client.close()
         raise
-
-
-def describe_stats(st: dict[str, Any]) -> str:
-    """The arena source's counters for people."""
-    p = st["prefetch"]
-    lines = [f"experts: {st['acquired']} used, {st['direct']} read straight from the arena (no request), "
-             f"{st['demand']} fetched now, {st['bytes_fetched'] / 2**20:.1f} MiB delivered, stall "
-             f"{st['stall_s'] * 1e3:.1f} ms, compute {st['compute_s'] * 1e3:.1f} ms"
-             + (f", {st['refetched']} refetched" if st["refetched"] else "")
-             + (f", {st['changed']} computed again (their slot was reloaded meanwhile)" if st["changed"] else "")]
-    if st.get("deadlines"):
-        each = st["deadline_wait_s"] / st["deadlines"]
-        lines.append(f"waited for arena room: {st['deadlines']} requests waited out the daemon's queue deadline "
-                     f"({each:g} s each) and were asked again; last: {st['waited_on']}")
-    if st.get("recalls", {}).get("recalled"):
-        r = st["recalls"]
-        lines.append(f"recalls: the daemon asked {r['recalled']} leases back for other peers "
-                     f"({st['prefetch']['recalled']} idle prefetches handed back), took back {r['revoked']}")
-    if p["sent"] or p["sent_if_cached"] or p["skipped"]:
-        lines.append(f"prefetch: {p['sent']} sent ahead, {p['sent_if_cached']} if cached ({p['not_cached']} were "
-                     f"not), {p['useful']} useful ({p['hidden']} in time, {p['late']} late), {p['wasted']} wasted, "
-                     f"{p['cancelled']} cancelled, {p['skipped']} over the limit; hid {st['hidden_share']:.1%} of "
-                     f"the fetches")
-    return "\n".join(lines)

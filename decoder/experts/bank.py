@@ -13,8 +13,8 @@ The bank wraps one backend (an `ExpertBackend`), which says where the experts ar
     cpu-arena     arena.ArenaExperts                    leased slots of the daemon's shared arena
     gpu-slots     streamed.StreamedExperts              a device slot cache fed from the arena
     gpu-resident  source.ResidentExperts                every expert's raw blocks on the device
-
-(a zero-copy GPU backend over the registered arena would be one more row). Forced routing
+    gpu-arena     zero_copy.ArenaGpuExperts             leased arena slots, read in place by the GPU
+ Forced routing
 (`forced=`, `generate --force-routing`) is a bank option: the trace's ids replace the router's
 before the backend sees them.
 """
@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from .source import ExpertBackend, Predictions
-from .stats import ArenaStatsView, ResidentStats, SlotStats
+from .stats import ArenaStats, ResidentStats, SlotStats, ZeroCopyStats
 
-BankStats = ResidentStats | SlotStats | ArenaStatsView
+BankStats = ResidentStats | SlotStats | ArenaStats | ZeroCopyStats
 
 
 class ExpertBank:
@@ -41,7 +41,7 @@ class ExpertBank:
 
     @property
     def kind(self) -> str:
-        """The backend's name (`cpu-mmap`, `cpu-arena`, `gpu-slots`, `gpu-resident`)."""
+        """The backend's name (`cpu-mmap`, `cpu-arena`, `gpu-slots`, `gpu-resident`, `gpu-arena`)."""
         return self.backend.kind
 
     @property
@@ -68,8 +68,7 @@ class ExpertBank:
 
     def stats(self) -> BankStats:
         """The backend's counters, typed (`describe()`, `as_dict()`, `traffic()`)."""
-        st = self.backend.stats()
-        return ArenaStatsView(st) if isinstance(st, dict) else st  # arena.py's counters are still a dict
+        return self.backend.stats()
 
     def close(self) -> None:
         self.backend.close()

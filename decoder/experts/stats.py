@@ -173,27 +173,108 @@ class SlotStats:
 
 
 @dataclass
-class ArenaStatsView:
-    """The `cpu-arena` backend's counters while `arena.py` still returns them as a dict: the one
-    adapter (`ExpertBank.stats`) that gives them the typed contract."""
+class ArenaCounters:
+    """What the `cpu-arena` backend's layers did (`arena.ArenaExperts.counts`)."""
 
-    counters: dict[str, Any]
+    acquired: int = 0  # experts the layers used
+    direct: int = 0  # computed straight from the arena through its directory: no request, no lease
+    demand: int = 0  # fetched `now`
+    refetched: int = 0  # fetched again (dropped, refused, cancelled)
+    voided: int = 0  # leases of a lost daemon (or revoked) computed again
+    changed: int = 0  # directory hits whose slot was reloaded during their compute, computed again
+    bytes_fetched: int = 0  # blob bytes of the leases used
+    deadlines: int = 0  # requests that waited out the daemon's queue deadline
+    stall_s: float = 0.0  # waiting for leases
+    compute_s: float = 0.0
+    deadline_wait_s: float = 0.0
+    waited_on: str = ""  # the last deadline's message (who held the arena)
+
+
+@dataclass
+class ArenaPrefetchCounters:
+    """The `cpu-arena` backend's `fetch ahead` requests (`arena.Prefetches.counts`)."""
+
+    sent: int = 0
+    sent_if_cached: int = 0  # `cached` guesses (a daemon without a directory)
+    not_cached: int = 0  # guesses refused (not in the arena) or dropped
+    skipped: int = 0  # over the limit of prefetches held
+    useful: int = 0  # hidden + late
+    hidden: int = 0  # landed in time
+    late: int = 0  # in flight when their layer ran: cancelled, fetched `now`
+    wasted: int = 0  # landed (or failed) for nothing
+    cancelled: int = 0
+    recalled: int = 0  # landed and handed back at the daemon's request
+
+
+@dataclass
+class ArenaStats:
+    """The `cpu-arena` backend: its layers, its prefetches, and the daemon's recalls."""
+
+    counts: ArenaCounters
+    prefetch: ArenaPrefetchCounters
+    recalls: dict[str, int]  # {"recalled", "revoked"}: leases the daemon asked back, took back
     kind: str = "cpu-arena"
 
-    def describe(self) -> str:
-        from .arena import describe_stats
-
-        return describe_stats(self.counters)
+    @property
+    def hidden_share(self) -> float:
+        """Of the experts that would have been fetched `now`, those a prefetch had landed in time."""
+        would_miss = self.counts.demand + self.prefetch.useful
+        return self.prefetch.hidden / would_miss if would_miss else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.counters)
+        return {"source": "streamed", "slot_format": "quant", **asdict(self.counts), "recalls": dict(self.recalls),
+                "prefetch": asdict(self.prefetch), "hidden_share": self.hidden_share, "kind": self.kind}
+
+    def describe(self) -> str:
+        c, p = self.counts, self.prefetch
+        lines = [f"experts: {c.acquired} used, {c.direct} read straight from the arena (no request), {c.demand} "
+                 f"fetched now, {c.bytes_fetched / 2**20:.1f} MiB delivered, stall {c.stall_s * 1e3:.1f} ms, compute "
+                 f"{c.compute_s * 1e3:.1f} ms"
+                 + (f", {c.refetched} refetched" if c.refetched else "")
+                 + (f", {c.changed} computed again (their slot was reloaded meanwhile)" if c.changed else "")]
+        if c.deadlines:
+            lines.append(f"waited for arena room: {c.deadlines} requests waited out the daemon's queue deadline "
+                         f"({c.deadline_wait_s / c.deadlines:g} s each) and were asked again; last: {c.waited_on}")
+        if self.recalls.get("recalled"):
+            lines.append(f"recalls: the daemon asked {self.recalls['recalled']} leases back for other peers "
+                         f"({p.recalled} idle prefetches handed back), took back {self.recalls['revoked']}")
+        if p.sent or p.sent_if_cached or p.skipped:
+            lines.append(f"prefetch: {p.sent} sent ahead, {p.sent_if_cached} if cached ({p.not_cached} were not), "
+                         f"{p.useful} useful ({p.hidden} in time, {p.late} late), {p.wasted} wasted, {p.cancelled} "
+                         f"cancelled, {p.skipped} over the limit; hid {self.hidden_share:.1%} of the fetches")
+        return "\n".join(lines)
 
     def traffic(self) -> Traffic:
-        st, pre = self.counters, self.counters.get("prefetch") or {}
-        misses = st.get("demand", 0)
-        return Traffic(hits=st.get("acquired", 0) - misses, misses=misses, bytes_fetched=st.get("bytes_fetched", 0),
-                       stall_s=st.get("stall_s", 0.0), prefetch_hidden=pre.get("hidden", 0),
-                       prefetch_useful=pre.get("useful", 0))
+        c = self.counts
+        return Traffic(hits=c.acquired - c.demand, misses=c.demand, bytes_fetched=c.bytes_fetched, stall_s=c.stall_s,
+                       prefetch_hidden=self.prefetch.hidden, prefetch_useful=self.prefetch.useful)
+
+
+@dataclass
+class ZeroCopyStats:
+    """The `gpu-arena` backend: leases kept across tokens, read in place by the kernels."""
+
+    keep: int  # leases it keeps at most
+    held: int  # held now
+    acquired: int = 0  # experts the layers used
+    held_hits: int = 0  # used from a lease still held: no request
+    demand: int = 0  # fetched `now`
+    released: int = 0
+    recalled: int = 0  # handed back at the daemon's request
+    voided: int = 0  # leases of a lost daemon, fetched again
+    stall_s: float = 0.0
+    kind: str = "gpu-arena"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"source": "streamed", "slot_format": "arena", **asdict(self)}
+
+    def describe(self) -> str:
+        return (f"experts: {self.acquired} used in place in the arena, {self.held_hits} from leases kept "
+                f"({self.held}/{self.keep} held), {self.demand} fetched now, {self.released} handed back "
+                f"({self.recalled} recalled), stall {self.stall_s * 1e3:.1f} ms")
+
+    def traffic(self) -> Traffic:
+        return Traffic(hits=self.held_hits, misses=self.demand, stall_s=self.stall_s)
 
 
 @dataclass

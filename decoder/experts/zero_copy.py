@@ -29,7 +29,7 @@ import concurrent.futures as cf
 import time
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -39,7 +39,8 @@ from ...common.arena import ArenaView
 from ...common.client import IodClient, IodUnavailable, Lease
 from ...common.layout import ModelLayout
 from .slot_format import slot_layouts
-from .source import ExpertSource
+from .source import ExpertBackend
+from .stats import ZeroCopyStats
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -91,8 +92,10 @@ class _DeviceArray:
                                          "strides": None}
 
 
-class ArenaGpuExperts(ExpertSource):
+class ArenaGpuExperts(ExpertBackend):
     """Experts computed on the GPU from leased arena slots in place (see the module docstring)."""
+
+    kind = "gpu-arena"
 
     def __init__(self, client: IodClient, layout: ModelLayout, device: torch.device | str, *,
                  keep: int | None = None, fetch_timeout_s: float = 60.0, owns_client: bool = False):
@@ -119,8 +122,7 @@ class ArenaGpuExperts(ExpertSource):
         self._written: dict[Key, tuple[int, int]] = {}  # what the device tables hold: key -> (slot, epoch)
         self._spare = torch.zeros(1, 1, dtype=torch.uint8, device=self.device)  # never indexed: no spare rows
         self._mapping: _Mapping | None = None
-        self.c = dict.fromkeys(("acquired", "held_hits", "demand", "released", "recalled", "voided"), 0)
-        self.c.update(stall_s=0.0)
+        self.counts = ZeroCopyStats(keep=self.keep, held=0)
         self._closed = False
 
     # -- ExpertSource ------------------------------------------------------------------------
@@ -138,11 +140,11 @@ class ArenaGpuExperts(ExpertSource):
         for e in wanted:
             self._held[(layer, e)].used = used
         self._trim(layer)
-        self.c["acquired"] += len(wanted)
+        self.counts.acquired += len(wanted)
         return out
 
-    def stats(self) -> dict[str, Any]:
-        return {"source": "arena-gpu", "slot_format": "arena", "held": len(self._held), "keep": self.keep, **self.c}
+    def stats(self) -> ZeroCopyStats:
+        return replace(self.counts, held=len(self._held))
 
     def close(self) -> None:
         if self._closed:
@@ -167,14 +169,14 @@ class ArenaGpuExperts(ExpertSource):
             h = self._held.get((layer, e))
             if h is not None and self.client.voided(h.lease):  # a lost daemon's (or revoked): ask again
                 del self._held[(layer, e)]
-                self.c["voided"] += 1
+                self.counts.voided += 1
                 h = None
             if h is None:
                 missing.append(e)
             else:
                 self._held.move_to_end((layer, e))
                 got[e] = h.lease
-                self.c["held_hits"] += 1
+                self.counts.held_hits += 1
         if missing:
             if len(wanted) > self.keep:
                 raise IodUnavailable(f"layer {layer} routes to {len(wanted)} experts, more than the {self.keep} leases "
@@ -185,7 +187,7 @@ class ArenaGpuExperts(ExpertSource):
 
     def _fetch_now(self, layer: int, experts: list[int]) -> dict[int, Lease]:
         t0 = time.perf_counter()
-        self.c["demand"] += len(experts)
+        self.counts.demand += len(experts)
         out: dict[int, Lease] = {}
         todo = experts
         while todo:
@@ -203,7 +205,7 @@ class ArenaGpuExperts(ExpertSource):
                 self._held[(layer, e)] = _Held(lease)
                 out[e] = lease
             todo = again
-        self.c["stall_s"] += time.perf_counter() - t0
+        self.counts.stall_s += time.perf_counter() - t0
         return out
 
     def _trim(self, keep_layer: int, room: int = 0) -> None:
@@ -219,7 +221,7 @@ class ArenaGpuExperts(ExpertSource):
         if not recalled:
             return
         back = [k for k, h in self._held.items() if (h.lease.slot, h.lease.generation) in recalled]
-        self.c["recalled"] += len(back)
+        self.counts.recalled += len(back)
         self._release([self._held.pop(k) for k in back])
 
     def _release(self, held: list[_Held]) -> None:
@@ -228,7 +230,7 @@ class ArenaGpuExperts(ExpertSource):
             if h.used is not None:
                 h.used.synchronize()
         self.client.release_many([h.lease for h in held])
-        self.c["released"] += len(held)
+        self.counts.released += len(held)
 
     # -- device tables and the mapping --------------------------------------------------------
     def _mapping_for(self, leases: dict[int, Lease]) -> _Mapping:

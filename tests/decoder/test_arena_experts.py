@@ -78,9 +78,9 @@ def test_streamed_equals_resident_bit_for_bit(setups, start_daemon, quant, slots
         got = s.run(src, hook, prompts=(PROMPT, PROMPT[:5]))
         st = src.stats()
     assert same_run(got, want)
-    assert st["acquired"] > 0 and st["bytes_fetched"] > 0
+    assert st.counts.acquired > 0 and st.counts.bytes_fetched > 0
     if depth:
-        assert st["prefetch"]["sent"] > 0
+        assert st.prefetch.sent > 0
 
 
 def test_token_by_token_equals_one_prompt(setups, start_daemon):
@@ -102,7 +102,7 @@ def test_an_arena_smaller_than_a_layers_working_set_still_decodes(setups, start_
     daemon = start_daemon(s.path, arena_slots=2)
     with open_arena(s.layout, daemon.endpoint) as src:
         got = s.run(src, Prefetcher(s.model, src, 2))  # prefetch: over the limit, skipped
-        assert src.stats()["prefetch"]["sent"] == 0
+        assert src.stats().prefetch.sent == 0
     assert same_run(got, want)
 
 
@@ -125,10 +125,10 @@ def test_a_prefetch_that_failed_is_fetched_again_now(setups, start_daemon):
         failed = sum(1 for f in mine.values() if f.cancelled() or f.exception() is not None)
         got = src.mix(0, x, weights, ids)
         assert torch.equal(got, want)
-        p = src.stats()["prefetch"]
-        assert p["useful"] + p["not_cached"] == 5 and p["not_cached"] == 1  # the dropped one was no use
-        st = src.stats()  # each failed one is fetched `now`, or read where the arena has it already
-        assert st["demand"] + st["direct"] == failed >= 1
+        p = src.stats().prefetch
+        assert p.useful + p.not_cached == 5 and p.not_cached == 1  # the dropped one was no use
+        st = src.stats().counts  # each failed one is fetched `now`, or read where the arena has it already
+        assert st.demand + st.direct == failed >= 1
 
 
 def test_predictions_if_cached_never_read(setups, start_daemon):
@@ -146,12 +146,12 @@ def test_predictions_if_cached_never_read(setups, start_daemon):
         reads = get_status(daemon.status_endpoint)["reads"]
         assert reads == 2  # the two demand reads only: the cached guesses read nothing
         src.begin_step()
-        before = dict(src.stats()["prefetch"])
+        before = src.stats().prefetch
         src.prefetch_ahead({}, if_cached={0: [1, 2, 5]})  # 1, 2 are in the arena now; 5 is not
         assert torch.equal(src.mix(0, x, weights, ids), got) and torch.equal(got, resident.mix(0, x, weights, ids))
-        p = src.stats()["prefetch"]
+        p = src.stats().prefetch
         assert get_status(daemon.status_endpoint)["reads"] == reads  # no read for 5, none for 1, 2
-        assert (p["hidden"] - before["hidden"]) + (p["late"] - before["late"]) == 2  # both guesses used
+        assert (p.hidden - before.hidden) + (p.late - before.late) == 2  # both guesses used
 
 
 def test_experts_in_the_arena_cost_no_request(setups, start_daemon, wait_status):
@@ -169,7 +169,7 @@ def test_experts_in_the_arena_cost_no_request(setups, start_daemon, wait_status)
         for _ in range(3):
             assert torch.equal(src.mix(0, x, weights, ids), want)
         st = src.stats()
-        assert st["direct"] == 9 and st["demand"] == 3 and st["prefetch"]["sent"] == 0
+        assert st.counts.direct == 9 and st.counts.demand == 3 and st.prefetch.sent == 0
         after = wait_status(daemon.status_endpoint, lambda st: st["direct_hits"] == 9)  # sent unasked, soon
         assert after["requests"] == first["requests"] and after["reads"] == first["reads"] == 3
 
@@ -206,7 +206,7 @@ def test_streamed_equals_resident_while_another_decoder_churns_the_arena(setups,
             for _ in range(3):
                 assert same_run(s.run(src, prompts=(PROMPT, PROMPT[:5])), want)
             st = src.stats()
-        assert st["direct"] > 0 and st["demand"] > 0  # both paths taken under churn
+        assert st.counts.direct > 0 and st.counts.demand > 0  # both paths taken under churn
     finally:
         churn.kill()
         churn.wait()

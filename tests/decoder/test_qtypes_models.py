@@ -72,6 +72,6 @@ def test_streamed_equals_resident(model, start_daemon):
     daemon = start_daemon(model, arena_slots=6)  # a quarter of the 24 experts: evictions
     with open_arena(layout, daemon.endpoint) as src:
         got = generate(m.with_bank(ExpertBank(src)), [PROMPT, PROMPT[:4]], 4, keep_logits=True, observer=Prefetcher(m, src, 1))
-        assert src.stats()["bytes_fetched"] > 0
+        assert src.stats().counts.bytes_fetched > 0
     assert got.tokens == want.tokens
     assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))

@@ -122,9 +122,9 @@ def test_arena_decoder_survives_a_killed_daemon(setup, tmp_path):
         with open_arena(layout, r.endpoint, reconnect_s=20) as src:
             hook = KillAfterLayer(model, src, src.client, lambda: list(src.prefetches._by_layer.get(1, {}).values()), r)
             got = generate(model.with_bank(ExpertBank(src)), PROMPTS, N_NEW, keep_logits=True, observer=hook)
-            stats, reconnects = src.stats(), src.client.reconnects
+            stats, reconnects = src.stats().counts, src.client.reconnects
         assert reconnects == 1 and len(r.daemons) == 2
-        assert hook.voidable > 0 and stats["voided"] >= hook.voidable  # landed prefetches fetched again
+        assert hook.voidable > 0 and stats.voided >= hook.voidable  # landed prefetches fetched again
         assert same_run(got, want)
         assert get_status(r.daemons[1].status_endpoint)["requests"] > 0  # finished against the new daemon
     finally:

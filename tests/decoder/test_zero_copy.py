@@ -43,8 +43,8 @@ def test_arena_in_place_equals_resident_raw_slots(make_tiny_model, start_daemon,
         for one_sequence in (False, True):
             assert torch.equal(logits(model, src, one_sequence), logits(model, resident, one_sequence))
         st = src.stats()
-    assert st["held"] <= 8 and st["released"] > 0 and st["held_hits"] > 0  # leases kept across tokens, bounded
-    assert st["demand"] > 0
+    assert st.held <= 8 and st.released > 0 and st.held_hits > 0  # leases kept across tokens, bounded
+    assert st.demand > 0
 
 
 @torch.inference_mode()
