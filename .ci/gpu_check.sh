@@ -16,7 +16,7 @@
 # numba/llvmlite are left out (60 MB, over the 64 MiB a device run carries; no CUDA path imports them).
 #
 # Writes to $OUT: steps.log (what ran, exit codes), env.txt, nvidia-smi.txt, pip.log, tests.log +
-# junit.xml (tests/decoder/test_triton.py and test_cuda.py on the device), kernels.txt (per-layer
+# junit.xml (tests/decoder/test_triton.py, test_cuda.py and test_zero_copy.py on the device), kernels.txt (per-layer
 # fused mix vs torch dequantize + matmul on the slice), bench_slice.{json,txt} and
 # bench_tiny.{json,txt} (`moestream bench decode --device cuda`).
 set -u
@@ -68,7 +68,7 @@ $PY -c 'import moestream, zmq, gguf, msgpack; print("imports ok:", moestream.__f
 
 # -- tests on the device: kernels vs gguf-py, graph capture, pinned copies, streamed == resident --
 want tests && step tests 330 $PY -m pytest -q -p no:cacheprovider -rs --junitxml="$OUT/junit.xml" \
-    tests/decoder/test_triton.py tests/decoder/test_cuda.py > "$OUT/tests.log" 2>&1
+    tests/decoder/test_triton.py tests/decoder/test_cuda.py tests/decoder/test_zero_copy.py > "$OUT/tests.log" 2>&1
 
 # -- the slice of issue 9: a Qwen3-30B-A3B-shaped model, 12 layers --
 SLICE=/tmp/moestream-slice.gguf

@@ -33,6 +33,13 @@ Expert format (--slot-format):
            expert cache (size it with `moestream-iod --memory`; no --slots here).
   raw      (CUDA default) a device slot cache of quantized blocks, read by fused kernels
            (dequantized on every use where none runs).
+
+GPU experts (--gpu-experts, streamed on CUDA):
+  slots    (default) the device slot cache above, filled from the daemon's arena.
+  arena    zero copy: the fused kernels read leased arena slots in place through the arena's
+           CUDA-registered mapping; no device cache, one memory budget (`moestream-iod --memory`).
+           The fast path on unified memory (GB10, GH200); on a discrete GPU the low-VRAM one
+           (every read crosses PCIe).
 """
 
 
@@ -64,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="device slot cache size in bytes, e.g. 512M (streamed, raw format)")
     ap.add_argument("--slot-format", dest="slot_format", choices=["auto", "quant", "raw"],
                     help="see above (default auto: quant on cpu, raw on cuda)")
+    ap.add_argument("--gpu-experts", dest="gpu_experts", choices=["slots", "arena"],
+                    help="streamed on CUDA: a device slot cache (default) or the arena read in place (see above)")
     ap.add_argument("--prefetch", type=int,
                     help="layers of router look-ahead for prefetching (default 1, 0 = off): after layer L the "
                          "routers of layers L+1..L+N guess their experts, fetched `ahead` so disk reads overlap "
@@ -206,7 +215,7 @@ def checked_slots(slots: int, hp: HParams) -> int:
 
 
 def open_streamed(cfg: DecoderConfig, layout: ModelLayout, name: str = "moestream-generate") -> ExpertBackend:
-    """The daemon's experts for `cfg` (`cpu-arena` or `gpu-slots`); `name` is how the daemon's
+    """The daemon's experts for `cfg` (`cpu-arena`, `gpu-slots` or `gpu-arena`); `name` is how the daemon's
     status lists this client."""
     try:
         from .experts.arena import open_arena
@@ -217,6 +226,11 @@ def open_streamed(cfg: DecoderConfig, layout: ModelLayout, name: str = "moestrea
     if cfg.resolved_slot_format == "quant":
         source = open_arena(layout, cfg.iod, fetch_timeout_s=cfg.fetch_timeout_s, name=name,
                             reconnect_s=cfg.reconnect_s)
+    elif cfg.gpu_experts == "arena":
+        from .experts.zero_copy import open_arena_gpu
+
+        source = open_arena_gpu(layout, cfg.iod, cfg.torch_device, fetch_timeout_s=cfg.fetch_timeout_s, name=name,
+                                reconnect_s=cfg.reconnect_s)
     else:
         sized = {"cache_bytes": cfg.cache_bytes} if cfg.cache_bytes else \
             {"slots": checked_slots(cfg.slots, layout.hparams) if cfg.slots else default_slots(layout.hparams)}

@@ -18,6 +18,7 @@ from .generation.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SLOT_FORMATS = ("auto", "quant", "raw")
+GPU_EXPERTS = ("slots", "arena")
 
 
 class ConfigError(ValueError):
@@ -36,6 +37,7 @@ class DecoderConfig:
     slots: int | None = None  # device slot cache size, in experts (streamed, raw slots)
     cache_bytes: int | None = None  # ... or in bytes
     slot_format: str = "auto"  # auto -> raw on cuda, quant on cpu
+    gpu_experts: str = "slots"  # streamed on a GPU: a device slot cache, or the arena read in place (zero copy)
     prefetch: int = 1  # layers of router look-ahead (0 = off)
     prefetch_at: str | None = None  # predict after a layer or after its attention (default: see below)
     prefetch_top: int | None = None  # experts per token and layer to prefetch (default: the model's top-k)
@@ -96,6 +98,15 @@ class DecoderConfig:
             raise ConfigError(f"reconnect_s (--reconnect-wait) must be a number of seconds >= 0, got {self.reconnect_s!r}")
 
     def _check_slot_format(self) -> None:
+        if self.gpu_experts not in GPU_EXPERTS:
+            raise ConfigError(f"gpu_experts must be one of {', '.join(GPU_EXPERTS)}, got {self.gpu_experts!r}")
+        if self.gpu_experts == "arena":
+            if self.torch_device.type == "cpu":
+                raise ConfigError("--gpu-experts arena is the GPU's zero-copy mode; on a CPU the arena is always read "
+                                  "in place (slot format quant)")
+            if self.slots is not None or self.cache_bytes is not None:
+                raise ConfigError("--gpu-experts arena keeps no device slot cache: size the arena with "
+                                  "`moestream-iod --memory`, not --slots/--cache-bytes")
         fmt = self.resolved_slot_format
         if fmt == "quant" and self.torch_device.type != "cpu":
             raise ConfigError("slot format 'quant' (experts computed on their quantized blocks where they lie) "

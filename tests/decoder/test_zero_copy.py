@@ -58,3 +58,12 @@ def test_a_layer_wider_than_the_leases_kept_is_a_clear_error(make_tiny_model, st
     with open_arena_gpu(layout, daemon.endpoint, DEVICE, keep=3) as src:
         with pytest.raises(IodUnavailable, match="routes to .* experts, more than the 3 leases"):
             logits(model, src, one_sequence=True)
+
+
+def test_gpu_experts_arena_is_checked(tiny_model):
+    from moestream.decoder.config import ConfigError, DecoderConfig
+
+    with pytest.raises(ConfigError, match="on a CPU the arena is always read in place"):
+        DecoderConfig(model=str(tiny_model), iod="ipc:///x", prompts=["a"], device="cpu", gpu_experts="arena")
+    with pytest.raises(ConfigError, match="gpu_experts must be one of slots, arena"):
+        DecoderConfig(model=str(tiny_model), iod="ipc:///x", prompts=["a"], gpu_experts="device")
