@@ -360,7 +360,7 @@ class _IoThread(threading.Thread):
         self.sock: zmq.Socket | None = None
         self.mon: zmq.Socket | None = None
         self.heartbeat_s = 1.0
-        self.last_send = self.last_recv = time.monotonic()
+        self.last_send = self.last_recv = self.last_ping = time.monotonic()
         self.attempt_end = time.monotonic() + client.timeout_s  # this handshake's deadline
         self.give_up_at = 0.0  # end of the reconnect window
         self.retry_at: float | None = None  # next handshake attempt (after a refusal)
@@ -458,8 +458,12 @@ class _IoThread(threading.Thread):
     def _timers(self, now: float) -> None:
         state = self.c.state
         if state is State.CONNECTED:
-            if now - self.last_send > self.heartbeat_s:
+            # a ping when we have been quiet, or when only unanswered messages went out (touch,
+            # release): the daemon's silence must mean it is gone, not that nothing asked it
+            if now - self.last_send > self.heartbeat_s or \
+                    (now - self.last_recv > self.heartbeat_s and now - self.last_ping > self.heartbeat_s):
                 self._send(P.Ping(KEEPALIVE).encode())
+                self.last_ping = now
             if now - self.last_recv > max(3 * self.heartbeat_s, self.c.timeout_s):
                 self._lost(f"moestream-iod at {self.c.endpoint} stopped answering")
         elif state is State.CONNECTING and now > self.attempt_end:

@@ -186,3 +186,16 @@ def test_fingerprint_mismatch_names_what_differs():
     assert "file size differs (size 100 here, 101" in msg and "header/tensor table differs" in msg
     old = {k: v for k, v in base.items() if k != "sample_sha256"}  # a daemon from before content identity
     assert "not reported by the daemon (an older moestream-iod?)" in fingerprint_mismatch(base, old)
+
+
+def test_a_client_that_only_reports_hits_stays_connected(tiny_model, start_daemon):
+    """Touches get no answer: a client sending only those (every expert found in the arena) must
+    still ping, or the daemon's silence reads as a lost daemon."""
+    d = start_daemon(tiny_model, arena_slots=8, extra_args=["--lease-timeout", "0.4"])  # heartbeat 0.1 s
+    with IodClient(d.endpoint, timeout_s=0.4) as c:
+        c.release(c.fetch([(0, 1)])[0].result(10))
+        end = time.monotonic() + 2.0  # 5x the client's silence limit
+        while time.monotonic() < end:
+            c.touch([(0, 1)])
+            time.sleep(0.01)
+        assert c.state is State.CONNECTED and c.reconnects == 0
