@@ -175,7 +175,7 @@ def test_streamed_equals_resident_bit_for_bit(make_tiny_model, start_daemon, cas
         got = generate(model.with_bank(ExpertBank(src)), PROMPTS, 6, keep_logits=True, observer=Prefetcher(model, src, 1))
         st = src.stats()
     assert got.tokens == want.tokens and all(torch.equal(x, y) for x, y in zip(got.logits, want.logits))
-    assert st["acquired"] > 0 and st["bytes_fetched"] > 0
+    assert st.counts.acquired > 0 and st.counts.bytes_fetched > 0
 
 
 @pytest.mark.parametrize("case", ["glm4moe-q8", "llama4-q8"])

@@ -186,7 +186,7 @@ def test_streamed_equals_resident_bit_for_bit(make_tiny_model, start_daemon, arc
         st = src.stats()
     assert got.tokens == want.tokens
     assert all(torch.equal(x, y) for x, y in zip(got.logits, want.logits))
-    assert st["acquired"] > 0 and st["bytes_fetched"] > 0
+    assert st.counts.acquired > 0 and st.counts.bytes_fetched > 0
 
 
 # -- files ------------------------------------------------------------------------------------

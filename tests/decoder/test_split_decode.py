@@ -72,7 +72,7 @@ def test_streamed_from_the_arena_equals_resident(pair, start_daemon, depth):
     with open_arena(split.layout, daemon.endpoint) as src:
         got = split.run(src, Prefetcher(split.model, src, depth) if depth else None)
         st = src.stats()
-    assert same_run(got, want) and st["bytes_fetched"] > 0
+    assert same_run(got, want) and st.counts.bytes_fetched > 0
 
 
 def test_streamed_into_the_slot_cache_equals_resident(pair, start_daemon):
