@@ -73,7 +73,7 @@ class DeviceSlotCache:
 
     def __init__(self, index: ExpertIndex, n_slots: int, device: torch.device | str = "cpu", *,
                  dtype: torch.dtype = torch.float32, decay: float = 0.9, policy: SlotPolicy | None = None,
-                 kernels: bool | None = None) -> None:
+                 kernels: bool | None = None, act: str = "swiglu") -> None:
         self.device = torch.device(device)
         if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
             raise ValueError(f"the device slot cache needs n_slots >= 1, got {n_slots!r}")
@@ -92,7 +92,7 @@ class DeviceSlotCache:
         self.writes = self.bytes_written = self.bypassed = self.direct_copies = 0
         self.blobs = torch.zeros(n_slots, self.slot_bytes, dtype=torch.uint8, device=self.device)  # [n_slots, slot_bytes]
         self.spare = torch.zeros(1, self.slot_bytes, dtype=torch.uint8, device=self.device)  # [n_spare, slot_bytes]
-        self.kernels = slot_kernels(self.layouts, self.device, kernels)
+        self.kernels = slot_kernels(self.layouts, self.device, kernels, act)
         self._spare_used = 0  # spare rows handed out in the current layer
         self._registered: list[tuple[int, torch.Tensor]] = []  # host mappings registered with CUDA (address, bytes)
 

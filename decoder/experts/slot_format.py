@@ -75,13 +75,14 @@ def pack_parts(dst: np.ndarray, lay: SlotLayout, parts: Mapping[str, Any]) -> No
         dst[off:off + n] = np.frombuffer(parts[name], dtype=np.uint8, count=n)
 
 
-def slot_kernels(layouts: list[SlotLayout], device: torch.device | str, want: bool | None = None) -> Any:
+def slot_kernels(layouts: list[SlotLayout], device: torch.device | str, want: bool | None = None,
+                 act: str = "swiglu") -> Any:
     """The fused Triton kernels (`triton_experts.SlotKernels`) for raw slots with these layouts,
     or None for today's path (dequantize each expert with torch, then matmuls).
 
     `want`: None picks them on CUDA when Triton is installed; True insists (on a CPU only under
     TRITON_INTERPRET=1, as the tests run them); False never. Layers whose quant types have no
-    kernel keep today's path, said once per process."""
+    kernel keep today's path, said once per process. `act`: the family's expert activation."""
     dev = torch.device(device)
     if want is False or (want is None and dev.type != "cuda"):
         return None
@@ -96,7 +97,7 @@ def slot_kernels(layouts: list[SlotLayout], device: torch.device | str, want: bo
         raise ValueError(f"the fused expert kernels run on CUDA (or on a CPU under TRITON_INTERPRET=1), not {dev}")
     from ..kernels.triton_quant import has_kernel
 
-    kernels = triton_experts.SlotKernels(layouts, dev)
+    kernels = triton_experts.SlotKernels(layouts, dev, act)
     slow = [i for i in range(len(layouts)) if not kernels.supports(i)]
     if slow:
         why = sorted({f"{p.name} {p.qtype.name}" if has_kernel(p.qtype) else p.qtype.name

@@ -280,12 +280,7 @@ class ResidentExperts(AcquireSource):
         self.slot_map = torch.arange(hp.n_layer * hp.n_expert, dtype=torch.int32,
                                      device=self.device).view(hp.n_layer, hp.n_expert)  # [L, E]
         self._spare = torch.zeros(1, slot_bytes, dtype=torch.uint8, device=self.device)  # never indexed here
-        if self.expert_act != "swiglu":  # the kernels compute plain SwiGLU without biases
-            if kernels:
-                raise ValueError(f"the fused Triton expert kernels do not support {self.layout.arch_name}'s experts "
-                                 f"({self.expert_act}, with biases) yet; use kernels=False or the CPU quant path")
-            kernels = False  # auto: today's path (dequantize, then the family's activation)
-        self.kernels = slot_kernels(self.layouts, self.device, kernels)
+        self.kernels = slot_kernels(self.layouts, self.device, kernels, self.expert_act)
 
     def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and self.kernels.supports(layer):

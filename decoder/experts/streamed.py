@@ -59,6 +59,7 @@ class StreamedExperts(AcquireSource):
     def __init__(self, client: IodClient, layout: ModelLayout, cache: DeviceSlotCache, *,
                  fetch_timeout_s: float = 60.0, owns_client: bool = False, landing: str = "eager"):
         self.client, self.layout, self.cache = client, layout, cache
+        self.expert_act = layout.spec.expert_act  # (the torch path's; the kernels' comes with the cache)
         self.fetch_timeout_s, self._owns_client = fetch_timeout_s, owns_client
         self.landing = landing
         if self.landing not in LANDINGS:
@@ -338,13 +339,11 @@ def open_streamed(layout: ModelLayout, endpoint: str, *, device: Any = "cpu", dt
     from .slot_format import slots_for_bytes
 
     dtype = dtype or torch.float32
-    if layout.spec.expert_act != "swiglu":  # the slot stores and the Triton kernels hold gate/up/down only
-        raise ValueError(f"{layout.arch_name}'s experts ({layout.spec.expert_act}, with biases) are not supported on "
-                         "the device slot-cache path yet; use the CPU quant path (--slot-format quant)")
     if (slots is None) == (cache_bytes is None):
         raise ValueError("give exactly one of slots (--slots) or cache_bytes (--cache-bytes)")
     n = slots if slots is not None else slots_for_bytes(layout.experts, cache_bytes)
-    cache = DeviceSlotCache(layout.experts, n, device, dtype=dtype, decay=decay, kernels=kernels)
+    cache = DeviceSlotCache(layout.experts, n, device, dtype=dtype, decay=decay, kernels=kernels,
+                            act=layout.spec.expert_act)
     client = IodClient(endpoint, expect_fingerprint=layout.fingerprint.as_dict(), timeout_s=timeout_s, name=name,
                        reconnect_s=reconnect_s)
     try:

@@ -32,8 +32,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from gguf import GGMLQuantizationType
+
+from ...common.arch import EXPERT_ACTS, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from . import triton_quant as tq
 from ..experts.slot_format import SlotLayout
+from ..experts.source import activate
 
 DECODE_MAX_ROWS = 4  # token rows per call up to which the fused matrix-vector kernels run
 SUM_BLOCK = 1024  # elements per program of the ascending-expert sum
@@ -84,9 +88,16 @@ def _part_offset(offs, ids, a, which, uniform, PER_EXPERT: tl.constexpr):
 
 
 @triton.jit
+def _bias(base, off, rows):
+    """float32 [BN]: rows of the F32 bias vector at byte `off` of an expert's slot."""
+    return tl.load((base + off).to(tl.pointer_type(tl.float32)) + rows)
+
+
+@triton.jit
 def _gate_up_kernel(blobs, spare, ids, slot_map, offs, x, h, lut_g, lut_u, n_slots, slot_bytes, gate_off, up_off,
-                    g_row_bytes, u_row_bytes, d, ff, K: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr, PER_EXPERT: tl.constexpr):
+                    g_row_bytes, u_row_bytes, d, ff, gb_off, ub_off, alpha, limit, K: tl.constexpr,
+                    QG: tl.constexpr, QU: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    PER_EXPERT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
     a = tl.program_id(0)  # assignment (token a // K, its expert ids[a])
     t = (a // K).to(tl.int64)
     base = _expert_base(blobs, spare, ids, slot_map, a, n_slots, slot_bytes)
@@ -97,12 +108,22 @@ def _gate_up_kernel(blobs, spare, ids, slot_map, offs, x, h, lut_g, lut_u, n_slo
     rows = tl.where(mask, n, 0).to(tl.int64)  # [BN]; masked rows read row 0
     g = _matvec(base + gate_off, rows, x + t * d, d, g_row_bytes, lut_g, QG, BK)  # [BN]
     u = _matvec(base + up_off, rows, x + t * d, d, u_row_bytes, lut_u, QU, BK)  # [BN]
-    tl.store(h + a * ff + n, g / (1.0 + tl.exp(-g)) * u, mask=mask)
+    if HAS_BIAS:  # gpt-oss: biases added before the activation
+        g += _bias(base, gb_off, rows)
+        u += _bias(base, ub_off, rows)
+    if ACT == 1:  # gpt-oss's clamped SwiGLU: g min'd at limit, u clamped to +-limit, (u + 1)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        act = g * tl.sigmoid(g * alpha) * (u + 1.0)
+    else:
+        act = g / (1.0 + tl.exp(-g)) * u
+    tl.store(h + a * ff + n, act, mask=mask)
 
 
 @triton.jit
 def _down_kernel(blobs, spare, ids, slot_map, offs, weights, h, y, lut_d, n_slots, slot_bytes, down_off, row_bytes,
-                 d, ff, QD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PER_EXPERT: tl.constexpr):
+                 d, ff, db_off, QD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PER_EXPERT: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
     a = tl.program_id(0)  # assignment
     base = _expert_base(blobs, spare, ids, slot_map, a, n_slots, slot_bytes)
     down_off = _part_offset(offs, ids, a, 2, down_off, PER_EXPERT)
@@ -110,6 +131,8 @@ def _down_kernel(blobs, spare, ids, slot_map, offs, weights, h, y, lut_d, n_slot
     mask = n < d
     rows = tl.where(mask, n, 0).to(tl.int64)  # [BN]
     acc = _matvec(base + down_off, rows, h + a * ff, ff, row_bytes, lut_d, QD, BK)  # [BN]
+    if HAS_BIAS:
+        acc += _bias(base, db_off, rows)
     tl.store(y + a * d + n, tl.load(weights + a).to(tl.float32) * acc, mask=mask)
 
 
@@ -147,11 +170,13 @@ class Part:
 
 @dataclass(frozen=True)
 class ExpertMats:
-    """gate, up, down of one layer's experts as slot offsets (a fused gate_up is split)."""
+    """gate, up, down of one layer's experts as slot offsets (a fused gate_up is split), and
+    their F32 biases' offsets where the family has them (gpt-oss)."""
 
     gate: Part
     up: Part
     down: Part
+    bias: tuple[int, int, int] | None = None  # byte offsets of the gate, up, down biases in the slot
 
     @property
     def d(self) -> int:
@@ -163,30 +188,42 @@ class ExpertMats:
 
 
 def expert_mats(lay: SlotLayout) -> ExpertMats | None:
-    """The layer's matrices, or None where a part has no kernel (or an extra part exists)."""
-    parts = {p.name: p for p in lay.parts}
-    mats = {}
-    for name, p in parts.items():
-        if not tq.has_kernel(p.qtype) or name not in ("gate", "up", "down", "gate_up"):
+    """The layer's matrices, or None where a part has no kernel (or an unknown part exists)."""
+    mats, biases = {}, {}
+    for p in lay.parts:
+        off = lay.ranges[p.name][0]
+        if p.name.endswith(".bias"):
+            if p.qtype != GGMLQuantizationType.F32:
+                return None  # (the files have F32 biases)
+            name = p.name.removesuffix(".bias")
+            if name == "gate_up":
+                biases["gate"], biases["up"] = off, off + p.nbytes // 2
+            else:
+                biases[name] = off
+            continue
+        if not tq.has_kernel(p.qtype) or p.name not in ("gate", "up", "down", "gate_up"):
             return None
         n_in, n_out = p.shape[0], p.shape[1]
-        if name == "gate_up":
-            half = Part(lay.ranges[name][0], int(p.qtype), n_out // 2, n_in)
+        if p.name == "gate_up":
+            half = Part(off, int(p.qtype), n_out // 2, n_in)
             mats["gate"] = half
             mats["up"] = Part(half.offset + half.n_out * half.row_bytes, half.qtype, half.n_out, n_in)
         else:
-            mats[name] = Part(lay.ranges[name][0], int(p.qtype), n_out, n_in)
-    if set(mats) != {"gate", "up", "down"}:
+            mats[p.name] = Part(off, int(p.qtype), n_out, n_in)
+    if set(mats) != {"gate", "up", "down"} or (biases and set(biases) != {"gate", "up", "down"}):
         return None
-    return ExpertMats(mats["gate"], mats["up"], mats["down"])
+    bias = (biases["gate"], biases["up"], biases["down"]) if biases else None
+    return ExpertMats(mats["gate"], mats["up"], mats["down"], bias)
 
 
 class SlotKernels:
     """The fused path of one slot store: `mix` for any layer whose types all have kernels."""
 
-    def __init__(self, layouts: list[SlotLayout], device: torch.device) -> None:
+    def __init__(self, layouts: list[SlotLayout], device: torch.device, act: str = "swiglu") -> None:
+        if act not in EXPERT_ACTS:
+            raise ValueError(f"unknown expert activation {act!r} (have: {', '.join(EXPERT_ACTS)})")
         self.mats = [expert_mats(lay) for lay in layouts]  # per layer; None: torch fallback
-        self.device = device
+        self.device, self.act = device, act
         self._luts: dict[int, torch.Tensor] = {}
 
     def supports(self, layer: int) -> bool:
@@ -220,17 +257,19 @@ class SlotKernels:
         x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()  # [N, d], [N, k], [N, k]
         h = torch.empty(n * k, m.ff, dtype=torch.float32, device=x.device)  # [N*k, ff]
         common = {"n_slots": blobs.shape[0], "slot_bytes": blobs.shape[1], "num_warps": tq.NUM_WARPS,
-                  "PER_EXPERT": offsets is not None}
+                  "PER_EXPERT": offsets is not None, "HAS_BIAS": m.bias is not None}
+        gb, ub, db = m.bias or (0, 0, 0)
         offs = ids if offsets is None else offsets  # (a pointer the kernels never read without PER_EXPERT)
         _gate_up_kernel[(n * k, triton.cdiv(m.ff, tq.TILE_ROWS))](
             blobs, spare, ids, slot_map, offs, x, h, self.lut(m.gate.qtype), self.lut(m.up.qtype),
             gate_off=m.gate.offset, up_off=m.up.offset, g_row_bytes=m.gate.row_bytes, u_row_bytes=m.up.row_bytes,
-            d=m.d, ff=m.ff, K=k, QG=m.gate.qtype, QU=m.up.qtype, BN=tq.TILE_ROWS, BK=tq.col_tile(m.d, tq.TILE_COLS),
-            **common)
+            d=m.d, ff=m.ff, gb_off=gb, ub_off=ub, alpha=SWIGLU_OAI_ALPHA, limit=SWIGLU_OAI_LIMIT, K=k,
+            QG=m.gate.qtype, QU=m.up.qtype, BN=tq.TILE_ROWS, BK=tq.col_tile(m.d, tq.TILE_COLS),
+            ACT=EXPERT_ACTS.index(self.act), **common)
         y = torch.empty(n * k, m.d, dtype=torch.float32, device=x.device)  # [N*k, d] weighted expert outputs
         _down_kernel[(n * k, triton.cdiv(m.d, tq.TILE_ROWS))](
             blobs, spare, ids, slot_map, offs, weights, h, y, self.lut(m.down.qtype), down_off=m.down.offset,
-            row_bytes=m.down.row_bytes, d=m.d, ff=m.ff, QD=m.down.qtype, BN=tq.TILE_ROWS,
+            row_bytes=m.down.row_bytes, d=m.d, ff=m.ff, db_off=db, QD=m.down.qtype, BN=tq.TILE_ROWS,
             BK=tq.col_tile(m.ff, tq.TILE_COLS), **common)
         out = torch.empty_like(x)  # [N, d]
         _sum_kernel[(n, triton.cdiv(m.d, SUM_BLOCK))](y, ids, out, m.d, K=k, KP=triton.next_power_of_2(k),
@@ -261,7 +300,10 @@ class SlotKernels:
             parts = (m.gate, m.up, m.down) if offsets is None else \
                 tuple(replace(p, offset=plan[2 + i][e]) for i, p in enumerate((m.gate, m.up, m.down)))
             gate, up, down = (self._weights(row, p, x.dtype) for p in parts)
-            y = F.linear(F.silu(F.linear(x[rows], gate)) * F.linear(x[rows], up), down)  # [n_e, d]
+            gb, ub, db = (None,) * 3 if m.bias is None else \
+                (row[o:o + 4 * n].view(torch.float32).to(x.dtype) for o, n in zip(m.bias, (m.ff, m.ff, m.d)))
+            h = activate(F.linear(x[rows], gate, gb), F.linear(x[rows], up, ub), self.act)  # [n_e, ff]
+            y = F.linear(h, down, db)  # [n_e, d]
             out.index_put_((rows,), y * weights[rows, j, None], accumulate=True)
         return out
 

@@ -187,12 +187,35 @@ def test_unsupported_rope_scaling_is_a_clear_error(make_tiny_model):
         Yarn.from_hparams(bad)
 
 
-def test_device_slot_cache_path_refuses_clearly(make_tiny_model):
+def _logits(model, backend, one_sequence: bool) -> torch.Tensor:
+    """Logits [T, V] of PROMPT as one pass (the kernels' prefill path) or token by token (decode)."""
+    model, cache = model.with_bank(ExpertBank(backend)), model.new_cache(1, len(PROMPT))
+    if one_sequence:
+        return forward_step(model, torch.tensor([PROMPT]), cache)[0]
+    return torch.cat([forward_step(model, torch.tensor([[t]]), cache)[0] for t in PROMPT])
+
+
+@pytest.mark.skipif(not __import__("moestream.decoder.kernels.triton_quant", fromlist=["x"]).interpreted()
+                    and not torch.cuda.is_available(), reason="the Triton kernels need CUDA or TRITON_INTERPRET=1")
+@torch.inference_mode()
+def test_triton_kernels_with_biases_and_the_clamped_swiglu(make_tiny_model, start_daemon):
+    """MXFP4 experts with biases on the fused Triton kernels (raw slots resident, and the device
+    slot cache streamed from a daemon): the CPU kernels' logits (checked against HF above) within
+    float32 noise, and streamed == resident bit for bit."""
     from moestream.decoder.experts.streamed import open_streamed
 
-    layout = ModelLayout(make_tiny_model(**MODEL))
-    with pytest.raises(ValueError, match="not supported on the device slot-cache path yet"):
-        open_streamed(layout, "ipc:///nonexistent", slots=4)
+    path = make_tiny_model(**MODEL)
+    layout = ModelLayout(path)
+    model = load_model(layout)
+    fused = ResidentExperts(layout, "cpu", torch.float32, "raw", kernels=True)
+    assert fused.stats().kernels == "triton" and all(fused.kernels.supports(i) for i in range(3))
+    daemon = start_daemon(path, arena_slots=8)
+    for one_sequence in (False, True):
+        want = _logits(model, QuantResidentExperts(layout), one_sequence)
+        got = _logits(model, fused, one_sequence)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        with open_streamed(layout, daemon.endpoint, slots=6, kernels=True) as src:
+            assert torch.equal(_logits(model, src, one_sequence), got)
 
 
 # -- streaming ----------------------------------------------------------------------------------

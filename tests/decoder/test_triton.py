@@ -230,15 +230,16 @@ scalars = {"n_slots": "i32", "slot_bytes": "i32", "d": "i32", "ff": "i32"}
 for q in tq.KERNEL_TYPES:  # every type's decoding, through the dequantize kernel
     dequant(q)
 # the expert kernels around it: a LUT type, a K-quant, a grid type with a K-quant down (as dynamic quants mix)
-# (per-expert part offsets, the arena read in place, with the first pair)
+# (per-expert part offsets, the arena read in place, and gpt-oss's biases + clamped SwiGLU with the first pair)
 for (qa, qd), per in zip(((Q.MXFP4, Q.MXFP4), (Q.Q4_K, Q.Q4_K), (Q.IQ1_S, Q.Q2_K)), (True, False, False)):
     build(tx._gate_up_kernel, {**ptrs, "x": "*bf16", "lut_g": lut_sig(qa), "lut_u": lut_sig(qa),
                                **scalars, "gate_off": "i32", "up_off": "i32", "g_row_bytes": "i32",
-                               "u_row_bytes": "i32"}, {"K": 8, "QG": int(qa), "QU": int(qa), "BN": 16, "BK": 256,
-                                                       "PER_EXPERT": per})
+                               "u_row_bytes": "i32", "gb_off": "i32", "ub_off": "i32", "alpha": "fp32",
+                               "limit": "fp32"}, {"K": 8, "QG": int(qa), "QU": int(qa), "BN": 16, "BK": 256,
+                                                  "PER_EXPERT": per, "HAS_BIAS": per, "ACT": int(per)})
     build(tx._down_kernel, {**ptrs, "weights": "*bf16", "y": "*fp32", "lut_d": lut_sig(qd), **scalars,
-                            "down_off": "i32", "row_bytes": "i32"}, {"QD": int(qd), "BN": 16, "BK": 256,
-                                                                     "PER_EXPERT": per})
+                            "down_off": "i32", "row_bytes": "i32", "db_off": "i32"},
+          {"QD": int(qd), "BN": 16, "BK": 256, "PER_EXPERT": per, "HAS_BIAS": per})
 build(tx._sum_kernel, {"y": "*fp32", "ids": "*i64", "out": "*bf16", "d": "i32"}, {"K": 6, "KP": 8, "BLOCK": 1024})
 print("compiled")
 """
