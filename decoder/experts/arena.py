@@ -51,23 +51,19 @@ from __future__ import annotations
 import concurrent.futures as cf
 import time
 from dataclasses import replace
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-from ...common import protocol as P
 from ...common.arena import ArenaView
-from ...common.client import IodClient, IodRequestError, IodUnavailable, Lease, LeaseVoided
+from ...common.client import IodClient, IodUnavailable, Lease, LeaseVoided
 from ...common.layout import ModelLayout
 from .source import ExpertBackend, Predictions, combine, group_by_expert
 from .resident import Mats, expert_mats, run_experts
+from .leases import LeasePipeline, Owed
 from .stats import ArenaCounters, ArenaPrefetchCounters, ArenaStats
 
-RETRYABLE = P.GIVEN_UP | {P.ErrorCode.BUSY.value, P.ErrorCode.DEADLINE.value}  # fetched again `now`
-# (busy: after a back-off; deadline: the daemon waited for room already, within a total bound)
-MAX_RETRIES = 20  # a request refused this often in a row means the daemon is overloaded
 
 
 class Prefetches:
@@ -175,12 +171,12 @@ class ArenaExperts(ExpertBackend):
         self._deferred: list[tuple[Predictions, Predictions]] = []  # sent after the next layer's demand
         self._closed = False
         self.counts = ArenaCounters()
-        self._deadline_since: dict[tuple[int, int], float] = {}  # expert -> its first `deadline` in a row
+        self.leases = LeasePipeline(client, self.counts, fetch_timeout_s)
 
     # -- ExpertBackend ----------------------------------------------------------------------
     def begin_step(self) -> None:
         self._deferred.clear()
-        self._deadline_since.clear()
+        self.leases.begin_step()
         self.prefetches.clear()
 
     def prefetch_ahead(self, predictions: Predictions, defer: bool = False,
@@ -210,13 +206,13 @@ class ArenaExperts(ExpertBackend):
         landed = self.prefetches.take(layer, wanted)
         arena = self.client.arena  # (one arena for the lookup and the compute: a reconnect swaps it)
         direct = self._look_up(arena, layer, [e for e in wanted if e not in landed])
-        pending = self._request(layer, [e for e in wanted if e not in landed and e not in direct], landed)
+        owed = self.leases.request(layer, [e for e in wanted if e not in landed and e not in direct], landed)
+        self._send_deferred()  # behind this layer's demand at the daemon
         outputs = {}
-        retries: dict[int, int] = {}
         try:
             if direct:  # computed while the misses are on their way
-                outputs.update(self._compute_direct(arena, layer, x, groups, weights, direct, pending, retries))
-            for leases in self._arrivals(layer, pending, retries):
+                outputs.update(self._compute_direct(arena, layer, x, groups, weights, direct, owed))
+            for leases in self.leases.arrivals(owed):
                 t0 = time.perf_counter()
                 try:
                     computed = self._compute(layer, x, groups, weights, leases)
@@ -227,9 +223,9 @@ class ArenaExperts(ExpertBackend):
                     if e in computed and not self.client.voided(lease):
                         outputs[e] = computed[e]
                     else:  # computed from a lost daemon's (or a revoked) slot: not to be trusted
-                        self._refetch(layer, e, "voided", pending, retries)
+                        self.leases.refetch(owed, e, "voided")
         except BaseException:
-            self.prefetches.give_up(list(pending))  # `_arrivals` keeps `pending` to what is still owed
+            self.leases.give_up(owed)
             raise
         self.counts.acquired += len(groups)
         return combine(x, outputs)
@@ -251,17 +247,10 @@ class ArenaExperts(ExpertBackend):
             self.client.close()
 
     # -- internals ---------------------------------------------------------------------------
-    def _request(self, layer: int, fresh: list[int], landed: dict[int, cf.Future]) -> dict[cf.Future, int]:
-        """Futures of every expert still owed: the landed prefetches, the `fresh` ones in one
-        `fetch now`; then the deferred predictions. Returns {future: expert}."""
-        pending = {f: e for e, f in landed.items()}
-        if fresh:
-            pending.update(zip(self.client.fetch([(layer, e) for e in fresh], "now"), fresh))
-            self.counts.demand += len(fresh)
+    def _send_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []
         for predictions, if_cached in deferred:
             self._send(predictions, if_cached)
-        return pending
 
     # -- lease-free hits (the arena's directory) ----------------------------------------------------
     def _look_up(self, arena: ArenaView | None, layer: int, experts: list[int]) -> dict[int, tuple[int, int]]:
@@ -274,8 +263,7 @@ class ArenaExperts(ExpertBackend):
         return {k - first: v for k, v in d.lookup([first + e for e in experts]).items()}
 
     def _compute_direct(self, arena: ArenaView, layer: int, x: torch.Tensor, groups: Any, weights: torch.Tensor,
-                        direct: dict[int, tuple[int, int]], pending: dict[cf.Future, int],
-                        retries: dict[int, int]) -> dict[int, Any]:
+                        direct: dict[int, tuple[int, int]], owed: Owed) -> dict[int, Any]:
         """Outputs of the experts found through the directory, computed from their slots without a
         lease; an expert whose slot changed meanwhile (evicted, reloaded) is fetched `now` instead."""
         t0 = time.perf_counter()
@@ -287,7 +275,7 @@ class ArenaExperts(ExpertBackend):
             if arena.directory.unchanged(slot, seq):
                 out[e] = computed[e]
             else:
-                self._refetch(layer, e, "changed", pending, retries)
+                self.leases.refetch(owed, e, "changed")
         self.client.touch([(layer, e) for e in out])  # gathered by the client, sent without waiting
         self.counts.direct += len(out)
         self.counts.compute_s += time.perf_counter() - t0
@@ -307,76 +295,6 @@ class ArenaExperts(ExpertBackend):
         mats = expert_mats(parts, views)
         self._mats_memo[(layer, e)] = (slot, mats)
         return mats
-
-    def _arrivals(self, layer: int, pending: dict[cf.Future, int],
-                  retries: dict[int, int]) -> Iterator[dict[int, Lease]]:
-        """Yield {expert: lease} for the leases that arrived together, refetching `now` what was
-        dropped, refused or voided. Removes each future from `pending` once it is handled."""
-        while pending:
-            t0 = time.perf_counter()
-            done, _ = cf.wait(list(pending), timeout=self.fetch_timeout_s, return_when=cf.FIRST_COMPLETED)
-            self.counts.stall_s += time.perf_counter() - t0
-            if not done:
-                raise IodUnavailable(f"experts of layer {layer} {sorted(pending.values())} not delivered "
-                                     f"within {self.fetch_timeout_s}s")
-            leases = {}
-            for f in done:
-                e = pending.pop(f)
-                lease = self._lease_or_retry(layer, e, f, pending, retries)
-                if lease is not None:
-                    self.counts.bytes_fetched += sum(n for _, n in lease.parts.values())
-                    leases[e] = lease
-            if leases:
-                yield leases
-
-    def _lease_or_retry(self, layer: int, e: int, f: cf.Future, pending: dict[cf.Future, int],
-                        retries: dict[int, int]) -> Lease | None:
-        try:
-            lease = f.result()
-        except (cf.CancelledError, IodRequestError) as exc:
-            code = getattr(exc, "code", "cancelled")
-            if code != "cancelled" and code not in RETRYABLE:
-                raise
-            self._refetch(layer, e, code, pending, retries, exc)
-            return None
-        if self.client.voided(lease):  # landed before the daemon was lost (a prefetch): ask the new one
-            self._refetch(layer, e, "voided", pending, retries)
-            return None
-        self._deadline_since.pop((layer, e), None)
-        return lease
-
-    def _refetch(self, layer: int, e: int, why: str, pending: dict[cf.Future, int], retries: dict[int, int],
-                 exc: BaseException | None = None) -> None:
-        """Fetch `e` again `now` (dropped, refused as busy or for lack of room, cancelled, or its
-        lease voided)."""
-        if why == P.ErrorCode.DEADLINE.value:  # bounded by time, not by count
-            self._waited_deadline(layer, e, exc)
-        else:
-            retries[e] = retries.get(e, 0) + 1
-            if retries[e] > MAX_RETRIES:
-                raise IodUnavailable(f"expert ({layer}, {e}) refused {MAX_RETRIES} times in a row: {exc or why}")
-        if why == P.ErrorCode.BUSY.value:
-            time.sleep(min(0.001 * 2 ** retries[e], 0.1))  # the daemon's queue is full: back off
-        pending[self.client.fetch([(layer, e)], "now")[0]] = e
-        if why == "voided":
-            self.counts.voided += 1
-        elif why == "changed":
-            self.counts.changed += 1
-        else:
-            self.counts.refetched += 1
-
-    def _waited_deadline(self, layer: int, e: int, exc: BaseException | None) -> None:
-        """The daemon gave up waiting for arena room (`deadline`): others hold it. Ask again, until
-        `fetch_timeout_s` of such waits in a row for this expert."""
-        now = time.monotonic()
-        first = self._deadline_since.setdefault((layer, e), now - self.client.welcome.get("queue_deadline_s", 0.0))
-        message = getattr(exc, "message", str(exc))
-        self.counts.deadlines += 1
-        self.counts.deadline_wait_s += self.client.welcome.get("queue_deadline_s", 0.0)
-        self.counts.waited_on = message[:300]
-        if now - first > self.fetch_timeout_s:
-            raise IodUnavailable(f"expert ({layer}, {e}): no arena room for {now - first:.0f}s "
-                                 f"(fetch timeout {self.fetch_timeout_s:g}s): {message}")
 
     def _compute(self, layer: int, x: torch.Tensor, groups: Any, weights: torch.Tensor,
                  leases: dict[int, Lease]) -> dict[int, torch.Tensor]:

@@ -173,21 +173,27 @@ class SlotStats:
 
 
 @dataclass
-class ArenaCounters:
+class LeaseCounters:
+    """The lease pipeline's (`leases.LeasePipeline`): what a backend's layers had to fetch."""
+
+    demand: int = 0  # fetched `now`
+    refetched: int = 0  # fetched again (dropped, refused, cancelled)
+    voided: int = 0  # leases of a lost daemon (or revoked) fetched again
+    changed: int = 0  # lease-free reads whose slot was reloaded during their compute, fetched
+    bytes_fetched: int = 0  # blob bytes of the leases used
+    deadlines: int = 0  # requests that waited out the daemon's queue deadline
+    stall_s: float = 0.0  # waiting for leases
+    deadline_wait_s: float = 0.0
+    waited_on: str = ""  # the last deadline's message (who held the arena)
+
+
+@dataclass
+class ArenaCounters(LeaseCounters):
     """What the `cpu-arena` backend's layers did (`arena.ArenaExperts.counts`)."""
 
     acquired: int = 0  # experts the layers used
     direct: int = 0  # computed straight from the arena through its directory: no request, no lease
-    demand: int = 0  # fetched `now`
-    refetched: int = 0  # fetched again (dropped, refused, cancelled)
-    voided: int = 0  # leases of a lost daemon (or revoked) computed again
-    changed: int = 0  # directory hits whose slot was reloaded during their compute, computed again
-    bytes_fetched: int = 0  # blob bytes of the leases used
-    deadlines: int = 0  # requests that waited out the daemon's queue deadline
-    stall_s: float = 0.0  # waiting for leases
     compute_s: float = 0.0
-    deadline_wait_s: float = 0.0
-    waited_on: str = ""  # the last deadline's message (who held the arena)
 
 
 @dataclass
@@ -251,18 +257,15 @@ class ArenaStats:
 
 
 @dataclass
-class ZeroCopyStats:
+class ZeroCopyStats(LeaseCounters):
     """The `gpu-arena` backend: leases kept across tokens, read in place by the kernels."""
 
-    keep: int  # leases it keeps at most
-    held: int  # held now
+    keep: int = 0  # leases it keeps at most
+    held: int = 0  # held now
     acquired: int = 0  # experts the layers used
     held_hits: int = 0  # used from a lease still held: no request
-    demand: int = 0  # fetched `now`
     released: int = 0
     recalled: int = 0  # handed back at the daemon's request
-    voided: int = 0  # leases of a lost daemon, fetched again
-    stall_s: float = 0.0
     kind: str = "gpu-arena"
 
     def as_dict(self) -> dict[str, Any]:

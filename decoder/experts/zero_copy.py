@@ -25,8 +25,6 @@ Under the Triton interpreter (tests on a CPU) the mapping is the arena as a CPU 
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import time
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -39,6 +37,7 @@ from ...common.arena import ArenaView
 from ...common.client import IodClient, IodUnavailable, Lease
 from ...common.layout import ModelLayout
 from .slot_format import slot_layouts
+from .leases import LeasePipeline
 from .source import ExpertBackend
 from .stats import ZeroCopyStats
 
@@ -111,7 +110,7 @@ class ArenaGpuExperts(ExpertBackend):
         bad = [layer for layer in layout.experts.moe_layers if not self.kernels.supports(layer)]
         if bad:
             raise ValueError(f"zero-copy experts: layers {bad[:4]} have expert types without a fused kernel")
-        self.fetch_timeout_s, self._owns_client = fetch_timeout_s, owns_client
+        self._owns_client = owns_client
         ex = layout.experts
         n_slots = client.arena.n_slots if client.arena is not None else 0
         share = min(n_slots, client.lease_quota or n_slots)
@@ -123,9 +122,13 @@ class ArenaGpuExperts(ExpertBackend):
         self._spare = torch.zeros(1, 1, dtype=torch.uint8, device=self.device)  # never indexed: no spare rows
         self._mapping: _Mapping | None = None
         self.counts = ZeroCopyStats(keep=self.keep, held=0)
+        self.leases = LeasePipeline(client, self.counts, fetch_timeout_s)
         self._closed = False
 
-    # -- ExpertSource ------------------------------------------------------------------------
+    # -- ExpertBackend -----------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.leases.begin_step()
+
     def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         self._hand_back_recalled()
         wanted = sorted(set(ids.reshape(-1).tolist()))  # the layer's one host sync
@@ -186,26 +189,17 @@ class ArenaGpuExperts(ExpertBackend):
         return got
 
     def _fetch_now(self, layer: int, experts: list[int]) -> dict[int, Lease]:
-        t0 = time.perf_counter()
-        self.counts.demand += len(experts)
+        """One `fetch now` for `experts` through the lease pipeline (retries, void leases)."""
+        owed = self.leases.request(layer, experts)
         out: dict[int, Lease] = {}
-        todo = experts
-        while todo:
-            futures = self.client.fetch([(layer, e) for e in todo], "now")
-            done, not_done = cf.wait(futures, timeout=self.fetch_timeout_s)
-            if not_done:
-                self.client.cancel(not_done)
-                raise IodUnavailable(f"experts of layer {layer} {todo} not delivered within {self.fetch_timeout_s}s")
-            again = []
-            for e, f in zip(todo, futures):
-                lease = f.result()  # a request error (the daemon refused) is raised to the caller
-                if self.client.voided(lease):  # landed just before a reconnect
-                    again.append(e)
-                    continue
-                self._held[(layer, e)] = _Held(lease)
-                out[e] = lease
-            todo = again
-        self.counts.stall_s += time.perf_counter() - t0
+        try:
+            for leases in self.leases.arrivals(owed):
+                for e, lease in leases.items():
+                    self._held[(layer, e)] = _Held(lease)
+                    out[e] = lease
+        except BaseException:
+            self.leases.give_up(owed)
+            raise
         return out
 
     def _trim(self, keep_layer: int, room: int = 0) -> None:
