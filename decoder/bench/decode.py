@@ -160,7 +160,7 @@ class Phase:
             p = st["prefetch"]
             return {"acquired": st["acquired"], "misses": d["reads"], "hits": st["acquired"] - d["reads"],
                     "useful": p["useful"], "hidden": p["hidden"], "bytes_fetched": d["bytes_read"],
-                    "stall_s": st["stall_s"], "predicted": p["sent"] + p["sent_if_cached"], "predicted_right": p["useful"]}
+                    "stall_s": st["stall_s"], "predicted": p["prefetch_sent"] + p["sent_if_cached"], "predicted_right": p["useful"]}
         keys = ("acquired", "hits", "misses", "useful", "hidden", "bytes_fetched", "stall_s", "predicted",
                 "predicted_right")
         return {k: st[k] for k in keys if k in st}

@@ -1,5 +1,8 @@
-"""Prefetches seen from the expert source: `AheadPrefetches`, the `fetch ahead` bookkeeping
-that `StreamedExperts` owns (its `ahead`), with its own state, counters and methods.
+"""The prefetch book, `AheadPrefetches`: the `fetch ahead` bookkeeping of a streamed backend,
+with its own state, counters and methods. Both streamed backends own one: the device slot cache
+(`StreamedExperts.ahead`, eager or lazy landing) and the CPU arena (`ArenaExperts.prefetches`,
+lazy: a landed prefetch is a lease held until its layer; without `join_late`, one still in flight
+when its layer runs is cancelled and fetched `now`, so it cannot queue behind other prefetches).
 
 Flow, per forward pass:
 1. `send(predictions)`, or `defer(predictions)` until the next layer's demand fetch is out
@@ -36,10 +39,12 @@ from .stats import AheadCounters
 class AheadPrefetches:
     """Prefetch requests of one expert source: sending, judging and giving them up."""
 
-    def __init__(self, client: IodClient, cache: DeviceSlotCache, receiver: Receiver, landing: str, reserve: int,
-                 max_in_flight: int | None = None):
-        self.client, self.cache, self.receiver = client, cache, receiver
-        self.landing = landing
+    def __init__(self, client: IodClient, cache: DeviceSlotCache | None = None, receiver: Receiver | None = None,
+                 landing: str = "lazy", reserve: int = 0, max_in_flight: int | None = None, join_late: bool = True):
+        if landing == "eager" and (cache is None or receiver is None):
+            raise ValueError("eager landing needs a slot cache and a receiver")
+        self.client, self.cache, self.receiver = client, cache, receiver  # (no cache: nothing is resident here)
+        self.landing, self.join_late = landing, join_late
         self.reserve = reserve  # slots an eager prefetch leaves free for demand misses
         self.max_in_flight = max_in_flight  # prefetches not yet taken (each may hold a lease): the daemon's quota
         self._futures: dict[int, dict[int, cf.Future]] = {}  # layer -> expert -> prefetch future
@@ -53,11 +58,12 @@ class AheadPrefetches:
         return bool(self._deferred)
 
     # -- sending ---------------------------------------------------------------------------
-    def send(self, predictions: Mapping[int, Sequence[int]]) -> None:
-        """One `fetch ahead` for the predicted experts not resident nor requested yet."""
-        keys = self._new_keys(predictions)
+    def send(self, predictions: Mapping[int, Sequence[int]], priority: str = "ahead") -> None:
+        """One `fetch ahead` (or `cached`: leased only if the arena holds it, never read) for the
+        predicted experts not resident nor requested yet."""
+        keys = self._new_keys(predictions, scored=priority == "ahead")
         if keys:
-            self._request(keys)
+            self._request(keys, priority)
 
     def defer(self, predictions: Mapping[int, Sequence[int]]) -> None:
         """Keep predictions until `flush_deferred`, so that they neither evict what the next
@@ -70,19 +76,21 @@ class AheadPrefetches:
             deferred, self._deferred = self._deferred, {}
             self.send({layer: sorted(es) for layer, es in deferred.items()})
 
-    def _new_keys(self, predictions: Mapping[int, Sequence[int]]) -> list[Key]:
-        """Remember the predictions; the keys to request (eager: each with a claimed slot)."""
+    def _new_keys(self, predictions: Mapping[int, Sequence[int]], scored: bool = True) -> list[Key]:
+        """Remember the predictions (`scored`); the keys to request (eager: each with a claimed slot)."""
         keys: list[Key] = []
         eager = self.landing == "eager"
         room = self.cache.n_slots - self.reserve - self.cache.pinned() if eager else 0
         outstanding = sum(len(mine) for mine in self._futures.values())
         leases = self.max_in_flight - outstanding if self.max_in_flight is not None else None
         for layer, experts in predictions.items():
-            self._predicted[layer] = {int(e) for e in experts}
+            guessed = {int(e) for e in experts}
+            if scored:
+                self._predicted[layer] = guessed
             mine = self._futures.get(layer, {})
-            for e in sorted(self._predicted[layer]):
+            for e in sorted(guessed):
                 key = (layer, e)
-                if e in mine or key in self.cache:
+                if e in mine or (self.cache is not None and key in self.cache):
                     continue
                 if leases is not None and len(keys) >= leases:
                     self.counts.prefetch_dropped += 1
@@ -103,9 +111,9 @@ class AheadPrefetches:
         self._holds.add(key)
         return True
 
-    def _request(self, keys: list[Key]) -> None:
+    def _request(self, keys: list[Key], priority: str = "ahead") -> None:
         try:
-            futures = self.client.fetch(keys, "ahead")
+            futures = self.client.fetch(keys, priority)
         except BaseException:
             for key in keys:
                 self._holds.discard(key)
@@ -115,7 +123,10 @@ class AheadPrefetches:
             self._futures.setdefault(key[0], {})[key[1]] = fut
             if self.landing == "eager":
                 self.receiver.submit(key, fut)
-        self.counts.prefetch_sent += len(keys)
+        if priority == "ahead":
+            self.counts.prefetch_sent += len(keys)
+        else:
+            self.counts.sent_if_cached += len(keys)
 
     # -- judging ---------------------------------------------------------------------------
     def score(self, layer: int, wanted: Collection[int]) -> None:
@@ -130,10 +141,20 @@ class AheadPrefetches:
         """`layer` is acquired: its prefetches of `present` experts (landed eagerly, READY in
         time or late) and, with lazy landing, of `missing` ones (to be joined) are used; the
         rest are given up. Drops their hold pins; returns the used ones' futures."""
-        futures = self._futures.pop(layer, {})
+        futures = self._futures.pop(layer, None)
+        if not futures:
+            return {}
         joinable = self.landing == "lazy"
-        used, unused = {}, []
+        used, unused, late = {}, [], []
         for e, fut in futures.items():
+            if not self.join_late and e in missing and (not fut.done() or fut.cancelled()):
+                late.append(fut)  # cancelled: fetched `now`, it cannot queue behind other prefetches
+                self.counts.useful += 1
+                self.counts.late += 1
+                continue
+            if not self.join_late and e in missing and fut.exception() is not None:
+                self.counts.not_cached += 1  # refused or dropped: fetched `now`
+                continue
             in_time = _in_time(present.get(e), fut, joinable and e in missing)
             if in_time is None:
                 unused.append(fut)
@@ -145,12 +166,13 @@ class AheadPrefetches:
                     self.counts.late += 1
                 used[e] = fut
             self._drop_hold((layer, e))
-        if unused:
+        if unused or late:
             self._give_up(unused)
+            self._give_up(late, count=False)
         return used
 
     def _drop_hold(self, key: Key) -> None:
-        if key in self._holds:
+        if self.cache is not None and key in self._holds:
             self._holds.discard(key)
             self.cache.unpin(key, "hold")
 
@@ -171,10 +193,13 @@ class AheadPrefetches:
         for mine in self._futures.values():
             back = [e for e, f in mine.items() if f.done() and not f.cancelled() and f.exception() is None
                     and (f.result().slot, f.result().generation) in recalled]
-            self._give_up([mine.pop(e) for e in back])
+            self.counts.recalled += len(back)
+            self._give_up([mine.pop(e) for e in back], count=False)
 
     def release_holds(self) -> None:
         """Give up every hold pin (the cache is full of pins and a demand miss needs a slot)."""
+        if self.cache is None:
+            return
         for key in sorted(self._holds):
             self.cache.unpin(key, "hold")
         self._holds.clear()
@@ -192,18 +217,22 @@ class AheadPrefetches:
         _, not_done = cf.wait([f for mine in self._futures.values() for f in mine.values()], timeout)
         return not not_done
 
-    def _give_up(self, futures: list[cf.Future]) -> None:
+    def _give_up(self, futures: list[cf.Future], count: bool = True) -> None:
         """Cancel those in flight (one message) and hand back the leases that came (lazy
         landing; with eager landing the receiver lands them and the slot stays cached);
-        count them cancelled or wasted."""
+        `count` them cancelled or wasted."""
+        if not futures:
+            return
         self.client.cancel([f for f in futures if not f.done()])  # a lease arriving later goes back
+        back = []
         for fut in futures:
             if fut.cancelled():
-                self.counts.cancelled += 1
+                self.counts.cancelled += count
                 continue
-            self.counts.wasted += 1
+            self.counts.wasted += count
             if self.landing == "lazy" and fut.exception() is None:
-                self.client.release(fut.result())
+                back.append(fut.result())
+        self.client.release_many(back)
 
 
 def _in_time(entry: BookEntry | None, fut: cf.Future, joined: bool) -> bool | None:

@@ -3,7 +3,7 @@
 A decoder on CPU keeps no expert memory of its own. For each layer, `ArenaExperts.mix`:
 
 1. routes and lists the wanted experts (ascending);
-2. joins this layer's prefetches whose lease already came (`Prefetches.take`);
+2. joins this layer's prefetches whose lease already came (`AheadPrefetches.take`, the one prefetch book);
 3. looks the others up in the arena's directory (`common.arena.Directory`, published by the
    daemon): those the arena holds complete are computed straight from their slots with no
    request and no lease — a hit costs no round trip. Every other wanted expert — including a
@@ -35,7 +35,7 @@ Nothing aborts for lack of room: the daemon queues what the arena cannot hold ye
 lease goes back as soon as its expert is computed, so a prompt whose layer routes to more
 experts than the arena holds is processed in pieces; a prefetch this layer joined that
 failed (dropped as stale, refused as busy) is fetched again `now`. Prefetched leases this
-decoder holds are capped (`Prefetches.limit`) so they can never fill the arena, and those the
+decoder holds are capped (`max_in_flight`) so they can never fill the arena, and those the
 daemon recalls (another peer needs room) are handed back at the next layer. A `deadline` (the
 arena stayed full of others' leases for the daemon's queue deadline) is not fatal either: the
 expert is asked for again, until `fetch_timeout_s` of such waits in all (`--stats` says how long
@@ -61,93 +61,10 @@ from ...common.client import IodClient, IodUnavailable, Lease, LeaseVoided
 from ...common.layout import ModelLayout
 from .source import ExpertBackend, Predictions, combine, group_by_expert
 from .resident import Mats, expert_mats, run_experts
+from .ahead import AheadPrefetches
 from .leases import LeasePipeline, Owed
-from .stats import ArenaCounters, ArenaPrefetchCounters, ArenaStats
+from .stats import ArenaCounters, ArenaStats
 
-
-
-class Prefetches:
-    """This decoder's `fetch ahead` requests: one future per (layer, expert), in flight or
-    landed (a landed one holds an arena lease until its layer runs or it is given up)."""
-
-    def __init__(self, client: IodClient, limit: int):
-        self.client, self.limit = client, max(0, limit)
-        self._by_layer: dict[int, dict[int, cf.Future]] = {}
-        self.counts = ArenaPrefetchCounters()
-
-    def outstanding(self) -> int:
-        return sum(len(m) for m in self._by_layer.values())
-
-    def send(self, predictions: Predictions, priority: str = "ahead") -> None:
-        """One fetch (`ahead`: read if need be; `cached`: only if the arena holds it) for the
-        predicted experts not requested yet, within `limit`."""
-        keys, room = [], self.limit - self.outstanding()
-        for layer in sorted(predictions):
-            mine = self._by_layer.setdefault(layer, {})
-            for e in sorted({int(e) for e in predictions[layer]} - set(mine)):
-                if room <= 0:
-                    self.counts.skipped += 1
-                    continue
-                keys.append((layer, e))
-                room -= 1
-        if not keys:
-            return
-        for (layer, e), fut in zip(keys, self.client.fetch(keys, priority)):
-            self._by_layer[layer][e] = fut
-        if priority == "ahead":
-            self.counts.sent += len(keys)
-        else:
-            self.counts.sent_if_cached += len(keys)
-
-    def take(self, layer: int, wanted: list[int]) -> dict[int, cf.Future]:
-        """`layer` runs now: return its prefetches of `wanted` experts whose lease came; give up
-        the rest (in flight ones are cancelled: the caller fetches those `now`)."""
-        mine = self._by_layer.pop(layer, None)
-        if not mine:
-            return {}
-        landed = {e: f for e, f in mine.items() if e in wanted and _leased(f)}
-        refused = [f for f in mine.values() if f.done() and not f.cancelled() and f.exception() is not None]
-        late = [f for e, f in mine.items() if e in wanted and e not in landed and f not in refused]
-        unused = [f for e, f in mine.items() if e not in wanted and f not in refused]
-        self.counts.useful += len(landed) + len(late)
-        self.counts.hidden += len(landed)
-        self.counts.late += len(late)
-        self.counts.not_cached += len(refused)  # or dropped: fetched `now` if wanted
-        self._count_unused(unused)
-        self.give_up(late + unused)
-        return landed
-
-    def hand_back_recalled(self) -> None:
-        """Release the landed prefetches whose leases the daemon asked back (none is being computed:
-        a layer's prefetches are taken out of here before it computes them)."""
-        recalled = self.client.take_recalled()
-        if not recalled:
-            return
-        for layer, mine in self._by_layer.items():
-            back = [e for e, f in mine.items() if _leased(f) and (f.result().slot, f.result().generation) in recalled]
-            self.counts.recalled += len(back)
-            self.give_up([mine.pop(e) for e in back])
-
-    def give_up(self, futures: list[cf.Future]) -> None:
-        """Cancel what is in flight (one message) and hand back leases that came."""
-        self.client.cancel([f for f in futures if not f.done()])  # a lease arriving later goes back
-        self.client.release_many([f.result() for f in futures if _leased(f)])
-
-    def clear(self) -> None:
-        """Give up every prefetch (a new forward pass starts, or the source closes)."""
-        futures = [f for m in self._by_layer.values() for f in m.values()]
-        self._by_layer.clear()
-        self._count_unused(futures)
-        self.give_up(futures)
-
-    def _count_unused(self, futures: list[cf.Future]) -> None:
-        landed = sum(1 for f in futures if f.done())
-        self.counts.wasted += landed  # read (or failed) for nothing
-        self.counts.cancelled += len(futures) - landed
-
-
-def _leased(f: cf.Future) -> bool:
-    return f.done() and not f.cancelled() and f.exception() is None
 
 
 class ArenaExperts(ExpertBackend):
@@ -163,7 +80,7 @@ class ArenaExperts(ExpertBackend):
         # within the daemon's lease quota, less a layer's demand (and never over half the shared arena)
         share = min(n_slots // 2, client.lease_quota or n_slots)
         limit = prefetch_limit if prefetch_limit is not None else share - layout.hparams.n_expert_used
-        self.prefetches = Prefetches(client, limit)
+        self.prefetches = AheadPrefetches(client, landing="lazy", max_in_flight=max(0, limit), join_late=False)
         self._base: np.ndarray | None = None  # the arena as one array (`_base_of`), re-made after a reconnect
         self._base_arena: ArenaView | None = None
         self._mats_memo: dict[tuple[int, int], tuple[int, Mats]] = {}  # (layer, e) -> (slot, its matrices)
@@ -177,7 +94,7 @@ class ArenaExperts(ExpertBackend):
     def begin_step(self) -> None:
         self._deferred.clear()
         self.leases.begin_step()
-        self.prefetches.clear()
+        self.prefetches.end_step()
 
     def prefetch_ahead(self, predictions: Predictions, defer: bool = False,
                        if_cached: Predictions | None = None) -> None:
@@ -203,7 +120,7 @@ class ArenaExperts(ExpertBackend):
         self.prefetches.hand_back_recalled()
         groups = group_by_expert(ids)
         wanted = sorted(groups)
-        landed = self.prefetches.take(layer, wanted)
+        landed = self.prefetches.take(layer, {}, wanted)
         arena = self.client.arena  # (one arena for the lookup and the compute: a reconnect swaps it)
         direct = self._look_up(arena, layer, [e for e in wanted if e not in landed])
         owed = self.leases.request(layer, [e for e in wanted if e not in landed and e not in direct], landed)
@@ -240,7 +157,7 @@ class ArenaExperts(ExpertBackend):
         self._base = self._base_arena = None  # the arena mapping can go with the client
         self._mats_memo.clear()
         try:
-            self.prefetches.clear()
+            self.prefetches.drop_all()
         except IodUnavailable:
             pass  # the daemon is gone, and our leases with it
         if self._owns_client:

@@ -69,7 +69,10 @@ class AheadCounters:
     """The prefetch bookkeeping's counters (`ahead.AheadPrefetches.counts`)."""
 
     prefetch_sent: int = 0
+    sent_if_cached: int = 0  # `cached` guesses (the CPU arena without a directory): leased only if there
+    not_cached: int = 0  # guesses refused (not in the arena) or dropped, fetched `now` when used
     prefetch_dropped: int = 0  # predictions not sent (no slot, over the lease quota)
+    recalled: int = 0  # landed, handed back at the daemon's request
     useful: int = 0  # prefetched and used: hidden + late
     hidden: int = 0  # landed in time
     late: int = 0
@@ -197,27 +200,11 @@ class ArenaCounters(LeaseCounters):
 
 
 @dataclass
-class ArenaPrefetchCounters:
-    """The `cpu-arena` backend's `fetch ahead` requests (`arena.Prefetches.counts`)."""
-
-    sent: int = 0
-    sent_if_cached: int = 0  # `cached` guesses (a daemon without a directory)
-    not_cached: int = 0  # guesses refused (not in the arena) or dropped
-    skipped: int = 0  # over the limit of prefetches held
-    useful: int = 0  # hidden + late
-    hidden: int = 0  # landed in time
-    late: int = 0  # in flight when their layer ran: cancelled, fetched `now`
-    wasted: int = 0  # landed (or failed) for nothing
-    cancelled: int = 0
-    recalled: int = 0  # landed and handed back at the daemon's request
-
-
-@dataclass
 class ArenaStats:
     """The `cpu-arena` backend: its layers, its prefetches, and the daemon's recalls."""
 
     counts: ArenaCounters
-    prefetch: ArenaPrefetchCounters
+    prefetch: AheadCounters
     recalls: dict[str, int]  # {"recalled", "revoked"}: leases the daemon asked back, took back
     kind: str = "cpu-arena"
 
@@ -244,10 +231,11 @@ class ArenaStats:
         if self.recalls.get("recalled"):
             lines.append(f"recalls: the daemon asked {self.recalls['recalled']} leases back for other peers "
                          f"({p.recalled} idle prefetches handed back), took back {self.recalls['revoked']}")
-        if p.sent or p.sent_if_cached or p.skipped:
-            lines.append(f"prefetch: {p.sent} sent ahead, {p.sent_if_cached} if cached ({p.not_cached} were not), "
-                         f"{p.useful} useful ({p.hidden} in time, {p.late} late), {p.wasted} wasted, {p.cancelled} "
-                         f"cancelled, {p.skipped} over the limit; hid {self.hidden_share:.1%} of the fetches")
+        if p.prefetch_sent or p.sent_if_cached or p.prefetch_dropped:
+            lines.append(f"prefetch: {p.prefetch_sent} sent ahead, {p.sent_if_cached} if cached ({p.not_cached} were "
+                         f"not), {p.useful} useful ({p.hidden} in time, {p.late} late), {p.wasted} wasted, "
+                         f"{p.cancelled} cancelled, {p.prefetch_dropped} over the limit; hid {self.hidden_share:.1%} "
+                         "of the fetches")
         return "\n".join(lines)
 
     def traffic(self) -> Traffic:

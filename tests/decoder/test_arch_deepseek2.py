@@ -208,7 +208,7 @@ def test_streamed_arena_equals_resident_bit_for_bit(streamed_setup, start_daemon
         got = generate(model.with_bank(ExpertBank(src)), PROMPTS, 6, keep_logits=True, observer=hook)
         st = src.stats()
     assert same(got, want)
-    assert st.counts.acquired > 0 and st.counts.bytes_fetched > 0 and st.prefetch.sent > 0
+    assert st.counts.acquired > 0 and st.counts.bytes_fetched > 0 and st.prefetch.prefetch_sent > 0
 
 
 def test_streamed_slot_cache_equals_resident_bit_for_bit(streamed_setup, start_daemon):

@@ -80,7 +80,7 @@ def test_streamed_equals_resident_bit_for_bit(setups, start_daemon, quant, slots
     assert same_run(got, want)
     assert st.counts.acquired > 0 and st.counts.bytes_fetched > 0
     if depth:
-        assert st.prefetch.sent > 0
+        assert st.prefetch.prefetch_sent > 0
 
 
 def test_token_by_token_equals_one_prompt(setups, start_daemon):
@@ -102,7 +102,7 @@ def test_an_arena_smaller_than_a_layers_working_set_still_decodes(setups, start_
     daemon = start_daemon(s.path, arena_slots=2)
     with open_arena(s.layout, daemon.endpoint) as src:
         got = s.run(src, Prefetcher(s.model, src, 2))  # prefetch: over the limit, skipped
-        assert src.stats().prefetch.sent == 0
+        assert src.stats().prefetch.prefetch_sent == 0
     assert same_run(got, want)
 
 
@@ -116,7 +116,7 @@ def test_a_prefetch_that_failed_is_fetched_again_now(setups, start_daemon):
     with open_arena(s.layout, daemon.endpoint, prefetch_limit=8) as src, QuantResidentExperts(s.layout) as resident:
         want = resident.mix(0, x, weights, ids)
         src.prefetch_ahead({0: [0, 1, 2, 3, 4]})
-        mine = src.prefetches._by_layer[0]
+        mine = src.prefetches._futures[0]
         src.client.cancel([mine[0], mine[1], mine[4]])  # gone before the layer runs
         dropped: cf.Future = cf.Future()
         dropped.set_exception(IodRequestError("dropped", "stale prefetch (queued 5.4s)"))
@@ -169,7 +169,7 @@ def test_experts_in_the_arena_cost_no_request(setups, start_daemon, wait_status)
         for _ in range(3):
             assert torch.equal(src.mix(0, x, weights, ids), want)
         st = src.stats()
-        assert st.counts.direct == 9 and st.counts.demand == 3 and st.prefetch.sent == 0
+        assert st.counts.direct == 9 and st.counts.demand == 3 and st.prefetch.prefetch_sent == 0
         after = wait_status(daemon.status_endpoint, lambda st: st["direct_hits"] == 9)  # sent unasked, soon
         assert after["requests"] == first["requests"] and after["reads"] == first["reads"] == 3
 

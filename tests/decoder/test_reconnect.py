@@ -120,7 +120,7 @@ def test_arena_decoder_survives_a_killed_daemon(setup, tmp_path):
     r = Restarter(path, tmp_path / "run", arena_slots=8)  # 8 of 24 experts: misses and prefetches go on
     try:
         with open_arena(layout, r.endpoint, reconnect_s=20) as src:
-            hook = KillAfterLayer(model, src, src.client, lambda: list(src.prefetches._by_layer.get(1, {}).values()), r)
+            hook = KillAfterLayer(model, src, src.client, lambda: list(src.prefetches._futures.get(1, {}).values()), r)
             got = generate(model.with_bank(ExpertBank(src)), PROMPTS, N_NEW, keep_logits=True, observer=hook)
             stats, reconnects = src.stats().counts, src.client.reconnects
         assert reconnects == 1 and len(r.daemons) == 2
