@@ -371,7 +371,7 @@ def _row_dots(q, data, off, n_in, x, row_idx, r0, r1, res, wbuf, acts, use_int):
     activation rows per pass over the weight bytes either way (a group of 2-3 repeats its first
     row). The others decode the row into wbuf [n_in] once, then dot4 / dot."""
     r = r0
-    if use_int and has_int(q):
+    if use_int and has_int(q) and n_in % 256 == 0:  # (the int dots step 256 weights at a time)
         p = addr(data)
         while r < r1:
             nx = min(4, r1 - r)
@@ -409,7 +409,7 @@ def _acts(x, qts, c0, c1, row_ptr, use_int):
     """x's rows quantized to int8 (quantize_acts) when use_int and some expert with rows has an
     int type in columns c0 .. c1 of qts; else empty arrays of the same types."""
     need = False
-    if use_int and x.shape[1] % 32 == 0:
+    if use_int and x.shape[1] % 256 == 0:
         for e in range(qts.shape[0]):
             if row_ptr[e + 1] > row_ptr[e]:
                 for c in range(c0, c1 + 1):

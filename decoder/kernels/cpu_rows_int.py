@@ -8,8 +8,8 @@ weight sub-block of 32 codes meets its 32 activation bytes in one integer `dpbus
 
 Activation format (per row of n values, n a multiple of 32), `Acts`:
   q  int8  [n]       round(x / d_b), |q| <= 127, block b = elements 32b .. 32b + 31
-  d  float [n / 32]  d_b = max |x| over block b / 127
-  s  int32 [n / 16]  sums of q over each 16 elements (for weight offsets and K-quant mins)
+  d  float [n / 32]  d_b = max |x| over block b x float32(1 / 127)
+  ds float [n / 32]  d_b x the sum of q over block b (for weight offsets and K-quant mins)
 Blocks of 32, not llama.cpp's 256-wide Q8_K: every type's sub-blocks are 32 (or 16) weights,
 a float per sub-block is as cheap as an integer scale multiply, and an outlier only coarsens
 its own 32 activations.
@@ -37,250 +37,175 @@ from numba import njit
 
 from . import cpu_simd_int as s
 from .cpu_rows_base import _JIT, _U
-from .cpu_rows_dot import _k4_scale
 from .cpu_rows_iq import GRID64_IQ2_XXS, GRID_IQ1_S, KSIGNS
 from .cpu_simd import addr, f16_at, u8_at
 
 _Q8_0, _Q4_0, _Q4_K, _Q5_K, _Q6_K = int(Q.Q8_0), int(Q.Q4_0), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
 _IQ2_XXS, _IQ1_S, _TQ2_0 = int(Q.IQ2_XXS), int(Q.IQ1_S), int(Q.TQ2_0)
-INT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ1_S, Q.TQ2_0)
+INT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.IQ2_XXS, Q.IQ1_S, Q.TQ2_0)
 _INL = {**_JIT, "inline": "always"}
 # IQ1_S's code book {-1, 0, 1} plus one, as unsigned bytes: 8 per index, one uint64 per group
 GRID64_IQ1_S_P1 = (GRID_IQ1_S.astype(np.int16) + 1).astype(np.uint8).view(np.uint64)  # [2048]
 KSIGNS32 = KSIGNS.astype(np.int64)  # [128] 7 sign bits -> 8 (the 8th: even count of minus signs)
-_F0, _EIGHTH = np.float32(0.0), np.float32(0.125)
+_F0, _EIGHTH, _INV127 = np.float32(0.0), np.float32(0.125), np.float32(1.0 / 127.0)
 
 
 @njit(**_JIT)
 def has_int(qtype):
-    return (qtype == _Q8_0 or qtype == _Q4_0 or qtype == _Q4_K or qtype == _Q5_K or qtype == _Q6_K
+    return (qtype == _Q8_0 or qtype == _Q4_0 or qtype == _Q4_K or qtype == _Q5_K
             or qtype == _IQ2_XXS or qtype == _IQ1_S or qtype == _TQ2_0)
 
 
 # -- activations ---------------------------------------------------------------------------------
 @njit(**_JIT)
 def quantize_acts(x):
-    """x [N, n] float32 (n % 32 == 0) -> (q int8 [N, n], d float32 [N, n/32], s int32 [N, n/16])."""
+    """x [N, n] float32 (n % 32 == 0) -> Acts: (q int8 [N, n], d float32 [N, n/32],
+    ds float32 [N, n/32] = d x the sum of q over the block)."""
     n_rows, n = x.shape
     q = np.empty((n_rows, n), np.int8)
     d = np.empty((n_rows, n // 32), np.float32)
-    sums = np.empty((n_rows, n // 16), np.int32)
+    ds = np.empty((n_rows, n // 32), np.float32)
     for r in range(n_rows):
         for b in range(n // 32):
             amax = np.float32(0.0)
             for k in range(32):
                 amax = max(amax, abs(x[r, 32 * b + k]))
-            d[r, b] = amax / np.float32(127.0)
+            db = amax * _INV127  # (a product, not a quotient: fast-math would rewrite that)
             inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-            for h in range(2):
-                t = np.int32(0)
-                for k in range(16):
-                    v = np.int32(np.rint(x[r, 32 * b + 16 * h + k] * inv))
-                    v = min(np.int32(127), max(np.int32(-127), v))
-                    q[r, 32 * b + 16 * h + k] = v
-                    t += v
-                sums[r, 2 * b + h] = t
-    return q, d, sums
+            t = np.int32(0)
+            for k in range(32):
+                v = min(np.int32(127), max(np.int32(-127), np.int32(np.rint(x[r, 32 * b + k] * inv))))
+                q[r, 32 * b + k] = v
+                t += v
+            d[r, b], ds[r, b] = db, db * np.float32(t)
+    return q, d, ds
 
 
-# -- two 32-weight sub-blocks against 1 or 4 activation rows -------------------------------------
-# Sub-blocks go in pairs, A and B: acc += float(A . a) cA + float(B . a) cB, so each accumulator
-# waits for one add per pair (one fma per sub-block made the fma latency the bound).
-# R = (q addresses of rows 0-3, d addresses 0-3, s addresses 0-3); e = a sub-block's element.
-# The activation bytes are used as they are (mode 0), with the signs of the int8 weights w
-# (mode 1: the weights' magnitudes are the unsigned side), or negated where `bits` is set (2).
+# -- one super-block (8 sub-blocks of 32) against 1 or 4 activation rows -----------------------------
+# The 8 sub-blocks' integer dots are summed lane-wise into one vector of 8 sums (hsum8x8), which
+# is scaled by the weights' sub-block scales c and the activations' block scales d_a, and the
+# weight offsets (or mins) cm by the activations' d_a x sum(q): two fmas per 256 weights and row.
+# R = (q addresses of rows 0-3, d addresses 0-3, ds addresses 0-3); e = the super-block's element.
+# The activation bytes are used as they are (mode 0), with the signs of the int8 weights W
+# (mode 1: U holds their magnitudes), or negated where the sub-block's bits B are set (mode 2).
 @njit(**_INL)
-def _da(R, i, e):
-    return s.f32_at(R[4 + i], (e >> 5) * 4)
-
-
-@njit(**_INL)
-def _sum16(R, i, e):
-    return np.float32(s.i32_at(R[8 + i], (e >> 4) * 4))
-
-
-@njit(**_INL)
-def _dp(u, a):
-    return s.dpbusd(s.i8_zero(), u, a)
-
-
-@njit(**_INL)
-def _act(R, i, e, mode, w, bits):
-    a = s.ld_b(R[i], e)
+def _dp(U, W, B, a, e, j, mode):
+    x = s.ld_b(a, e + 32 * j)
     if mode == 1:
-        return s.b_sign(a, w)
-    if mode == 2:
-        return s.b_neg_where(a, bits)
-    return a
+        x = s.b_sign(x, W[j])
+    elif mode == 2:
+        x = s.b_neg_where(x, B[j])
+    return s.dpbusd(s.i8_zero(), U[j], x)
 
 
 @njit(**_INL)
-def _row2(i, R, uA, uB, cA, cB, eA, eB, mode, wA, wB, bA, bB, acc):
-    aA, aB = _act(R, i, eA, mode, wA, bA), _act(R, i, eB, mode, wB, bB)
-    t = s.f8_fma_i(_dp(uB, aB), cB * _da(R, i, eB), s.f8_mul_i(_dp(uA, aA), cA * _da(R, i, eA)))
-    return s.f8_add(acc, t)
+def _sb_row(i, R, U, W, B, mode, c, cm, has_m, e, acc):
+    a = R[i]
+    isum = s.hsum8x8((_dp(U, W, B, a, e, 0, mode), _dp(U, W, B, a, e, 1, mode), _dp(U, W, B, a, e, 2, mode),
+                      _dp(U, W, B, a, e, 3, mode), _dp(U, W, B, a, e, 4, mode), _dp(U, W, B, a, e, 5, mode),
+                      _dp(U, W, B, a, e, 6, mode), _dp(U, W, B, a, e, 7, mode)))
+    acc = s.f8_fma(s.f8_mul(s.f8_of_i(isum), s.f8_ld(R[4 + i], (e >> 5) * 4)), c, acc)
+    if has_m:
+        acc = s.f8_fma(s.f8_ld(R[8 + i], (e >> 5) * 4), cm, acc)
+    return acc
 
 
 @njit(**_INL)
-def _pair(uA, uB, cA, cB, eA, eB, mode, wA, wB, bA, bB, nx, R, c0, c1, c2, c3):
-    """c_i += (A . a_i[eA:]) cA d_a + (B . a_i[eB:]) cB d_a for the unsigned weight bytes uA, uB."""
-    c0 = _row2(0, R, uA, uB, cA, cB, eA, eB, mode, wA, wB, bA, bB, c0)
+def _sb(U, W, B, mode, c, cm, has_m, e, nx, R, c0, c1, c2, c3):
+    """c_i += sum_j (U_j . a_i[e + 32j:]) c_j d_a,j + cm_j d_a,j sum(a_i[e + 32j:]) (has_m)."""
+    c0 = _sb_row(0, R, U, W, B, mode, c, cm, has_m, e, c0)
     if nx > 1:
-        c1 = _row2(1, R, uA, uB, cA, cB, eA, eB, mode, wA, wB, bA, bB, c1)
-        c2 = _row2(2, R, uA, uB, cA, cB, eA, eB, mode, wA, wB, bA, bB, c2)
-        c3 = _row2(3, R, uA, uB, cA, cB, eA, eB, mode, wA, wB, bA, bB, c3)
+        c1 = _sb_row(1, R, U, W, B, mode, c, cm, has_m, e, c1)
+        c2 = _sb_row(2, R, U, W, B, mode, c, cm, has_m, e, c2)
+        c3 = _sb_row(3, R, U, W, B, mode, c, cm, has_m, e, c3)
     return c0, c1, c2, c3
 
 
 @njit(**_INL)
-def _row2_16(i, R, uA, uB, cA0, cA1, cB0, cB1, eA, eB, acc):
-    dA, dB = _da(R, i, eA), _da(R, i, eB)
-    t = s.f8_fma_i2(_dp(uB, s.ld_b(R[i], eB)), cB0 * dB, cB1 * dB,
-                    s.f8_mul_i2(_dp(uA, s.ld_b(R[i], eA)), cA0 * dA, cA1 * dA))
-    return s.f8_add(acc, t)
-
-
-@njit(**_INL)
-def _pair16(uA, uB, cA0, cA1, cB0, cB1, eA, eB, nx, R, c0, c1, c2, c3):
-    """As _pair with a weight scale per 16 weights (cA0 for A's first 16, cA1 for its last)."""
-    c0 = _row2_16(0, R, uA, uB, cA0, cA1, cB0, cB1, eA, eB, c0)
-    if nx > 1:
-        c1 = _row2_16(1, R, uA, uB, cA0, cA1, cB0, cB1, eA, eB, c1)
-        c2 = _row2_16(2, R, uA, uB, cA0, cA1, cB0, cB1, eA, eB, c2)
-        c3 = _row2_16(3, R, uA, uB, cA0, cA1, cB0, cB1, eA, eB, c3)
-    return c0, c1, c2, c3
-
-
-@njit(**_INL)
-def _cor_one(R, i, e, cm0, cm1):
-    """d_a (cm0 x the sum of a_i[e:e+16] + cm1 x that of a_i[e+16:e+32])."""
-    return _da(R, i, e) * (cm0 * _sum16(R, i, e) + cm1 * _sum16(R, i, e + 16))
-
-
-@njit(**_INL)
-def _cor(cmA0, cmA1, cmB0, cmB1, eA, eB, nx, R, m0, m1, m2, m3):
-    """m_i += the weight offsets (or mins) times the activations' sums, for sub-blocks A and B
-    (per 16 activations: cmA0 for A's first 16, ...)."""
-    m0 += _cor_one(R, 0, eA, cmA0, cmA1) + _cor_one(R, 0, eB, cmB0, cmB1)
-    if nx > 1:
-        m1 += _cor_one(R, 1, eA, cmA0, cmA1) + _cor_one(R, 1, eB, cmB0, cmB1)
-        m2 += _cor_one(R, 2, eA, cmA0, cmA1) + _cor_one(R, 2, eB, cmB0, cmB1)
-        m3 += _cor_one(R, 3, eA, cmA0, cmA1) + _cor_one(R, 3, eB, cmB0, cmB1)
-    return m0, m1, m2, m3
-
-
-@njit(**_INL)
-def _fin(c0, c1, c2, c3, m0, m1, m2, m3):
-    return s.f8_hsum(c0) + m0, s.f8_hsum(c1) + m1, s.f8_hsum(c2) + m2, s.f8_hsum(c3) + m3
+def _fin(c0, c1, c2, c3):
+    return s.f8_hsum(c0), s.f8_hsum(c1), s.f8_hsum(c2), s.f8_hsum(c3)
 
 
 @njit(**_INL)
 def _zeros():
-    return s.f8_zero(), s.f8_zero(), s.f8_zero(), s.f8_zero(), _F0, _F0, _F0, _F0
+    return s.f8_zero(), s.f8_zero(), s.f8_zero(), s.f8_zero()
 
 
-_NB = np.int64(0)  # no sign bits
+_NB = (np.int64(0),) * 8  # no sign bits
 
 
 # -- types ---------------------------------------------------------------------------------------
 @njit(**_JIT)
 def _q8_0(p, off, n_in, R, nx):
-    """34 B / 32: f16 d, int8 q[32]. Blocks in pairs; an odd last block pairs with itself at
-    scale 0 (the same operations, so a row's result never depends on the block count's parity)."""
-    o, nb = np.int64(off), n_in // 32
-    c0, c1, c2, c3, m0, m1, m2, m3 = _zeros()
-    for b in range(0, nb, 2):
-        wA, dA = s.ld_b(p, o + 2), f16_at(p, o)
-        last = b + 1 == nb
-        wB = wA if last else s.ld_b(p, o + 36)
-        dB = _F0 if last else f16_at(p, o + 34)
-        eB = 32 * b if last else 32 * b + 32
-        c0, c1, c2, c3 = _pair(s.b_abs(wA), s.b_abs(wB), dA, dB, 32 * b, eB, 1, wA, wB, _NB, _NB,
-                               nx, R, c0, c1, c2, c3)
-        o += 68
-    return _fin(c0, c1, c2, c3, m0, m1, m2, m3)
+    """34 B / 32: f16 d, int8 q[32]; 8 blocks per step (the callers ask n_in % 256 == 0)."""
+    o = np.int64(off)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        W = (s.ld_b(p, o + 2), s.ld_b(p, o + 36), s.ld_b(p, o + 70), s.ld_b(p, o + 104),
+             s.ld_b(p, o + 138), s.ld_b(p, o + 172), s.ld_b(p, o + 206), s.ld_b(p, o + 240))
+        U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
+             s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
+        c = s.f8_of_f16(p, o, 34)
+        c0, c1, c2, c3 = _sb(U, W, _NB, 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += 272
+    return _fin(c0, c1, c2, c3)
 
 
 @njit(**_JIT)
 def _q4_0(p, off, n_in, R, nx):
     """18 B / 32: f16 d, 16 B nibbles (elements 0-15 low, 16-31 high): w = d (n - 8)."""
-    o, nb = np.int64(off), n_in // 32
-    c0, c1, c2, c3, m0, m1, m2, m3 = _zeros()
-    for b in range(0, nb, 2):
-        uA, dA = s.nib16(p, o + 2), f16_at(p, o)
-        last = b + 1 == nb
-        uB = uA if last else s.nib16(p, o + 20)
-        dB = _F0 if last else f16_at(p, o + 18)
-        eB = 32 * b if last else 32 * b + 32
-        c0, c1, c2, c3 = _pair(uA, uB, dA, dB, 32 * b, eB, 0, uA, uB, _NB, _NB, nx, R, c0, c1, c2, c3)
-        kA, kB = np.float32(-8.0) * dA, np.float32(-8.0) * dB
-        m0, m1, m2, m3 = _cor(kA, kA, kB, kB, 32 * b, eB, nx, R, m0, m1, m2, m3)
-        o += 36
-    return _fin(c0, c1, c2, c3, m0, m1, m2, m3)
+    o = np.int64(off)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        U = (s.nib16(p, o + 2), s.nib16(p, o + 20), s.nib16(p, o + 38), s.nib16(p, o + 56),
+             s.nib16(p, o + 74), s.nib16(p, o + 92), s.nib16(p, o + 110), s.nib16(p, o + 128))
+        c = s.f8_of_f16(p, o, 18)
+        cm = s.f8_mul(c, s.f8_splat(np.float32(-8.0)))
+        c0, c1, c2, c3 = _sb(U, U, _NB, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += 144
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_INL)
+def _k4_scales(p, o):
+    """Q4_K/Q5_K's 12 bytes at p + o of 6-bit (scale, min) x 8 -> (8 scale bytes, 8 min bytes) as
+    uint64 words (ggml's get_scale_min_k4, four lanes at a time in 32-bit words)."""
+    w0, w1, w2 = s.u32_at(p, o), s.u32_at(p, o + 4), s.u32_at(p, o + 8)
+    sc = (w0 & 0x3F3F3F3F) | (((w2 & 0x0F0F0F0F) | ((w0 >> 2) & 0x30303030)) << 32)
+    mn = (w1 & 0x3F3F3F3F) | ((((w2 >> 4) & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)) << 32)
+    return sc, mn
+
+
+@njit(**_INL)
+def _q5_u(c, h, g, hi):
+    """Q4_K/Q5_K sub-block 2g + hi of a chunk c of nibbles, with its fifth bits from h (Q5_K)."""
+    u = s.b_shr(c, 4) if hi else s.b_and(c, 15)
+    return s.b_or(u, s.b_shl(s.b_and(s.b_shr(h, 2 * g + hi), 1), 4))
 
 
 @njit(**_JIT)
 def _q45_k(p, off, n_in, R, nx, five):
     """Q4_K (144 B) / Q5_K (176 B: 32 B of fifth bits before the nibbles): chunk g of 32 bytes
-    holds sub-block 2g in its low nibbles, 2g + 1 in its high ones."""
+    holds sub-block 2g in its low nibbles, 2g + 1 in its high ones; w = d sc n - dmin m."""
     o = np.int64(off)
-    c0, c1, c2, c3, m0, m1, m2, m3 = _zeros()
+    c0, c1, c2, c3 = _zeros()
     size = 176 if five else 144
     for sb in range(n_in // 256):
-        d, dmin = f16_at(p, o), f16_at(p, o + 2)
         q = o + 48 if five else o + 16
-        for g in range(4):
-            e = 256 * sb + 64 * g
-            sc0, mn0 = _k4_scale(p, o + 4, 2 * g)
-            sc1, mn1 = _k4_scale(p, o + 4, 2 * g + 1)
-            c = s.ld_b(p, q + 32 * g)
-            lo, hi = s.b_and(c, 15), s.b_shr(c, 4)
-            if five:
-                h = s.b_shr(s.ld_b(p, o + 16), 2 * g)
-                lo = s.b_or(lo, s.b_shl(s.b_and(h, 1), 4))
-                hi = s.b_or(hi, s.b_shl(s.b_and(h, 2), 3))
-            c0, c1, c2, c3 = _pair(lo, hi, d * np.float32(sc0), d * np.float32(sc1), e, e + 32, 0, lo, hi, _NB, _NB,
-                                   nx, R, c0, c1, c2, c3)
-            kA, kB = -(dmin * np.float32(mn0)), -(dmin * np.float32(mn1))
-            m0, m1, m2, m3 = _cor(kA, kA, kB, kB, e, e + 32, nx, R, m0, m1, m2, m3)
+        k0, k1, k2, k3 = s.ld_b(p, q), s.ld_b(p, q + 32), s.ld_b(p, q + 64), s.ld_b(p, q + 96)
+        if five:
+            h = s.ld_b(p, o + 16)
+            U = (_q5_u(k0, h, 0, 0), _q5_u(k0, h, 0, 1), _q5_u(k1, h, 1, 0), _q5_u(k1, h, 1, 1),
+                 _q5_u(k2, h, 2, 0), _q5_u(k2, h, 2, 1), _q5_u(k3, h, 3, 0), _q5_u(k3, h, 3, 1))
+        else:
+            U = (s.b_and(k0, 15), s.b_shr(k0, 4), s.b_and(k1, 15), s.b_shr(k1, 4),
+                 s.b_and(k2, 15), s.b_shr(k2, 4), s.b_and(k3, 15), s.b_shr(k3, 4))
+        sc, mn = _k4_scales(p, o + 4)
+        c = s.f8_mul(s.f8_of_u8x8(sc), s.f8_splat(f16_at(p, o)))
+        cm = s.f8_mul(s.f8_of_u8x8(mn), s.f8_splat(-f16_at(p, o + 2)))
+        c0, c1, c2, c3 = _sb(U, U, _NB, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
         o += size
-    return _fin(c0, c1, c2, c3, m0, m1, m2, m3)
-
-
-@njit(**_INL)
-def _q6_u(p, ql, h, g):
-    """Q6_K group g of a half: nibble g // 2 of ql[32 (g % 2) + l] with bits 2g.. of h above."""
-    la = s.ld_b(p, ql + 32 * (g % 2))
-    nib = s.b_and(la, 15) if g < 2 else s.b_shr(la, 4)
-    return s.b_or(nib, s.b_shl(s.b_and(s.b_shr(h, 2 * g), 3), 4))
-
-
-@njit(**_INL)
-def _i8s(p, a):
-    return np.float32(np.int8(u8_at(p, a)))
-
-
-@njit(**_JIT)
-def _q6_k(p, off, n_in, R, nx):
-    """Per 128-element half: element 32g + l is nibble g // 2 of ql[32 (g % 2) + l] with bits
-    2g..2g+1 of qh[l] above it (0..63, less 32), times d * int8 scale 2g + l // 16."""
-    o = np.int64(off)
-    c0, c1, c2, c3, m0, m1, m2, m3 = _zeros()
-    k = np.float32(-32.0)
-    for sb in range(n_in // 256):
-        d = f16_at(p, o + 208)
-        for half in range(2):
-            ql, sc = o + 64 * half, o + 192 + 8 * half
-            h = s.ld_b(p, o + 128 + 32 * half)
-            for g in range(0, 4, 2):
-                uA, uB = _q6_u(p, ql, h, g), _q6_u(p, ql, h, g + 1)
-                a0, a1 = d * _i8s(p, sc + 2 * g), d * _i8s(p, sc + 2 * g + 1)
-                b0, b1 = d * _i8s(p, sc + 2 * g + 2), d * _i8s(p, sc + 2 * g + 3)
-                e = 256 * sb + 128 * half + 32 * g
-                c0, c1, c2, c3 = _pair16(uA, uB, a0, a1, b0, b1, e, e + 32, nx, R, c0, c1, c2, c3)
-                m0, m1, m2, m3 = _cor(k * a0, k * a1, k * b0, k * b1, e, e + 32, nx, R, m0, m1, m2, m3)
-        o += 210
-    return _fin(c0, c1, c2, c3, m0, m1, m2, m3)
+    return _fin(c0, c1, c2, c3)
 
 
 @njit(**_INL)
@@ -294,29 +219,34 @@ def _ks(aux, l):
 
 
 @njit(**_INL)
-def _iq2_xxs_sub(p, d, q):
-    """IQ2_XXS sub-block at q: (grid bytes, sign bits, scale)."""
+def _iq2_sub(p, q):
+    """IQ2_XXS sub-block at q: (grid bytes, sign bits, 2 s + 1)."""
     aux = s.u32_at(p, q + 4)
     u = s.b_u64x4(_g2(p, q, 0), _g2(p, q, 1), _g2(p, q, 2), _g2(p, q, 3))
-    bits = _ks(aux, 0) | _ks(aux, 1) | _ks(aux, 2) | _ks(aux, 3)
-    return u, bits, d * (np.float32(0.5) + np.float32(aux >> 28)) * np.float32(0.25)
+    return u, _ks(aux, 0) | _ks(aux, 1) | _ks(aux, 2) | _ks(aux, 3), ((aux >> 28) << 1) | 1
 
 
 @njit(**_JIT)
 def _iq2_xxs(p, off, n_in, R, nx):
     """66 B / 256: f16 d, then per sub-block 4 grid indices (bytes) and a u32 of 4 x 7 sign bits
-    and a 4-bit scale s: w = d (0.5 + s) / 4 x grid x sign."""
+    and a 4-bit scale s: w = d (0.5 + s) / 4 x grid x sign = d / 8 x (2 s + 1) x grid x sign."""
     o = np.int64(off)
-    c0, c1, c2, c3, m0, m1, m2, m3 = _zeros()
+    c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
-        d = f16_at(p, o)
-        for ib in range(0, 8, 2):
-            uA, bA, cA = _iq2_xxs_sub(p, d, o + 2 + 8 * ib)
-            uB, bB, cB = _iq2_xxs_sub(p, d, o + 10 + 8 * ib)
-            e = 256 * sb + 32 * ib
-            c0, c1, c2, c3 = _pair(uA, uB, cA, cB, e, e + 32, 2, uA, uB, bA, bB, nx, R, c0, c1, c2, c3)
+        u0, b0, k0 = _iq2_sub(p, o + 2)
+        u1, b1, k1 = _iq2_sub(p, o + 10)
+        u2, b2, k2 = _iq2_sub(p, o + 18)
+        u3, b3, k3 = _iq2_sub(p, o + 26)
+        u4, b4, k4 = _iq2_sub(p, o + 34)
+        u5, b5, k5 = _iq2_sub(p, o + 42)
+        u6, b6, k6 = _iq2_sub(p, o + 50)
+        u7, b7, k7 = _iq2_sub(p, o + 58)
+        ks = k0 | (k1 << 8) | (k2 << 16) | (k3 << 24) | (k4 << 32) | (k5 << 40) | (k6 << 48) | (k7 << 56)
+        c = s.f8_mul(s.f8_of_u8x8(ks), s.f8_splat(f16_at(p, o) * _EIGHTH))
+        U = (u0, u1, u2, u3, u4, u5, u6, u7)
+        c0, c1, c2, c3 = _sb(U, U, (b0, b1, b2, b3, b4, b5, b6, b7), 2, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 66
-    return _fin(c0, c1, c2, c3, m0, m1, m2, m3)
+    return _fin(c0, c1, c2, c3)
 
 
 @njit(**_INL)
@@ -325,31 +255,39 @@ def _g1(p, qs, qh, l):
 
 
 @njit(**_INL)
-def _iq1_s_sub(p, o, d, ib):
-    """IQ1_S sub-block ib: (grid + 1 bytes, scale dl, offset dl (delta - 1))."""
+def _iq1_sub(p, o, ib):
+    """IQ1_S sub-block ib: (grid + 1 bytes, 2 s + 1, 8 (1 - delta) (2 s + 1))."""
     qh, qs = s.u16_at(p, o + 34 + 2 * ib), o + 2 + 4 * ib
     u = s.b_u64x4(_g1(p, qs, qh, 0), _g1(p, qs, qh, 1), _g1(p, qs, qh, 2), _g1(p, qs, qh, 3))
-    dl = d * np.float32(2 * ((qh >> 12) & 7) + 1)
-    delta = -_EIGHTH if qh & 0x8000 else _EIGHTH
-    return u, dl, dl * (delta - np.float32(1.0))
+    k = 2 * ((qh >> 12) & 7) + 1
+    return u, k, k * (9 if qh & 0x8000 else 7)
 
 
 @njit(**_JIT)
 def _iq1_s(p, off, n_in, R, nx):
     """50 B / 256: f16 d, qs[32], u16 qh[8]: sub-block ib's 4 groups are grid entries of 8 + 3
-    bits (qs[4 ib + l], bits 3l.. of qh[ib]); w = d (2 s + 1) (grid + delta), delta = +-1/8."""
+    bits (qs[4 ib + l], bits 3l.. of qh[ib]); w = d (2 s + 1) (grid + delta), delta = +-1/8,
+    dotted as d (2 s + 1) ((grid + 1) . a) - d / 8 x 8 (1 - delta) (2 s + 1) x sum(a)."""
     o = np.int64(off)
-    c0, c1, c2, c3, m0, m1, m2, m3 = _zeros()
+    c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        u0, k0, m0 = _iq1_sub(p, o, 0)
+        u1, k1, m1 = _iq1_sub(p, o, 1)
+        u2, k2, m2 = _iq1_sub(p, o, 2)
+        u3, k3, m3 = _iq1_sub(p, o, 3)
+        u4, k4, m4 = _iq1_sub(p, o, 4)
+        u5, k5, m5 = _iq1_sub(p, o, 5)
+        u6, k6, m6 = _iq1_sub(p, o, 6)
+        u7, k7, m7 = _iq1_sub(p, o, 7)
+        ks = k0 | (k1 << 8) | (k2 << 16) | (k3 << 24) | (k4 << 32) | (k5 << 40) | (k6 << 48) | (k7 << 56)
+        ms = m0 | (m1 << 8) | (m2 << 16) | (m3 << 24) | (m4 << 32) | (m5 << 40) | (m6 << 48) | (m7 << 56)
         d = f16_at(p, o)
-        for ib in range(0, 8, 2):
-            uA, cA, kA = _iq1_s_sub(p, o, d, ib)
-            uB, cB, kB = _iq1_s_sub(p, o, d, ib + 1)
-            e = 256 * sb + 32 * ib
-            c0, c1, c2, c3 = _pair(uA, uB, cA, cB, e, e + 32, 0, uA, uB, _NB, _NB, nx, R, c0, c1, c2, c3)
-            m0, m1, m2, m3 = _cor(kA, kA, kB, kB, e, e + 32, nx, R, m0, m1, m2, m3)
+        c = s.f8_mul(s.f8_of_u8x8(ks), s.f8_splat(d))
+        cm = s.f8_mul(s.f8_of_u8x8(ms), s.f8_splat(-(d * _EIGHTH)))
+        U = (u0, u1, u2, u3, u4, u5, u6, u7)
+        c0, c1, c2, c3 = _sb(U, U, _NB, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 50
-    return _fin(c0, c1, c2, c3, m0, m1, m2, m3)
+    return _fin(c0, c1, c2, c3)
 
 
 @njit(**_JIT)
@@ -357,18 +295,15 @@ def _tq2_0(p, off, n_in, R, nx):
     """66 B / 256: qs[64] of 2-bit codes, f16 d: element 128 j + 32 l + m is bits 2l.. of
     qs[32 j + m]; w = d (q - 1)."""
     o = np.int64(off)
-    c0, c1, c2, c3, m0, m1, m2, m3 = _zeros()
+    c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        a, b = s.ld_b(p, o), s.ld_b(p, o + 32)
+        U = (s.b_and(a, 3), s.b_and(s.b_shr(a, 2), 3), s.b_and(s.b_shr(a, 4), 3), s.b_shr(a, 6),
+             s.b_and(b, 3), s.b_and(s.b_shr(b, 2), 3), s.b_and(s.b_shr(b, 4), 3), s.b_shr(b, 6))
         d = f16_at(p, o + 64)
-        for j in range(2):
-            c = s.ld_b(p, o + 32 * j)
-            for l in range(0, 4, 2):
-                e = 256 * sb + 128 * j + 32 * l
-                uA, uB = s.b_and(s.b_shr(c, 2 * l), 3), s.b_and(s.b_shr(c, 2 * l + 2), 3)
-                c0, c1, c2, c3 = _pair(uA, uB, d, d, e, e + 32, 0, uA, uB, _NB, _NB, nx, R, c0, c1, c2, c3)
-                m0, m1, m2, m3 = _cor(-d, -d, -d, -d, e, e + 32, nx, R, m0, m1, m2, m3)
+        c0, c1, c2, c3 = _sb(U, U, _NB, 0, s.f8_splat(d), s.f8_splat(-d), True, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 66
-    return _fin(c0, c1, c2, c3, m0, m1, m2, m3)
+    return _fin(c0, c1, c2, c3)
 
 
 @njit(**_JIT)
@@ -384,8 +319,6 @@ def int_dots(qtype, p, off, n_in, R, nx):
         return _q45_k(p, off, n_in, R, nx, False)
     if qtype == _Q5_K:
         return _q45_k(p, off, n_in, R, nx, True)
-    if qtype == _Q6_K:
-        return _q6_k(p, off, n_in, R, nx)
     if qtype == _IQ2_XXS:
         return _iq2_xxs(p, off, n_in, R, nx)
     if qtype == _IQ1_S:
@@ -395,7 +328,7 @@ def int_dots(qtype, p, off, n_in, R, nx):
 
 @njit(**_INL)
 def act_rows(qa, qd, qs, i0, i1, i2, i3):
-    """R for rows i0 .. i3 of the quantized activations (q [N, n], d [N, n/32], s [N, n/16])."""
+    """R for rows i0 .. i3 of the quantized activations (q [N, n], d [N, n/32], ds [N, n/32])."""
     a, d, sm = addr(qa), addr(qd), addr(qs)
     n, nd, ns = np.int64(qa.shape[1]), np.int64(qd.shape[1]) * 4, np.int64(qs.shape[1]) * 4
     return (a + i0 * n, a + i1 * n, a + i2 * n, a + i3 * n, d + i0 * nd, d + i1 * nd, d + i2 * nd, d + i3 * nd,

@@ -397,3 +397,121 @@ def f8_add(typingctx, a, b):
         return builder.fadd(args[0], args[1])
 
     return vf8(a, b), codegen
+
+
+# -- per-super-block (8 sub-blocks) forms -----------------------------------------------------------
+@intrinsic
+def hsum8x8(typingctx, t):
+    """Lane j = the sum of the 8 lanes of t[j], for a tuple t of 8 int32 vectors (a transposing
+    add tree: 7 adds and 14 shuffles for 8 sub-blocks' dot products)."""
+    if not (isinstance(t, types.UniTuple) and t.count == 8 and t.dtype == vi8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = [builder.extract_value(args[0], i) for i in range(8)]
+
+        def level(a, b, lo, hi):
+            m = lambda idx: ir.Constant(_VI, idx)  # noqa: E731
+            return builder.add(builder.shuffle_vector(a, b, m(lo)), builder.shuffle_vector(a, b, m(hi)))
+
+        l1 = [level(v[k], v[k + 1], [0, 8, 2, 10, 4, 12, 6, 14], [1, 9, 3, 11, 5, 13, 7, 15]) for k in range(0, 8, 2)]
+        l2 = [level(l1[k], l1[k + 1], [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]) for k in range(0, 4, 2)]
+        return level(l2[0], l2[1], [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
+
+    return vi8(t), codegen
+
+
+@intrinsic
+def f8_ld(typingctx, p, off):
+    """The 8 float32 at address p + off (byte offset)."""
+    if not _ints(p, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(builder.bitcast(_ptr(builder, args[0], args[1], _I8), _VF.as_pointer()), align=4)
+
+    return vf8(p, off), codegen
+
+
+@intrinsic
+def f8_of_i(typingctx, i):
+    if i != vi8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.sitofp(args[0], _VF)
+
+    return vf8(i), codegen
+
+
+@intrinsic
+def f8_of_u8x8(typingctx, w):
+    """The 8 bytes of a 64-bit integer (little-endian: byte j in lane j), as float32 lanes."""
+    if not isinstance(w, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = args[0] if args[0].type.width == 64 else builder.zext(args[0], _I64)
+        b = builder.bitcast(v, ir.VectorType(_I8, 8))
+        return builder.uitofp(b, _VF)
+
+    return vf8(w), codegen
+
+
+@intrinsic
+def f8_of_f16(typingctx, p, off, stride):
+    """8 float16 at p + off + j * stride (j = 0..7), widened exactly to float32."""
+    if not _ints(p, off, stride):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vh = ir.VectorType(ir.HalfType(), 8)
+        v = ir.Constant(vh, ir.Undefined)
+        base, step = _i64(builder, args[1]), _i64(builder, args[2])
+        for j in range(8):
+            o = builder.add(base, builder.mul(step, ir.Constant(_I64, j)))
+            q = builder.bitcast(_ptr(builder, args[0], o, _I8), ir.HalfType().as_pointer())
+            v = builder.insert_element(v, builder.load(q, align=1), ir.Constant(_I32, j))
+        return builder.fpext(v, _VF)
+
+    return vf8(p, off, stride), codegen
+
+
+@intrinsic
+def f8_splat(typingctx, f):
+    if not isinstance(f, types.Float):
+        return None
+
+    def codegen(context, builder, sig, args):
+        cf = args[0] if args[0].type == _F32 else builder.fptrunc(args[0], _F32)
+        return _splat(builder, cf, _VF)
+
+    return vf8(f), codegen
+
+
+def _bin_f8(op: str):
+    def typer(typingctx, a, b):
+        if a != vf8 or b != vf8:
+            return None
+
+        def codegen(context, builder, sig, args):
+            return getattr(builder, op)(args[0], args[1])
+
+        return vf8(a, b), codegen
+
+    return typer
+
+
+f8_mul = intrinsic(_bin_f8("fmul"))
+
+
+@intrinsic
+def f8_fma(typingctx, a, b, c):
+    """a * b + c, rounded once."""
+    if not (a == b == c == vf8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.fma.v8f32", _VF, list(args))
+
+    return vf8(a, b, c), codegen
