@@ -37,7 +37,7 @@ from numba import njit
 
 from . import cpu_simd_int as s
 from .cpu_rows_base import _JIT, _U
-from .cpu_rows_iq import GRID64_IQ2_XXS, GRID_IQ1_S, KSIGNS
+from .cpu_rows_iq import GRID64_IQ2_XXS, GRID_IQ1_S
 from .cpu_simd import addr, f16_at, u8_at
 
 _Q8_0, _Q4_0, _Q4_K, _Q5_K, _Q6_K = int(Q.Q8_0), int(Q.Q4_0), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
@@ -46,7 +46,6 @@ INT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.IQ2_XXS, Q.IQ1_S, Q.TQ2_0)
 _INL = {**_JIT, "inline": "always"}
 # IQ1_S's code book {-1, 0, 1} plus one, as unsigned bytes: 8 per index, one uint64 per group
 GRID64_IQ1_S_P1 = (GRID_IQ1_S.astype(np.int16) + 1).astype(np.uint8).view(np.uint64)  # [2048]
-KSIGNS32 = KSIGNS.astype(np.int64)  # [128] 7 sign bits -> 8 (the 8th: even count of minus signs)
 _F0, _EIGHTH, _INV127 = np.float32(0.0), np.float32(0.125), np.float32(1.0 / 127.0)
 
 
@@ -208,59 +207,22 @@ def _q45_k(p, off, n_in, R, nx, five):
     return _fin(c0, c1, c2, c3)
 
 
-@njit(**_INL)
-def _g2(p, q, k):
-    return GRID64_IQ2_XXS[_U(u8_at(p, q + k))]
-
-
-@njit(**_INL)
-def _ks(aux, l):
-    return KSIGNS32[_U((aux >> (7 * l)) & 127)] << (8 * l)
-
-
-@njit(**_INL)
-def _iq2_sub(p, q):
-    """IQ2_XXS sub-block at q: (grid bytes, sign bits, 2 s + 1)."""
-    aux = s.u32_at(p, q + 4)
-    u = s.b_u64x4(_g2(p, q, 0), _g2(p, q, 1), _g2(p, q, 2), _g2(p, q, 3))
-    return u, _ks(aux, 0) | _ks(aux, 1) | _ks(aux, 2) | _ks(aux, 3), ((aux >> 28) << 1) | 1
-
-
 @njit(**_JIT)
 def _iq2_xxs(p, off, n_in, R, nx):
     """66 B / 256: f16 d, then per sub-block 4 grid indices (bytes) and a u32 of 4 x 7 sign bits
-    and a 4-bit scale s: w = d (0.5 + s) / 4 x grid x sign = d / 8 x (2 s + 1) x grid x sign."""
-    o = np.int64(off)
+    and a 4-bit scale s: w = d (0.5 + s) / 4 x grid x sign = d / 8 x (2 s + 1) x grid x sign.
+    The 8 sub-blocks' indices, signs and scales are unpacked at once (iq2xxs_prep: vector shifts,
+    a popcount for the sign parity, gathers from the code book)."""
+    o, grid = np.int64(off), addr(GRID64_IQ2_XXS)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
-        u0, b0, k0 = _iq2_sub(p, o + 2)
-        u1, b1, k1 = _iq2_sub(p, o + 10)
-        u2, b2, k2 = _iq2_sub(p, o + 18)
-        u3, b3, k3 = _iq2_sub(p, o + 26)
-        u4, b4, k4 = _iq2_sub(p, o + 34)
-        u5, b5, k5 = _iq2_sub(p, o + 42)
-        u6, b6, k6 = _iq2_sub(p, o + 50)
-        u7, b7, k7 = _iq2_sub(p, o + 58)
-        ks = k0 | (k1 << 8) | (k2 << 16) | (k3 << 24) | (k4 << 32) | (k5 << 40) | (k6 << 48) | (k7 << 56)
-        c = s.f8_mul(s.f8_of_u8x8(ks), s.f8_splat(f16_at(p, o) * _EIGHTH))
-        U = (u0, u1, u2, u3, u4, u5, u6, u7)
-        c0, c1, c2, c3 = _sb(U, U, (b0, b1, b2, b3, b4, b5, b6, b7), 2, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        U, sg, k = s.iq2xxs_prep(p, o, grid)
+        B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
+             s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
+        c = s.f8_mul(k, s.f8_splat(f16_at(p, o) * _EIGHTH))
+        c0, c1, c2, c3 = _sb(U, U, B, 2, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 66
     return _fin(c0, c1, c2, c3)
-
-
-@njit(**_INL)
-def _g1(p, qs, qh, l):
-    return GRID64_IQ1_S_P1[_U(u8_at(p, qs + l) | (((qh >> (3 * l)) & 7) << 8))]
-
-
-@njit(**_INL)
-def _iq1_sub(p, o, ib):
-    """IQ1_S sub-block ib: (grid + 1 bytes, 2 s + 1, 8 (1 - delta) (2 s + 1))."""
-    qh, qs = s.u16_at(p, o + 34 + 2 * ib), o + 2 + 4 * ib
-    u = s.b_u64x4(_g1(p, qs, qh, 0), _g1(p, qs, qh, 1), _g1(p, qs, qh, 2), _g1(p, qs, qh, 3))
-    k = 2 * ((qh >> 12) & 7) + 1
-    return u, k, k * (9 if qh & 0x8000 else 7)
 
 
 @njit(**_JIT)
@@ -268,23 +230,13 @@ def _iq1_s(p, off, n_in, R, nx):
     """50 B / 256: f16 d, qs[32], u16 qh[8]: sub-block ib's 4 groups are grid entries of 8 + 3
     bits (qs[4 ib + l], bits 3l.. of qh[ib]); w = d (2 s + 1) (grid + delta), delta = +-1/8,
     dotted as d (2 s + 1) ((grid + 1) . a) - d / 8 x 8 (1 - delta) (2 s + 1) x sum(a)."""
-    o = np.int64(off)
+    o, grid = np.int64(off), addr(GRID64_IQ1_S_P1)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
-        u0, k0, m0 = _iq1_sub(p, o, 0)
-        u1, k1, m1 = _iq1_sub(p, o, 1)
-        u2, k2, m2 = _iq1_sub(p, o, 2)
-        u3, k3, m3 = _iq1_sub(p, o, 3)
-        u4, k4, m4 = _iq1_sub(p, o, 4)
-        u5, k5, m5 = _iq1_sub(p, o, 5)
-        u6, k6, m6 = _iq1_sub(p, o, 6)
-        u7, k7, m7 = _iq1_sub(p, o, 7)
-        ks = k0 | (k1 << 8) | (k2 << 16) | (k3 << 24) | (k4 << 32) | (k5 << 40) | (k6 << 48) | (k7 << 56)
-        ms = m0 | (m1 << 8) | (m2 << 16) | (m3 << 24) | (m4 << 32) | (m5 << 40) | (m6 << 48) | (m7 << 56)
+        U, k, m = s.iq1s_prep(p, o, grid)
         d = f16_at(p, o)
-        c = s.f8_mul(s.f8_of_u8x8(ks), s.f8_splat(d))
-        cm = s.f8_mul(s.f8_of_u8x8(ms), s.f8_splat(-(d * _EIGHTH)))
-        U = (u0, u1, u2, u3, u4, u5, u6, u7)
+        c = s.f8_mul(k, s.f8_splat(d))
+        cm = s.f8_mul(m, s.f8_splat(-(d * _EIGHTH)))
         c0, c1, c2, c3 = _sb(U, U, _NB, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 50
     return _fin(c0, c1, c2, c3)

@@ -515,3 +515,105 @@ def f8_fma(typingctx, a, b, c):
         return _call(builder, "llvm.fma.v8f32", _VF, list(args))
 
     return vf8(a, b, c), codegen
+
+
+# -- grid (IQ) super-blocks: indices, signs and scales of 8 sub-blocks at once ------------------------
+def _gather_grid(builder, table, idx32):
+    """The 32 uint64 code-book entries table[idx32[k]] (idx32 <32 x i32>), as 8 byte vectors
+    (sub-block j = entries 4j .. 4j + 3): llvm.masked.gather, 8 entries at a time."""
+    i64p = _I64.as_pointer()
+    v8p = ir.VectorType(i64p, 8)
+    base = _splat(builder, _i64(builder, table), ir.VectorType(_I64, 8))
+    v8 = ir.VectorType(_I64, 8)
+    fn_ty = ir.FunctionType(v8, [v8p, _I32, ir.VectorType(ir.IntType(1), 8), v8])
+    fn = cgutils.get_or_insert_function(builder.module, fn_ty, "llvm.masked.gather.v8i64.v8p0i64")
+    out = []
+    for h in range(4):
+        part = builder.shuffle_vector(idx32, idx32, ir.Constant(_VI, list(range(8 * h, 8 * h + 8))))
+        offs = builder.shl(builder.zext(part, ir.VectorType(_I64, 8)), _c(ir.VectorType(_I64, 8), [3] * 8))
+        ptrs = builder.inttoptr(builder.add(base, offs), v8p)
+        g = builder.call(fn, [ptrs, ir.Constant(_I32, 8), ir.Constant(ir.VectorType(ir.IntType(1), 8), [1] * 8),
+                              ir.Constant(v8, ir.Undefined)])
+        for k in range(2):
+            q = builder.shuffle_vector(g, g, ir.Constant(ir.VectorType(_I32, 4), list(range(4 * k, 4 * k + 4))))
+            out.append(builder.bitcast(q, _VB))
+    return out
+
+
+def _ld_vec(builder, p, off, vty):
+    return builder.load(builder.bitcast(_ptr(builder, p, off, _I8), vty.as_pointer()), align=1)
+
+
+def _c(ty, vals):
+    return ir.Constant(ty, vals)
+
+
+_PREP_TY = types.Tuple([types.UniTuple(vb, 8), vi8, vf8])
+
+
+@intrinsic
+def iq2xxs_prep(typingctx, p, off, table):
+    """An IQ2_XXS super-block at p + off (f16 d, then per sub-block 4 index bytes and a u32 aux):
+    (U: its 8 sub-blocks' grid bytes, the 8 sub-blocks' 32 sign bits (ksigns: 7 bits each group,
+    the 8th their parity), the 8 scales 2 s + 1 as floats)."""
+    if not _ints(p, off, table):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(_I32, 16)
+        words = _ld_vec(builder, args[0], builder.add(_i64(builder, args[1]), _c(_I64, 2)), v16)
+        idx = builder.shuffle_vector(words, words, _c(_VI, list(range(0, 16, 2))))  # 4 index bytes each
+        aux = builder.shuffle_vector(words, words, _c(_VI, list(range(1, 16, 2))))
+        idx32 = builder.zext(builder.bitcast(idx, _VB), ir.VectorType(_I32, 32))
+        U = _gather_grid(builder, args[2], idx32)
+        ctpop = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VI, [_VI]), "llvm.ctpop.v8i32")
+        signs = _c(_VI, [0] * 8)
+        for l in range(4):
+            f = builder.and_(builder.lshr(aux, _c(_VI, [7 * l] * 8)), _c(_VI, [127] * 8))
+            par = builder.and_(builder.call(ctpop, [f]), _c(_VI, [1] * 8))
+            byte = builder.or_(f, builder.shl(par, _c(_VI, [7] * 8)))
+            signs = builder.or_(signs, builder.shl(byte, _c(_VI, [8 * l] * 8)))
+        k = builder.or_(builder.shl(builder.lshr(aux, _c(_VI, [28] * 8)), _c(_VI, [1] * 8)), _c(_VI, [1] * 8))
+        tup = context.make_tuple(builder, sig.return_type[0], U)
+        return context.make_tuple(builder, sig.return_type, [tup, signs, builder.sitofp(k, _VF)])
+
+    return _PREP_TY(p, off, table), codegen
+
+
+@intrinsic
+def iq1s_prep(typingctx, p, off, table):
+    """An IQ1_S super-block at p + off (f16 d, qs[32], u16 qh[8]): (U: the 8 sub-blocks' grid
+    bytes from the code book `table` (index qs[4j + l] | bits 3l.. of qh[j] << 8), 2 s + 1 as
+    floats, 8 (1 - delta) (2 s + 1) as floats (delta = -1/8 where qh's top bit is set))."""
+    if not _ints(p, off, table):
+        return None
+
+    def codegen(context, builder, sig, args):
+        o = _i64(builder, args[1])
+        qs = _ld_vec(builder, args[0], builder.add(o, _c(_I64, 2)), _VB)
+        qh = builder.zext(_ld_vec(builder, args[0], builder.add(o, _c(_I64, 34)), ir.VectorType(_I16, 8)), _VI)
+        v32 = ir.VectorType(_I32, 32)
+        rep = builder.shuffle_vector(qh, qh, _c(v32, [j // 4 for j in range(32)]))
+        hi = builder.and_(builder.lshr(rep, _c(v32, [3 * (j % 4) for j in range(32)])), _c(v32, [7] * 32))
+        idx32 = builder.or_(builder.zext(qs, v32), builder.shl(hi, _c(v32, [8] * 32)))
+        U = _gather_grid(builder, args[2], idx32)
+        k = builder.or_(builder.shl(builder.and_(builder.lshr(qh, _c(_VI, [12] * 8)), _c(_VI, [7] * 8)),
+                                    _c(_VI, [1] * 8)), _c(_VI, [1] * 8))
+        neg = builder.icmp_unsigned("!=", builder.and_(qh, _c(_VI, [0x8000] * 8)), _c(_VI, [0] * 8))
+        m = builder.mul(k, builder.select(neg, _c(_VI, [9] * 8), _c(_VI, [7] * 8)))
+        tup = context.make_tuple(builder, sig.return_type[0], U)
+        return context.make_tuple(builder, sig.return_type, [tup, builder.sitofp(k, _VF), builder.sitofp(m, _VF)])
+
+    return types.Tuple([types.UniTuple(vb, 8), vf8, vf8])(p, off, table), codegen
+
+
+@intrinsic
+def i8_lane(typingctx, v, j):
+    """Lane j (a constant after inlining) of an int32 vector, as int64."""
+    if v != vi8 or not isinstance(j, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.zext(builder.extract_element(args[0], builder.trunc(args[1], _I32)), _I64)
+
+    return types.int64(v, j), codegen
