@@ -18,7 +18,8 @@ Weights as unsigned bytes (dpbusd's u8 side), per type, for sub-block j with wei
   Q8_0     |q| with the activation's signs flipped where q < 0 (psignb)      c = d
   Q4_0     nibble n, w = d (n - 8)            : c = d, offset -8 d x sum(a)
   Q4_K/Q5_K  n (+16 x fifth bit), w = d sc n - dmin m: c = d sc, offset -dmin m x sum(a)
-  Q6_K     q in 0..63, w = d sc (q - 32)       : c per 16 weights, offset -32 c x sum(a)
+  Q2_K     sc q (<= 45) and, in a second dot, the mins m as bytes: w = d sc q - dmin m
+  Q6_K     |q - 32| with the activation's signs flipped where q < 32: c per 16 weights
   IQ2_XXS  grid bytes (<= 43), signs applied to the activation bytes        c = d (0.5 + s) / 4
   IQ1_S    grid + 1 (0..2), w = dl (g + delta) : c = dl, offset dl (delta - 1) x sum(a)
   TQ2_0    q in 0..2, w = d (q - 1)            : c = d, offset -d x sum(a)
@@ -41,8 +42,9 @@ from .cpu_rows_iq import GRID64_IQ2_XXS, GRID_IQ1_S
 from .cpu_simd import addr, f16_at, u8_at
 
 _Q8_0, _Q4_0, _Q4_K, _Q5_K, _Q6_K = int(Q.Q8_0), int(Q.Q4_0), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
+_Q2_K = int(Q.Q2_K)
 _IQ2_XXS, _IQ1_S, _TQ2_0 = int(Q.IQ2_XXS), int(Q.IQ1_S), int(Q.TQ2_0)
-INT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.IQ2_XXS, Q.IQ1_S, Q.TQ2_0)
+INT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ1_S, Q.TQ2_0)
 _INL = {**_JIT, "inline": "always"}
 # IQ1_S's code book {-1, 0, 1} plus one, as unsigned bytes: 8 per index, one uint64 per group
 GRID64_IQ1_S_P1 = (GRID_IQ1_S.astype(np.int16) + 1).astype(np.uint8).view(np.uint64)  # [2048]
@@ -51,7 +53,7 @@ _F0, _EIGHTH, _INV127 = np.float32(0.0), np.float32(0.125), np.float32(1.0 / 127
 
 @njit(**_JIT)
 def has_int(qtype):
-    return (qtype == _Q8_0 or qtype == _Q4_0 or qtype == _Q4_K or qtype == _Q5_K
+    return (qtype == _Q8_0 or qtype == _Q4_0 or qtype == _Q2_K or qtype == _Q4_K or qtype == _Q5_K or qtype == _Q6_K
             or qtype == _IQ2_XXS or qtype == _IQ1_S or qtype == _TQ2_0)
 
 
@@ -207,6 +209,79 @@ def _q45_k(p, off, n_in, R, nx, five):
     return _fin(c0, c1, c2, c3)
 
 
+@njit(**_INL)
+def _q6_w(p, ql, h, g):
+    """Q6_K group g of a 128-half: nibble g // 2 of ql[32 (g % 2) + l] with bits 2g.. of h above
+    it, less 32, as signed bytes."""
+    la = s.ld_b(p, ql + 32 * (g % 2))
+    nib = s.b_and(la, 15) if g < 2 else s.b_shr(la, 4)
+    return s.b_sub(s.b_or(nib, s.b_shl(s.b_and(s.b_shr(h, 2 * g), 3), 4)), 32)
+
+
+@njit(**_INL)
+def _q6_half(W, U, a, e, j):
+    """hsum4x8_halves of sub-blocks j .. j + 3 (signed weights W, magnitudes U) against a[e:]."""
+    return s.hsum4x8_halves((_dp(U, W, _NB, a, e, j, 1), _dp(U, W, _NB, a, e, j + 1, 1),
+                             _dp(U, W, _NB, a, e, j + 2, 1), _dp(U, W, _NB, a, e, j + 3, 1)))
+
+
+@njit(**_INL)
+def _q6_row(i, R, U, W, cA, cB, e, acc):
+    a, db = R[i], R[4 + i] + (e >> 5) * 4
+    acc = s.f8_fma(s.f8_mul(s.f8_of_i(_q6_half(W, U, a, e, 0)), s.f8_ld4x2(db, 0)), cA, acc)
+    return s.f8_fma(s.f8_mul(s.f8_of_i(_q6_half(W, U, a, e, 4)), s.f8_ld4x2(db, 16)), cB, acc)
+
+
+@njit(**_JIT)
+def _q6_k(p, off, n_in, R, nx):
+    """210 B / 256: ql[128], qh[64], int8 scales[16], f16 d. Per 128-element half, element
+    32g + l is nibble g // 2 of ql[32 (g % 2) + l] with bits 2g..2g+1 of qh[l] above it, less 32,
+    times d * scale 2g + l // 16 (a scale per 16 weights: the sums are taken per 16)."""
+    o = np.int64(off)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        h0, h1 = s.ld_b(p, o + 128), s.ld_b(p, o + 160)
+        W = (_q6_w(p, o, h0, 0), _q6_w(p, o, h0, 1), _q6_w(p, o, h0, 2), _q6_w(p, o, h0, 3),
+             _q6_w(p, o + 64, h1, 0), _q6_w(p, o + 64, h1, 1), _q6_w(p, o + 64, h1, 2), _q6_w(p, o + 64, h1, 3))
+        U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
+             s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
+        sa, sb_ = s.q6_scales(p, o + 192)
+        d = s.f8_splat(f16_at(p, o + 208))
+        cA, cB = s.f8_mul(sa, d), s.f8_mul(sb_, d)
+        e = 256 * sb
+        c0 = _q6_row(0, R, U, W, cA, cB, e, c0)
+        if nx > 1:
+            c1 = _q6_row(1, R, U, W, cA, cB, e, c1)
+            c2 = _q6_row(2, R, U, W, cA, cB, e, c2)
+            c3 = _q6_row(3, R, U, W, cA, cB, e, c3)
+        o += 210
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_JIT)
+def _q2_k(p, off, n_in, R, nx):
+    """84 B / 256: 16 scale bytes (low nibble scale, high min, per 16 weights), qs[64] of 2-bit
+    codes (element 128 h + 32 j + l: bits 2j.. of qs[32 h + l]), f16 d, f16 dmin:
+    w = d sc q - dmin m. The 4-bit scales are multiplied into the codes (sc q <= 45) and the
+    mins dotted as bytes of their own: two integer dots, no per-16 float work."""
+    o = np.int64(off)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        S, M = s.q2k_scales(p, o)
+        a, b = s.ld_b(p, o + 16), s.ld_b(p, o + 48)
+        U = (s.b_mul(s.b_and(a, 3), S[0]), s.b_mul(s.b_and(s.b_shr(a, 2), 3), S[1]),
+             s.b_mul(s.b_and(s.b_shr(a, 4), 3), S[2]), s.b_mul(s.b_shr(a, 6), S[3]),
+             s.b_mul(s.b_and(b, 3), S[4]), s.b_mul(s.b_and(s.b_shr(b, 2), 3), S[5]),
+             s.b_mul(s.b_and(s.b_shr(b, 4), 3), S[6]), s.b_mul(s.b_shr(b, 6), S[7]))
+        e = 256 * sb
+        c0, c1, c2, c3 = _sb(U, U, _NB, 0, s.f8_splat(f16_at(p, o + 80)), s.f8_zero(), False, e, nx, R,
+                             c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sb(M, M, _NB, 0, s.f8_splat(-f16_at(p, o + 82)), s.f8_zero(), False, e, nx, R,
+                             c0, c1, c2, c3)
+        o += 84
+    return _fin(c0, c1, c2, c3)
+
+
 @njit(**_JIT)
 def _iq2_xxs(p, off, n_in, R, nx):
     """66 B / 256: f16 d, then per sub-block 4 grid indices (bytes) and a u32 of 4 x 7 sign bits
@@ -271,6 +346,10 @@ def int_dots(qtype, p, off, n_in, R, nx):
         return _q45_k(p, off, n_in, R, nx, False)
     if qtype == _Q5_K:
         return _q45_k(p, off, n_in, R, nx, True)
+    if qtype == _Q6_K:
+        return _q6_k(p, off, n_in, R, nx)
+    if qtype == _Q2_K:
+        return _q2_k(p, off, n_in, R, nx)
     if qtype == _IQ2_XXS:
         return _iq2_xxs(p, off, n_in, R, nx)
     if qtype == _IQ1_S:

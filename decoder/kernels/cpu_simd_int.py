@@ -617,3 +617,86 @@ def i8_lane(typingctx, v, j):
         return builder.zext(builder.extract_element(args[0], builder.trunc(args[1], _I32)), _I64)
 
     return types.int64(v, j), codegen
+
+
+# -- per-16 scales (Q6_K): two vectors of 8 half-sub-block sums per super-block ------------------------
+@intrinsic
+def hsum4x8_halves(typingctx, t):
+    """For 4 int32 vectors t[0..3] (dots of 32 bytes: lanes 0-3 cover the first 16 bytes, 4-7 the
+    last 16): [t[j] lanes 0-3 summed for j = 0..3, then t[j] lanes 4-7 summed for j = 0..3]."""
+    if not (isinstance(t, types.UniTuple) and t.count == 4 and t.dtype == vi8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = [builder.extract_value(args[0], i) for i in range(4)]
+
+        def level(a, b, lo, hi):
+            return builder.add(builder.shuffle_vector(a, b, _c(_VI, lo)), builder.shuffle_vector(a, b, _c(_VI, hi)))
+
+        l1 = [level(v[k], v[k + 1], [0, 8, 2, 10, 4, 12, 6, 14], [1, 9, 3, 11, 5, 13, 7, 15]) for k in (0, 2)]
+        return level(l1[0], l1[1], [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])
+
+    return vi8(t), codegen
+
+
+@intrinsic
+def f8_ld4x2(typingctx, p, off):
+    """The 4 float32 at address p + off, twice: [f0, f1, f2, f3, f0, f1, f2, f3]."""
+    if not _ints(p, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v4 = _ld_vec(builder, args[0], args[1], ir.VectorType(_F32, 4))
+        return builder.shuffle_vector(v4, v4, _c(_VI, [0, 1, 2, 3, 0, 1, 2, 3]))
+
+    return vf8(p, off), codegen
+
+
+@intrinsic
+def q6_scales(typingctx, p, off):
+    """Q6_K's 16 int8 scales at p + off as two float vectors in hsum4x8_halves' lane order:
+    ([s0, s2, s4, s6, s1, s3, s5, s7], [s8, s10, .., s15])."""
+    if not _ints(p, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = _ld_vec(builder, args[0], args[1], ir.VectorType(_I8, 16))
+        a = builder.shuffle_vector(v, v, _c(_VI, [0, 2, 4, 6, 1, 3, 5, 7]))
+        b = builder.shuffle_vector(v, v, _c(_VI, [8, 10, 12, 14, 9, 11, 13, 15]))
+        return context.make_tuple(builder, sig.return_type, [builder.sitofp(a, _VF), builder.sitofp(b, _VF)])
+
+    return types.UniTuple(vf8, 2)(p, off), codegen
+
+
+@intrinsic
+def b_mul(typingctx, a, b):
+    """a * b bytewise, modulo 256 (the callers' products fit)."""
+    if a != vb or b != vb:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.mul(args[0], args[1])
+
+    return vb(a, b), codegen
+
+
+@intrinsic
+def q2k_scales(typingctx, p, off):
+    """Q2_K's 16 scale bytes at p + off (low nibble: scale, high: min, one per 16 weights) as the
+    8 sub-blocks' per-byte scales and mins: (S, M), S[j] = 16 x scale 2j then 16 x scale 2j + 1."""
+    if not _ints(p, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(_I8, 16)
+        v = _ld_vec(builder, args[0], args[1], v16)
+        lo, hi = builder.and_(v, _c(v16, [15] * 16)), builder.lshr(v, _c(v16, [4] * 16))
+        v32 = ir.VectorType(_I32, 32)
+        pick = [[2 * j] * 16 + [2 * j + 1] * 16 for j in range(8)]
+        S = [builder.shuffle_vector(lo, lo, _c(v32, m)) for m in pick]
+        M = [builder.shuffle_vector(hi, hi, _c(v32, m)) for m in pick]
+        ty = sig.return_type[0]
+        return context.make_tuple(builder, sig.return_type, [context.make_tuple(builder, ty, S),
+                                                             context.make_tuple(builder, ty, M)])
+
+    return types.UniTuple(types.UniTuple(vb, 8), 2)(p, off), codegen
