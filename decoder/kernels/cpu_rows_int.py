@@ -22,7 +22,7 @@ Weights as unsigned bytes (dpbusd's u8 side), per type, for sub-block j with wei
   Q6_K     |q - 32| with the activation's signs flipped where q < 32: c per 16 weights
   IQ2_XXS  grid bytes (<= 43), signs applied to the activation bytes        c = d (0.5 + s) / 4
   IQ1_S    grid + 1 (0..2), w = dl (g + delta) : c = dl, offset dl (delta - 1) x sum(a)
-  TQ2_0    q in 0..2, w = d (q - 1)            : c = d, offset -d x sum(a)
+  TQ2_0, TQ1_0  q in 0..2, w = d (q - 1)       : c = d, offset -d x sum(a)
 A row's result is, per activation row, sum_j c_j d_a,j (W_j . q_j) plus the offsets: the same
 real number as the dequantized weights (gguf-py's) dotted with the dequantized int8 activation,
 up to float32 rounding of the scales and the sums (8 lanes, a fixed tree at the end). Every
@@ -43,8 +43,8 @@ from .cpu_simd import addr, f16_at, u8_at
 
 _Q8_0, _Q4_0, _Q4_K, _Q5_K, _Q6_K = int(Q.Q8_0), int(Q.Q4_0), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
 _Q2_K = int(Q.Q2_K)
-_IQ2_XXS, _IQ1_S, _TQ2_0 = int(Q.IQ2_XXS), int(Q.IQ1_S), int(Q.TQ2_0)
-INT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ1_S, Q.TQ2_0)
+_IQ2_XXS, _IQ1_S, _TQ2_0, _TQ1_0 = int(Q.IQ2_XXS), int(Q.IQ1_S), int(Q.TQ2_0), int(Q.TQ1_0)
+INT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ1_S, Q.TQ2_0, Q.TQ1_0)
 _INL = {**_JIT, "inline": "always"}
 # IQ1_S's code book {-1, 0, 1} plus one, as unsigned bytes: 8 per index, one uint64 per group
 GRID64_IQ1_S_P1 = (GRID_IQ1_S.astype(np.int16) + 1).astype(np.uint8).view(np.uint64)  # [2048]
@@ -54,7 +54,7 @@ _F0, _EIGHTH, _INV127 = np.float32(0.0), np.float32(0.125), np.float32(1.0 / 127
 @njit(**_JIT)
 def has_int(qtype):
     return (qtype == _Q8_0 or qtype == _Q4_0 or qtype == _Q2_K or qtype == _Q4_K or qtype == _Q5_K or qtype == _Q6_K
-            or qtype == _IQ2_XXS or qtype == _IQ1_S or qtype == _TQ2_0)
+            or qtype == _IQ2_XXS or qtype == _IQ1_S or qtype == _TQ2_0 or qtype == _TQ1_0)
 
 
 # -- activations ---------------------------------------------------------------------------------
@@ -334,6 +334,19 @@ def _tq2_0(p, off, n_in, R, nx):
 
 
 @njit(**_JIT)
+def _tq1_0(p, off, n_in, R, nx):
+    """54 B / 256: qs[48], qh[4] of base-3 codes (tq1_codes), f16 d: w = d (q - 1)."""
+    o = np.int64(off)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        d = f16_at(p, o + 52)
+        c0, c1, c2, c3 = _sb(s.tq1_codes(p, o), s.tq1_codes(p, o), _NB, 0, s.f8_splat(d), s.f8_splat(-d), True,
+                             256 * sb, nx, R, c0, c1, c2, c3)
+        o += 54
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_JIT)
 def int_dots(qtype, p, off, n_in, R, nx):
     """(W . a0, .., W . a3) for the row W of `qtype` (has_int) at address p + off and the
     quantized activation rows R (see above): nx = 1 computes row 0 alone (the rest 0), any other
@@ -354,6 +367,8 @@ def int_dots(qtype, p, off, n_in, R, nx):
         return _iq2_xxs(p, off, n_in, R, nx)
     if qtype == _IQ1_S:
         return _iq1_s(p, off, n_in, R, nx)
+    if qtype == _TQ1_0:
+        return _tq1_0(p, off, n_in, R, nx)
     return _tq2_0(p, off, n_in, R, nx)
 
 

@@ -700,3 +700,37 @@ def q2k_scales(typingctx, p, off):
                                                              context.make_tuple(builder, ty, M)])
 
     return types.UniTuple(types.UniTuple(vb, 8), 2)(p, off), codegen
+
+
+@intrinsic
+def tq1_codes(typingctx, p, off):
+    """A TQ1_0 super-block at p + off (qs[48], qh[4] of base-3 digits, 5 (4) per byte, the digit n
+    of byte b being the top of (b 3^n mod 256) x 3 / 256): its 256 codes (0..2) as 8 sub-blocks.
+    Elements 32n + m: digit n of qs[m] (n < 5); 160 + 16n + m: digit n of qs[32 + m]; 240 + 4n + m:
+    digit n of qh[m]."""
+    if not _ints(p, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        o = _i64(builder, args[1])
+        v16, v32 = ir.VectorType(_I8, 16), ir.VectorType(_I32, 32)
+        a = _ld_vec(builder, args[0], o, _VB)
+        b = _ld_vec(builder, args[0], builder.add(o, _c(_I64, 32)), v16)
+        h = _ld_vec(builder, args[0], builder.add(o, _c(_I64, 48)), ir.VectorType(_I8, 4))
+        bb = builder.shuffle_vector(b, b, _c(v32, list(range(16)) * 2))  # qs[32:48] twice
+        hb = builder.shuffle_vector(h, h, _c(ir.VectorType(_I32, 16), list(range(4)) * 4))
+        b4h = builder.shuffle_vector(b, hb, _c(v32, list(range(16)) + list(range(16, 32))))  # qs[32:48], qh x 4
+        wide = ir.VectorType(_I16, 32)
+
+        def digit(v, mults):
+            m = builder.mul(v, _c(_VB, mults))  # mod 256
+            t = builder.lshr(builder.mul(builder.zext(m, wide), _c(wide, [3] * 32)), _c(wide, [8] * 32))
+            return builder.trunc(t, _VB)
+
+        U = [digit(a, [3 ** n] * 32) for n in range(5)]
+        U.append(digit(bb, [1] * 16 + [3] * 16))
+        U.append(digit(bb, [9] * 16 + [27] * 16))
+        U.append(digit(b4h, [81] * 16 + [1] * 4 + [3] * 4 + [9] * 4 + [27] * 4))
+        return context.make_tuple(builder, sig.return_type, U)
+
+    return types.UniTuple(vb, 8)(p, off), codegen
