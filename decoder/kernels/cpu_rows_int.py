@@ -4,15 +4,17 @@ The float kernels (cpu_rows_dot.py, cpu_rows.py's decoders) turn every weight in
 and multiply-add it: for the 1-4 bit types that decoding, not the memory, set the speed. Here,
 as llama.cpp does, each activation row is quantized once per call (`quantize_acts`) and a
 weight sub-block of 32 codes meets its 32 activation bytes in one integer `dpbusd`
-(cpu_simd_int: u8 x s8 -> 8 int32 lanes); floats appear once per sub-block, for its scales.
+(cpu_simd_int: u8 x s8 -> 8 int32 lanes). The 8 sub-blocks of 256 weights are summed into one
+vector of 8 integer sums (hsum8x8) and scaled at once, so floats appear once per 256 weights and
+activation row (rows are taken 256 weights at a time: the callers ask n_in % 256 == 0).
 
 Activation format (per row of n values, n a multiple of 32), `Acts`:
   q  int8  [n]       round(x / d_b), |q| <= 127, block b = elements 32b .. 32b + 31
   d  float [n / 32]  d_b = max |x| over block b x float32(1 / 127)
   ds float [n / 32]  d_b x the sum of q over block b (for weight offsets and K-quant mins)
-Blocks of 32, not llama.cpp's 256-wide Q8_K: every type's sub-blocks are 32 (or 16) weights,
-a float per sub-block is as cheap as an integer scale multiply, and an outlier only coarsens
-its own 32 activations.
+Blocks of 32, not llama.cpp's 256-wide Q8_K: the 8 block scales of a super-block are one vector
+load, as cheap as Q8_K's one scale with integer sub-scale multiplies, and an outlier only
+coarsens its own 32 activations.
 
 Weights as unsigned bytes (dpbusd's u8 side), per type, for sub-block j with weight scale c_j:
   Q8_0     |q| with the activation's signs flipped where q < 0 (psignb)      c = d
@@ -37,9 +39,9 @@ from gguf import GGMLQuantizationType as Q
 from numba import njit
 
 from . import cpu_simd_int as s
-from .cpu_rows_base import _JIT, _U
+from .cpu_rows_base import _JIT
 from .cpu_rows_iq import GRID64_IQ2_XXS, GRID_IQ1_S
-from .cpu_simd import addr, f16_at, u8_at
+from .cpu_simd import addr, f16_at
 
 _Q8_0, _Q4_0, _Q4_K, _Q5_K, _Q6_K = int(Q.Q8_0), int(Q.Q4_0), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
 _Q2_K = int(Q.Q2_K)
@@ -48,7 +50,7 @@ INT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ1_S,
 _INL = {**_JIT, "inline": "always"}
 # IQ1_S's code book {-1, 0, 1} plus one, as unsigned bytes: 8 per index, one uint64 per group
 GRID64_IQ1_S_P1 = (GRID_IQ1_S.astype(np.int16) + 1).astype(np.uint8).view(np.uint64)  # [2048]
-_F0, _EIGHTH, _INV127 = np.float32(0.0), np.float32(0.125), np.float32(1.0 / 127.0)
+_EIGHTH, _INV127 = np.float32(0.125), np.float32(1.0 / 127.0)
 
 
 @njit(**_JIT)

@@ -177,3 +177,33 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
         lanes(u, a, out)
         assert out[0] == float(np.dot(u.astype(np.int64), a.astype(np.int64)))
 
+
+
+# -- a model: streamed == resident, bit for bit, on the int8 path ------------------------------------
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K"])
+def test_streamed_int8_is_bit_identical_to_resident(make_tiny_model, start_daemon, quant) -> None:
+    """Both run the same deterministic kernels: decoding from a daemon's arena gives the file-map
+    decode's tokens and logits exactly with int8 activations too; those differ from the float
+    path's (so the int8 kernels really ran) by about the activations' rounding."""
+    import torch
+    from moestream.decoder.experts.arena import open_arena
+    from moestream.decoder.experts.resident import QuantResidentExperts
+    from test_arena_experts import PROMPT, Setup
+
+    # 256 wide: the int8 dots take rows 256 weights at a time (narrower rows take the float path)
+    s = Setup(make_tiny_model(quant=quant, arch="qwen3moe", layers=2, experts=8, top_k=2, hidden=256,
+                              expert_ff=256))
+    prompts = (PROMPT, PROMPT[:5])
+    with QuantResidentExperts(s.layout) as resident:
+        want = s.run(resident, prompts=prompts)
+    daemon = start_daemon(s.path, arena_slots=6)
+    with open_arena(s.layout, daemon.endpoint) as src:
+        got = s.run(src, prompts=prompts)
+    assert got.tokens == want.tokens
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+    qk.set_int8_activations(False)
+    with QuantResidentExperts(s.layout) as resident:
+        exact = s.run(resident, prompts=prompts)
+    assert not all(torch.equal(a, b) for a, b in zip(exact.logits, want.logits))
+    for a, b in zip(want.logits, exact.logits):
+        assert (a - b).abs().max() <= LOOSE * b.abs().max()
