@@ -38,6 +38,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from numba import njit
 
+from . import cpu_simd_blocks as blk
 from . import cpu_simd_int as s
 from .cpu_rows_base import _JIT
 from .cpu_rows_iq import GRID64_IQ2_XXS, GRID_IQ1_S
@@ -247,9 +248,9 @@ def _q6_k(p, off, n_in, R, nx):
              _q6_w(p, o + 64, h1, 0), _q6_w(p, o + 64, h1, 1), _q6_w(p, o + 64, h1, 2), _q6_w(p, o + 64, h1, 3))
         U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
              s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
-        sa, sb_ = s.q6_scales(p, o + 192)
+        sa, sc_b = blk.q6_scales(p, o + 192)
         d = s.f8_splat(f16_at(p, o + 208))
-        cA, cB = s.f8_mul(sa, d), s.f8_mul(sb_, d)
+        cA, cB = s.f8_mul(sa, d), s.f8_mul(sc_b, d)
         e = 256 * sb
         c0 = _q6_row(0, R, U, W, cA, cB, e, c0)
         if nx > 1:
@@ -269,7 +270,7 @@ def _q2_k(p, off, n_in, R, nx):
     o = np.int64(off)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
-        S, M = s.q2k_scales(p, o)
+        S, M = blk.q2k_scales(p, o)
         a, b = s.ld_b(p, o + 16), s.ld_b(p, o + 48)
         U = (s.b_mul(s.b_and(a, 3), S[0]), s.b_mul(s.b_and(s.b_shr(a, 2), 3), S[1]),
              s.b_mul(s.b_and(s.b_shr(a, 4), 3), S[2]), s.b_mul(s.b_shr(a, 6), S[3]),
@@ -293,7 +294,7 @@ def _iq2_xxs(p, off, n_in, R, nx):
     o, grid = np.int64(off), addr(GRID64_IQ2_XXS)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
-        U, sg, k = s.iq2xxs_prep(p, o, grid)
+        U, sg, k = blk.iq2xxs_prep(p, o, grid)
         B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
              s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
         c = s.f8_mul(k, s.f8_splat(f16_at(p, o) * _EIGHTH))
@@ -310,7 +311,7 @@ def _iq1_s(p, off, n_in, R, nx):
     o, grid = np.int64(off), addr(GRID64_IQ1_S_P1)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
-        U, k, m = s.iq1s_prep(p, o, grid)
+        U, k, m = blk.iq1s_prep(p, o, grid)
         d = f16_at(p, o)
         c = s.f8_mul(k, s.f8_splat(d))
         cm = s.f8_mul(m, s.f8_splat(-(d * _EIGHTH)))
@@ -342,7 +343,7 @@ def _tq1_0(p, off, n_in, R, nx):
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
         d = f16_at(p, o + 52)
-        c0, c1, c2, c3 = _sb(s.tq1_codes(p, o), s.tq1_codes(p, o), _NB, 0, s.f8_splat(d), s.f8_splat(-d), True,
+        c0, c1, c2, c3 = _sb(blk.tq1_codes(p, o), blk.tq1_codes(p, o), _NB, 0, s.f8_splat(d), s.f8_splat(-d), True,
                              256 * sb, nx, R, c0, c1, c2, c3)
         o += 54
     return _fin(c0, c1, c2, c3)
