@@ -10,7 +10,8 @@ bytes per second the kernel reads, that rate over Q8_0's at the same rows ("x Q8
 time per weight, and the speed-up of `swiglu_expert` over the reference. "bound" is a streaming
 read of the same bytes on the same threads, timed in the same rounds (the memory bandwidth the
 kernels are held to, at whatever cache level the pool sits), and "of bound" the 1-call rate over
-it. By default every type the CPU kernels decode natively is measured.
+it. By default every type the CPU kernels decode natively is measured. The int8 types (path
+"int8") quantize activations to int8 and dot them in integer arithmetic unless --exact.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="distinct experts per round, also those of the one-call form (default 4)")
     p.add_argument("--threads", type=int, help="kernel and torch threads (default: numba's and torch's own)")
     p.add_argument("--seed", type=int, default=0, help="random weights and activations (default 0)")
+    p.add_argument("--exact", action="store_true",
+                   help="float32 activations for every type (as MOESTREAM_CPU_EXACT=1); by default the int8 "
+                   "types dot int8-quantized activations where the CPU has an integer dot")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 
@@ -146,6 +150,8 @@ def measure(qname: str, n: int, args: argparse.Namespace, rng: np.random.Generat
     nbytes = sum(m.nbytes for m in pool[0])
     native = qk.has_kernel(int(qtype))
     path = "fallback" if not native else ("fused" if n < qk.DENSE_MIN_ROWS else "dense")
+    if path == "fused" and qk.int8_activations() and qk.has_int_kernel(int(qtype)):
+        path = "int8"
     return {"type": qname, "rows": n, "path": path, "ns_per_weight": k_ms * 1e6 / (3 * d * ff),
             "expert_bytes": nbytes, "kernel_ms": k_ms, "reference_ms": r_ms, "gb_per_s": nbytes / k_ms / 1e6,
             "experts_call_ms": e_ms, "experts_gb_per_s": nbytes / e_ms / 1e6,
@@ -156,6 +162,8 @@ def measure(qname: str, n: int, args: argparse.Namespace, rng: np.random.Generat
 def _table(report: dict[str, Any]) -> str:
     lines = [(f"expert: hidden {report['hidden']}, ff {report['expert_ff']}; {report['threads']} kernel threads "
               f"({report['threading_layer']}), torch {report['torch_threads']}; median of {report['repeat']}"),
+             (f"activations: {'int8 (' + report['int_dot'] + ' dots) for ' if report['int8'] else 'float32'}"
+              f"{', '.join(report['int_types']) if report['int8'] else ''}; path 'int8' marks them"),
              f"first call (kernels loaded from numba's cache, or compiled): {report['results'][0]['first_call_s']:.2f} s",
              (f"{'type':<7}{'rows':>5}  {'path':<8}{'kernel ms':>10}{'GB/s':>7}{'x Q8_0':>8}{'ns/weight':>10}"
               f"{'1-call ms':>10}{'GB/s':>7}{'bound':>7}{'of bound':>9}{'dequant+mm ms':>15}{'speed-up':>10}")]
@@ -192,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     from gguf import GGMLQuantizationType as Q
 
     from ..kernels import cpu as qk
+    from ..kernels.cpu_rows_int import INT_TYPES
+    from ..kernels.cpu_simd_int import dot_path
 
     problem = _bad_args(args, set(Q.__members__))
     if problem:
@@ -199,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rng = np.random.default_rng(args.seed)
     try:
+        qk.set_int8_activations(qk.int8_activations() and not args.exact)
         if args.threads:
             qk.set_threads(args.threads)  # ValueError above NUMBA_NUM_THREADS
             torch.set_num_threads(args.threads)
@@ -209,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = {"hidden": args.hidden, "expert_ff": args.expert_ff, "repeat": args.repeat,
               "threads": qk.get_threads(), "torch_threads": torch.get_num_threads(),
-              "threading_layer": numba.threading_layer(), "dense_min_rows": qk.DENSE_MIN_ROWS, "results": results}
+              "threading_layer": numba.threading_layer(), "dense_min_rows": qk.DENSE_MIN_ROWS,
+              "int8": qk.int8_activations(), "int_dot": dot_path(), "int_types": [q.name for q in INT_TYPES],
+              "results": results}
     print(json.dumps(report) if args.json else _table(report))
     return 0

@@ -27,9 +27,15 @@ Paths, picked per expert by its number of rows n:
         into one reused float32 buffer (parallel over rows) and multiplied by torch (BLAS):
         deterministic run to run for a given thread count.
 A call whose matrix is under SERIAL_BYTES runs on the calling thread alone (no pool thread is
-woken). Activations stay float32 (never quantized); sums are float32, reassociated, so results
-agree with float64 math on the dequantized weights to ~1e-6 of the output's scale (the tests
-allow 1e-5 * max |reference|).
+woken). In the fused path, the INT_TYPES (Q8_0 Q4_0 Q2_K Q4_K Q5_K Q6_K IQ2_XXS IQ1_S TQ2_0 TQ1_0;
+rows of a multiple of 256 weights) quantize each activation row to int8 once per call (per 32
+values, as llama.cpp's Q8_0) and dot it with the weight codes in integer arithmetic
+(cpu_rows_int: VNNI vpdpbusd where the CPU has it, 1.3-3x the float path's speed per core):
+results then match float64 math on the dequantized weights and the *quantized* activations to
+~1e-6 of the output's scale, and the unquantized ones to ~1e-2 (llama.cpp's level), still
+deterministic. `set_int8_activations(False)` / MOESTREAM_CPU_EXACT=1 keep float32 activations
+for every type: sums are float32, reassociated, so results agree with float64 math on the
+dequantized weights to ~1e-6 of the output's scale (the tests allow 1e-5 * max |reference|).
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ from gguf import GGMLQuantizationType as Q
 from ...common.arch import EXPERT_ACTS
 from ..experts.source import activate
 from .cpu_rows import ACT_SWIGLU, ACT_SWIGLU_OAI, NATIVE, dequant_kernel, down_kernel, gate_up_kernel
+from .cpu_rows_int import INT_TYPES
+from .cpu_simd_int import dot_path
 
 # numba's 'omp' threading layer first, also when TBB is installed: 'workqueue' threads sleep on
 # a condition variable and took ~0.2 ms per launch here (2x slower experts), and a layer of torch
@@ -72,6 +80,13 @@ DENSE_MIN_ROWS = 28
 # no pool thread woken): waking the pool costs ~10 us idle and a scheduler time slice when a
 # peer thread's core is busy; a 256 KB Q8_0 matrix takes ~25 us on one thread here.
 SERIAL_BYTES = 384 << 10
+
+# int8 activations for the INT_TYPES' fused kernels (as llama.cpp: its CPU dots quantize the
+# activations to Q8_0 / Q8_K): on by default where the CPU has an integer dot that keeps them at
+# memory speed (VNNI, or AVX2's vpmaddubsw); MOESTREAM_CPU_EXACT=1 keeps float32 activations
+# (results ~1e-6 of the output's scale from float64 math instead of ~1e-2; the tests that compare
+# with transformers use it). `set_int8_activations` changes it for this process.
+_INT8 = [os.environ.get("MOESTREAM_CPU_EXACT", "") in ("", "0") and dot_path() in ("vnni", "avx2")]
 
 
 # -- Python side ------------------------------------------------------------------------------
@@ -140,6 +155,23 @@ def set_threads(n: int) -> None:
 
 def get_threads() -> int:
     return numba.get_num_threads()
+
+
+def set_int8_activations(on: bool) -> None:
+    """Whether the fused kernels of INT_TYPES quantize activations to int8 (see _INT8)."""
+    _INT8[0] = bool(on)
+
+
+def int8_activations() -> bool:
+    return _INT8[0]
+
+
+def has_int_kernel(qtype: int) -> bool:
+    """Whether `qtype`'s fused kernel dots int8 activations (when int8_activations())."""
+    return qtype in _INT_INTS
+
+
+_INT_INTS = frozenset(int(q) for q in INT_TYPES)
 
 
 def dequantize(m: QMatrix, out: np.ndarray | None = None) -> np.ndarray:
@@ -325,12 +357,12 @@ def _pool(threads: int):
 
 def _gate_up(gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, threads, bias, has_bias, act) -> None:
     with _pool(threads):
-        gate_up_kernel(gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, threads, bias, has_bias, act)
+        gate_up_kernel(gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, threads, bias, has_bias, act, _INT8[0])
 
 
 def _down(ddata, offs, qts, h, row_ptr, n_out, n_in, y, threads, bias, has_bias) -> None:
     with _pool(threads):
-        down_kernel(ddata, offs, qts, h, row_ptr, n_out, n_in, y, threads, bias, has_bias)
+        down_kernel(ddata, offs, qts, h, row_ptr, n_out, n_in, y, threads, bias, has_bias, _INT8[0])
 
 
 def swiglu_expert(x: np.ndarray, gate: QMatrix, up: QMatrix, down: QMatrix,

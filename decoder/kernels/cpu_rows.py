@@ -40,6 +40,7 @@ from . import cpu_rows_iq as _iq
 from . import cpu_rows_q as rq
 from .cpu_rows_base import _JIT, _U, _as_f32, _e2m1x2, _f16, _fi, _i8, _opaque
 from .cpu_rows_dot import fused_dots, has_fused
+from .cpu_rows_int import act_rows, has_int, int_dots, quantize_acts
 from .cpu_simd import addr
 
 # Every type decode_row handles (one `elif` each there; its row decoder here or in a sibling file)
@@ -350,14 +351,38 @@ def _act(g, u, act):
     return g / (np.float32(1.0) + np.exp(-g)) * u
 
 
+@njit(inline="always", **_JIT)
+def _store(res, k, nx, d0, d1, d2, d3):
+    res[k] = d0
+    if nx > 1:
+        res[k + 1] = d1
+    if nx > 2:
+        res[k + 2] = d2
+    if nx > 3:
+        res[k + 3] = d3
+
+
 @njit(inline="always", **_JIT)  # inlined: called per weight row with arrays (an NRT pair each otherwise)
-def _row_dots(q, data, off, n_in, x, row_idx, r0, r1, res, wbuf):
+def _row_dots(q, data, off, n_in, x, row_idx, r0, r1, res, wbuf, acts, use_int):
     """res[r - r0] = (the weight row of type q at data[off:]) . x[row_idx[r]] for r in r0 .. r1 - 1.
 
-    The FUSED types take the single-pass dots (cpu_rows_dot), four activation rows per pass over
-    the weight bytes (a group of 2-3 repeats its first row); the others decode the row into
-    wbuf [n_in] once, then dot4 / dot."""
+    With use_int, the int types (cpu_rows_int) dot the row with x's int8-quantized rows `acts`
+    (quantize_acts(x)); the FUSED types take the single-pass float dots (cpu_rows_dot); four
+    activation rows per pass over the weight bytes either way (a group of 2-3 repeats its first
+    row). The others decode the row into wbuf [n_in] once, then dot4 / dot."""
     r = r0
+    if use_int and has_int(q) and n_in % 256 == 0:  # (the int dots step 256 weights at a time)
+        p = addr(data)
+        while r < r1:
+            nx = min(4, r1 - r)
+            i0 = row_idx[r]
+            i1 = row_idx[r + 1] if nx > 1 else i0
+            i2 = row_idx[r + 2] if nx > 2 else i0
+            i3 = row_idx[r + 3] if nx > 3 else i0
+            d0, d1, d2, d3 = int_dots(q, p, off, n_in, act_rows(acts[0], acts[1], acts[2], i0, i1, i2, i3), nx)
+            _store(res, r - r0, nx, d0, d1, d2, d3)
+            r += nx
+        return
     if has_fused(q):
         p, xa, stride = addr(data), addr(x), np.int64(x.shape[1]) * 4  # x: C-contiguous float32 rows
         while r < r1:
@@ -367,13 +392,7 @@ def _row_dots(q, data, off, n_in, x, row_idx, r0, r1, res, wbuf):
             x2 = xa + row_idx[r + 2] * stride if nx > 2 else x0
             x3 = xa + row_idx[r + 3] * stride if nx > 3 else x0
             d0, d1, d2, d3 = fused_dots(q, p, off, n_in, x0, x1, x2, x3, nx)
-            res[r - r0] = d0
-            if nx > 1:
-                res[r - r0 + 1] = d1
-            if nx > 2:
-                res[r - r0 + 2] = d2
-            if nx > 3:
-                res[r - r0 + 3] = d3
+            _store(res, r - r0, nx, d0, d1, d2, d3)
             r += nx
         return
     decode_row(q, data, off, n_in, wbuf)
@@ -383,6 +402,19 @@ def _row_dots(q, data, off, n_in, x, row_idx, r0, r1, res, wbuf):
         r += 4
     for k in range(r, r1):
         res[k - r0] = dot(wbuf, x[row_idx[k]], n_in)
+
+
+@njit(**_JIT)
+def _acts(x, qts, c0, c1, row_ptr, use_int):
+    """x's rows quantized to int8 (quantize_acts) when use_int and some expert with rows has an
+    int type in columns c0 .. c1 of qts; else empty arrays of the same types."""
+    need = False
+    if use_int and x.shape[1] % 256 == 0:
+        for e in range(qts.shape[0]):
+            if row_ptr[e + 1] > row_ptr[e]:
+                for c in range(c0, c1 + 1):
+                    need = need or has_int(qts[e, c])
+    return quantize_acts(x if need else x[:0])
 
 
 @njit(**_JIT)
@@ -416,7 +448,8 @@ def _span(row_ptr, e, n_out, start, lo, hi):
 
 
 @njit(inline="always", **_JIT)
-def _gate_up_span(w, n_workers, gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, bias, has_bias, act):
+def _gate_up_span(w, n_workers, gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, bias, has_bias, act,
+                  acts, use_int):
     """Worker w of n_workers: its span of gate_up_kernel's (expert, output row) pairs."""
     total = _total_cost(row_ptr, ff)
     lo, hi = total * np.int64(w) // n_workers, total * (np.int64(w) + 1) // n_workers
@@ -437,8 +470,8 @@ def _gate_up_span(w, n_workers, gdata, udata, offs, qts, x, row_ptr, row_idx, ff
                 prefetch_row(gdata, go + (j + ahead) * gb, gb)
                 prefetch_row(udata, uo + (j + ahead) * ub, ub)
             r0, r1 = row_ptr[e], row_ptr[e + 1]
-            _row_dots(gq, gdata, go + j * gb, d, x, row_idx, r0, r1, rg, wbuf)
-            _row_dots(uq, udata, uo + j * ub, d, x, row_idx, r0, r1, ru, wbuf)
+            _row_dots(gq, gdata, go + j * gb, d, x, row_idx, r0, r1, rg, wbuf, acts, use_int)
+            _row_dots(uq, udata, uo + j * ub, d, x, row_idx, r0, r1, ru, wbuf, acts, use_int)
             bg = bias[e, 0, j] if has_bias else np.float32(0.0)
             bu = bias[e, 1, j] if has_bias else np.float32(0.0)
             for r in range(r0, r1):
@@ -447,17 +480,20 @@ def _gate_up_span(w, n_workers, gdata, udata, offs, qts, x, row_ptr, row_idx, ff
 
 
 @njit(parallel=True, **_JIT)
-def gate_up_kernel(gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, n_workers, bias, has_bias, act):
+def gate_up_kernel(gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, n_workers, bias, has_bias, act, use_int):
     """h[r] = act(gate_e @ x[row_idx[r]] + bias[e, 0], up_e @ x[row_idx[r]] + bias[e, 1]) for r in
     row_ptr[e] .. row_ptr[e + 1] - 1: expert e's gate and up at byte offsets offs[e, 0], offs[e, 1]
     of gdata, udata, types qts[e, 0], qts[e, 1]. x [N, d], h [R, ff], bias [E, 2, ff] (read only
-    with has_bias; zero otherwise), act an ACT_* code; n_workers: numba's threads."""
+    with has_bias; zero otherwise), act an ACT_* code; n_workers: numba's threads; use_int: the
+    int types dot int8-quantized x (cpu_rows_int), quantized once here for all experts."""
+    acts = _acts(x, qts, 0, 1, row_ptr, use_int)
     for w in prange(n_workers):
-        _gate_up_span(w, n_workers, gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, bias, has_bias, act)
+        _gate_up_span(w, n_workers, gdata, udata, offs, qts, x, row_ptr, row_idx, ff, d, h, bias, has_bias, act,
+                      acts, use_int)
 
 
 @njit(inline="always", **_JIT)
-def _down_span(w, n_workers, ddata, offs, qts, h, row_ptr, n_out, n_in, y, bias, has_bias):
+def _down_span(w, n_workers, ddata, offs, qts, h, row_ptr, n_out, n_in, y, bias, has_bias, acts, use_int):
     """Worker w of n_workers: its span of down_kernel's (expert, output row) pairs."""
     total = _total_cost(row_ptr, n_out)
     lo, hi = total * np.int64(w) // n_workers, total * (np.int64(w) + 1) // n_workers
@@ -476,7 +512,7 @@ def _down_span(w, n_workers, ddata, offs, qts, h, row_ptr, n_out, n_in, y, bias,
             if j + ahead < j1:
                 prefetch_row(ddata, o + (j + ahead) * b, b)
             r0, r1 = row_ptr[e], row_ptr[e + 1]
-            _row_dots(q, ddata, o + j * b, n_in, h, ident, r0, r1, res, wbuf)
+            _row_dots(q, ddata, o + j * b, n_in, h, ident, r0, r1, res, wbuf, acts, use_int)
             bj = bias[e, j] if has_bias else np.float32(0.0)
             for r in range(r0, r1):
                 y[r, j] = res[r - r0] + bj
@@ -484,12 +520,13 @@ def _down_span(w, n_workers, ddata, offs, qts, h, row_ptr, n_out, n_in, y, bias,
 
 
 @njit(parallel=True, **_JIT)
-def down_kernel(ddata, offs, qts, h, row_ptr, n_out, n_in, y, n_workers, bias, has_bias):
+def down_kernel(ddata, offs, qts, h, row_ptr, n_out, n_in, y, n_workers, bias, has_bias, use_int):
     """y[r] = down_e @ h[r] + bias[e] for r in row_ptr[e] .. row_ptr[e + 1] - 1: expert e's down at
     byte offset offs[e, 2] of ddata, type qts[e, 2]. h [R, n_in], y [R, n_out], bias [E, n_out]
-    (read only with has_bias)."""
+    (read only with has_bias); use_int as gate_up_kernel's."""
+    acts = _acts(h, qts, 2, 2, row_ptr, use_int)
     for w in prange(n_workers):
-        _down_span(w, n_workers, ddata, offs, qts, h, row_ptr, n_out, n_in, y, bias, has_bias)
+        _down_span(w, n_workers, ddata, offs, qts, h, row_ptr, n_out, n_in, y, bias, has_bias, acts, use_int)
 
 
 @njit(parallel=True, **_JIT)

@@ -16,7 +16,9 @@ from numba.extending import intrinsic
 
 from .jit_cache import stamp_together
 
-stamp_together(__file__, ("cpu_rows.py", "cpu_rows_q.py", "cpu_rows_iq.py", "cpu_rows_dot.py", "cpu_simd.py"))  # before the first @njit(cache=True)
+stamp_together(__file__, ("cpu_rows.py", "cpu_rows_q.py", "cpu_rows_iq.py", "cpu_rows_dot.py", "cpu_simd.py",
+                          "cpu_rows_int.py", "cpu_simd_int.py",
+                          "cpu_simd_blocks.py"))  # before the first @njit(cache=True)
 
 # Reassociation lets LLVM vectorize the 32-wide block loops and the dot reductions; no
 # nnan/ninf so the f16 decoder's inf/NaN handling stays as written, no afn for exp.

@@ -159,10 +159,12 @@ def test_cached_kernels_are_stamped_with_every_row_file() -> None:
     import hashlib
     from pathlib import Path
 
-    from moestream.decoder.kernels import cpu_rows, cpu_rows_base, cpu_rows_dot, cpu_rows_q, cpu_simd
+    from moestream.decoder.kernels import (cpu_rows, cpu_rows_base, cpu_rows_dot, cpu_rows_int, cpu_rows_q, cpu_simd,
+                                           cpu_simd_blocks, cpu_simd_int)
 
-    files = [Path(m.__file__) for m in (cpu_rows_base, cpu_rows, cpu_rows_q, iq, cpu_rows_dot, cpu_simd)]
+    files = [Path(m.__file__) for m in (cpu_rows_base, cpu_rows, cpu_rows_q, iq, cpu_rows_dot, cpu_simd, cpu_rows_int,
+                                        cpu_simd_int, cpu_simd_blocks)]
     want = hashlib.sha256(b"".join(f.read_bytes() for f in files)).digest()
     for fn in (cpu_rows.gate_up_kernel, cpu_rows.decode_row, iq.decode_grid_row, cpu_rows_q._row_q2_k,
-               cpu_rows_dot.fused_dots):
+               cpu_rows_dot.fused_dots, cpu_rows_int.int_dots):
         assert fn._cache._impl.locator.get_source_stamp() == want, fn
