@@ -14,6 +14,8 @@ else (the tensors and metadata are the converter's own).
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import os
 import subprocess
 import sys
@@ -194,14 +196,20 @@ def converted(converter, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     root = tmp_path_factory.mktemp("converted")
     (root / "convert.py").write_text(WRAPPER)
     out = {}
-    for arch, (_, _, _, pre, flags) in CASES.items():
-        hf_dir, gguf = root / arch, root / f"{arch}.gguf"
-        _checkpoint(arch, hf_dir)
-        run = subprocess.run([sys.executable, str(root / "convert.py"), str(converter), pre or "-", str(hf_dir),
-                              "--outfile", str(gguf), "--outtype", "f32", *flags], capture_output=True, text=True,
-                             timeout=300)
-        assert run.returncode == 0, f"{arch}: the converter failed:\n{run.stderr[-2000:]}"
-        out[arch] = (hf_dir, gguf)
+    for arch in CASES:
+        out[arch] = (root / arch, root / f"{arch}.gguf")
+        _checkpoint(arch, out[arch][0])
+
+    def convert(arch: str) -> subprocess.CompletedProcess:
+        (_, _, _, pre, flags), (hf_dir, gguf) = CASES[arch], out[arch]
+        return subprocess.run([sys.executable, str(root / "convert.py"), str(converter), pre or "-", str(hf_dir),
+                               "--outfile", str(gguf), "--outtype", "f32", *flags], capture_output=True, text=True,
+                              timeout=300)
+
+    # two at a time: each is mostly the converter's imports (torch, transformers) in a process of its own
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for arch, run in zip(CASES, pool.map(convert, CASES)):
+            assert run.returncode == 0, f"{arch}: the converter failed:\n{run.stderr[-2000:]}"
     return out
 
 
