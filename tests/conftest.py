@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,6 +42,45 @@ def pytest_configure(config: pytest.Config) -> None:
     folder = cache.mkdir("moestream") if cache is not None else Path(tempfile.mkdtemp(prefix="moestream-tests-"))
     os.environ["XDG_CACHE_HOME"] = str(folder)
     os.environ["MOESTREAM_CACHE"] = str(folder / "moestream")
+    _start_kernel_warmup()
+
+
+# -- the CPU kernels compile on a second core while the suites that never run them go first ------
+# (a cold numba cache costs ~2 min of one core: CI's clean clone always starts cold)
+_NO_KERNELS = ("tests/common/", "tests/iod/", "tests/authoring/")
+_USE_KERNELS_THERE = ("test_fair_peers.py", "test_identity.py", "test_units.py")  # decoders run in these
+_warmup: subprocess.Popen | None = None
+
+
+def _needs_kernels(nodeid: str) -> bool:
+    path = nodeid.split("::")[0]
+    return not path.startswith(_NO_KERNELS) or path.endswith(_USE_KERNELS_THERE)
+
+
+def _start_kernel_warmup() -> None:
+    global _warmup
+    _warmup = subprocess.Popen([sys.executable, "-m", "moestream.decoder.numba_setup"], stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _wait_kernel_warmup() -> None:
+    global _warmup
+    if _warmup is not None:
+        _warmup.wait()
+        _warmup = None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Suites that never compute with the CPU kernels first (a stable sort: each module's tests
+    stay together and in order)."""
+    items.sort(key=lambda item: _needs_kernels(item.nodeid))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The first test that computes with the kernels waits for their compile to finish (instead
+    of compiling them a second time beside it)."""
+    if _needs_kernels(item.nodeid):
+        _wait_kernel_warmup()
 
 
 # -- leak check ---------------------------------------------------------------------------
@@ -48,6 +89,7 @@ def _no_leaks():
     """Fail the run if tests left shared-memory segments or child processes behind."""
     shm_before, kids_before = shm_entries(), set(session_processes())
     yield
+    _wait_kernel_warmup()
     shm = leaked_shm(shm_before)
     leaked_kids = {pid: cmd for pid, cmd in session_processes().items() if pid not in kids_before}
     problems = []
