@@ -199,19 +199,9 @@ class ArenaExperts(ExpertBackend):
         return out
 
     def _slot_mats(self, layer: int, e: int, slot: int, arena: ArenaView) -> Mats:
-        """Expert (layer, e)'s matrices in `slot`, where the directory places its parts (kept per
-        expert while it stays in the same slot: the offsets of a key's parts never change)."""
-        memo = self._mats_memo.get((layer, e))
-        if memo is not None and memo[0] == slot:
-            return memo[1]
-        parts = self.layout.experts.parts(layer, e)
-        offs = arena.directory.slot_offs[slot]  # [MAX_PARTS]
-        start = slot * arena.slot_bytes
-        base = self._base_of(arena)
-        views = {p.name: base[start + int(offs[i]):start + int(offs[i]) + p.nbytes] for i, p in enumerate(parts)}
-        mats = expert_mats(parts, views)
-        self._mats_memo[(layer, e)] = (slot, mats)
-        return mats
+        """Expert (layer, e)'s matrices in `slot`, where the directory places its parts."""
+        offs = arena.directory.slot_offs[slot]  # [MAX_PARTS], in the layout's part order
+        return self._mats_in(layer, e, slot, arena, lambda parts: [int(offs[i]) for i in range(len(parts))])
 
     def _compute(self, layer: int, x: torch.Tensor, groups: Any, weights: torch.Tensor,
                  leases: dict[int, Lease]) -> dict[int, torch.Tensor]:
@@ -223,7 +213,7 @@ class ArenaExperts(ExpertBackend):
             base = self._base_for(next(iter(current.values()))) if current else None
         except LeaseVoided:  # lost since: all of them are void now
             return {}
-        mats = {e: self._mats(layer, lease, base) for e, lease in current.items()}
+        mats = {e: self._mats(layer, lease) for e, lease in current.items()}
         return run_experts(x, groups, weights, base, mats, self.layout.spec.expert_act) if mats else {}
 
     def _base_for(self, lease: Lease) -> np.ndarray:
@@ -238,16 +228,22 @@ class ArenaExperts(ExpertBackend):
             self._mats_memo.clear()
         return self._base
 
-    def _mats(self, layer: int, lease: Lease, base: np.ndarray) -> Mats:
-        """The leased expert's matrices: views into the arena array `base`, no copy (kept per
-        expert while it stays in the same slot)."""
-        memo = self._mats_memo.get((layer, lease.expert))
-        if memo is not None and memo[0] == lease.slot:
+    def _mats(self, layer: int, lease: Lease) -> Mats:
+        """The leased expert's matrices, where its lease places its parts."""
+        return self._mats_in(layer, lease.expert, lease.slot, self._base_arena,
+                             lambda parts: [lease.parts[p.name][0] for p in parts])
+
+    def _mats_in(self, layer: int, e: int, slot: int, arena: ArenaView, offsets: Any) -> Mats:
+        """Views into the arena array (no copy) of (layer, e)'s parts in `slot` at `offsets(parts)`,
+        kept per expert while it stays in that slot (the offsets of a key's parts never change)."""
+        memo = self._mats_memo.get((layer, e))
+        if memo is not None and memo[0] == slot:
             return memo[1]
-        start = lease.slot * self._base_arena.slot_bytes
-        views = {name: base[start + off:start + off + n] for name, (off, n) in lease.parts.items()}
-        mats = expert_mats(self.layout.experts.parts(layer, lease.expert), views)
-        self._mats_memo[(layer, lease.expert)] = (lease.slot, mats)
+        parts = self.layout.experts.parts(layer, e)
+        base, start = self._base_of(arena), slot * arena.slot_bytes
+        views = {p.name: base[start + off:start + off + p.nbytes] for p, off in zip(parts, offsets(parts))}
+        mats = expert_mats(parts, views)
+        self._mats_memo[(layer, e)] = (slot, mats)
         return mats
 
 

@@ -61,8 +61,10 @@ def _ptr(builder, addr, idx, elem):
 
 
 def _splat(builder, scalar, vec_ty):
+    """`scalar` in every lane of `vec_ty` (any width: cpu_simd_int's 8-lane vectors use it too)."""
+    n = vec_ty.count
     v = builder.insert_element(ir.Constant(vec_ty, ir.Undefined), scalar, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vec_ty, ir.Undefined), ir.Constant(_VI, [0] * LANES))
+    return builder.shuffle_vector(v, ir.Constant(vec_ty, ir.Undefined), ir.Constant(ir.VectorType(_I32, n), [0] * n))
 
 
 def _ints(*tys) -> bool:
@@ -153,33 +155,37 @@ def zero(typingctx):
     return vecf(), codegen
 
 
-@intrinsic
-def splat(typingctx, f):
-    """A float32 in every lane."""
-    if not isinstance(f, types.Float):
-        return None
+def float_splat(vt, llvm_vt):
+    """The typer of an intrinsic that puts a float32 in every lane of the vector type `vt`."""
+    def typer(typingctx, f):
+        if not isinstance(f, types.Float):
+            return None
 
-    def codegen(context, builder, sig, args):
-        v = args[0] if args[0].type == _F32 else builder.fptrunc(args[0], _F32)
-        return _splat(builder, v, _VF)
+        def codegen(context, builder, sig, args):
+            v = args[0] if args[0].type == _F32 else builder.fptrunc(args[0], _F32)
+            return _splat(builder, v, llvm_vt)
 
-    return vecf(f), codegen
+        return vt(f), codegen
+
+    return typer
 
 
-def _binary_f(op: str):
+def float_binary(op: str, vt):
+    """The typer of an intrinsic applying llvm's `op` lane-wise to two `vt` vectors."""
     def typer(typingctx, a, b):
-        if a != vecf or b != vecf:
+        if a != vt or b != vt:
             return None
 
         def codegen(context, builder, sig, args):
             return getattr(builder, op)(args[0], args[1])
 
-        return vecf(a, b), codegen
+        return vt(a, b), codegen
 
     return typer
 
 
-add, sub, mul = (intrinsic(_binary_f(op)) for op in ("fadd", "fsub", "fmul"))
+splat = intrinsic(float_splat(vecf, _VF))  # a float32 in every lane
+add, sub, mul = (intrinsic(float_binary(op, vecf)) for op in ("fadd", "fsub", "fmul"))
 
 
 @intrinsic

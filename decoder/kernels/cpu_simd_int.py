@@ -26,6 +26,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
+from .cpu_simd import _i64, _ptr, _splat, float_binary, float_splat  # (the 16-lane module's IR helpers)
+
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _VB, _VW, _VI, _VF = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8), ir.VectorType(_F32, 8)
 _V1 = ir.VectorType(ir.IntType(1), 32)
@@ -90,21 +92,6 @@ for _cls, _llty in ((_VecB, _VB), (_VecI, _VI), (_VecF, _VF)):
 
 def _ints(*tys) -> bool:
     return all(isinstance(t, types.Integer) for t in tys)
-
-
-def _i64(builder, v):
-    return v if v.type.width == 64 else builder.sext(v, _I64)
-
-
-def _ptr(builder, addr, idx, elem):
-    base = builder.inttoptr(_i64(builder, addr), elem.as_pointer())
-    return builder.gep(base, [_i64(builder, idx)])
-
-
-def _splat(builder, scalar, vec_ty):
-    n = vec_ty.count
-    v = builder.insert_element(ir.Constant(vec_ty, ir.Undefined), scalar, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vec_ty, ir.Undefined), ir.Constant(ir.VectorType(_I32, n), [0] * n))
 
 
 def _call(builder, name, ret, args):
@@ -477,32 +464,8 @@ def f8_of_f16(typingctx, p, off, stride):
     return vf8(p, off, stride), codegen
 
 
-@intrinsic
-def f8_splat(typingctx, f):
-    if not isinstance(f, types.Float):
-        return None
-
-    def codegen(context, builder, sig, args):
-        cf = args[0] if args[0].type == _F32 else builder.fptrunc(args[0], _F32)
-        return _splat(builder, cf, _VF)
-
-    return vf8(f), codegen
-
-
-def _bin_f8(op: str):
-    def typer(typingctx, a, b):
-        if a != vf8 or b != vf8:
-            return None
-
-        def codegen(context, builder, sig, args):
-            return getattr(builder, op)(args[0], args[1])
-
-        return vf8(a, b), codegen
-
-    return typer
-
-
-f8_mul = intrinsic(_bin_f8("fmul"))
+f8_splat = intrinsic(float_splat(vf8, _VF))  # a float32 in every lane
+f8_mul = intrinsic(float_binary("fmul", vf8))
 
 
 @intrinsic
