@@ -100,7 +100,7 @@ def ms_per_layer(src, n, reps=20):
     torch.cuda.synchronize()
     return a.elapsed_time(b) / reps
 blob = layout.experts.blob_bytes(0)
-from moestream.decoder.kernels import triton_quant as tq
+from moestream.decoder.kernels.gpu import quant as tq
 fused = ResidentExperts(layout, "cuda", torch.bfloat16, "raw", kernels=True)
 print("tile sweep, 1 row (BN rows x BK cols per program, warps): ms per layer")
 for bn, bk, warps in [(16, 256, 4), (8, 256, 2), (8, 256, 4), (32, 256, 4), (32, 256, 8), (64, 256, 8),

@@ -1,7 +1,7 @@
 """Export a `train_tiny` run to GGUF: llama.cpp's qwen3moe tensor names plus the tokenizer.
 
 The Hugging Face state dict is mapped back through the decoder's own name table
-(`decoder.models.qwen3moe.TENSOR_NAMES` / `HF_FUSED`), so export and load cannot drift apart;
+(`decoder.models.arch.qwen3moe.TENSOR_NAMES` / `HF_FUSED`), so export and load cannot drift apart;
 HF's fused `gate_up_proj` [E, 2*ff, d] is split into `ffn_gate_exps` (first ff rows) and
 `ffn_up_exps`. `--check` runs the trained HF model and our resident decoder on the exported
 file over held-out text and prints the largest logit difference.
@@ -37,7 +37,7 @@ def load_run(run: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def gguf_tensors(state: dict[str, torch.Tensor], n_layer: int) -> dict[str, np.ndarray]:
     """HF state dict -> GGUF name -> float32 array in numpy order, in llama.cpp's file order."""
-    from ..decoder.models.qwen3moe import HF_FUSED, TENSOR_NAMES
+    from ..decoder.models.arch.qwen3moe import HF_FUSED, TENSOR_NAMES
 
     def arr(t: torch.Tensor) -> np.ndarray:
         return t.detach().to(torch.float32).cpu().numpy()

@@ -10,7 +10,7 @@ fine for tests and small exports). Per super-block of 256 weights:
      and every group's nearest grid entries are chosen again for the scale the file will hold.
 IQ1 types have no signs: grid values {-1, 0, 1} plus a delta of +-1/8, whose sign is one more
 choice (per 32 weights for IQ1_S, per 8 for IQ1_M). The code books and the dequantization
-formulas are gguf-py's (`gguf/quants.py`); block layouts: decoder/kernels/cpu_rows_iq.py.
+formulas are gguf-py's (`gguf/quants.py`); block layouts: decoder/kernels/cpu/rows_iq.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Round-to-nearest encoders for the types gguf-py cannot quantize: Q2_K, Q3_K, IQ4_NL, IQ4_XS,
 Q1_0 and NVFP4, plus their random-block generators (`RANDOM`). Each takes [n, block] float32
-and returns [n, type_size] uint8 in the layout `decoder/kernels/cpu_rows_q.py` documents.
+and returns [n, type_size] uint8 in the layout `decoder/kernels/cpu/rows_q.py` documents.
 
 No importance matrix and no scale search (llama.cpp's quantizers do better): the scales are
 set from each (sub-)block's extreme value, codes rounded to the nearest level. Q1_0 and NVFP4

@@ -116,20 +116,20 @@ ARCHS: dict[str, ArchSpec] = {
         ArchSpec("qwen35moe", _HYBRID, shared_expert=True, qk_norm="head", head_dim_key=True, linear_attn="split_ba",
                  attn_layer_tensors=_GATED_ATTN, recurrent_tensors=_GDN + ("ssm_beta.weight", "ssm_alpha.weight")),
         # DeepSeek-V2/V3/R1, Kimi-K2: MLA attention, leading dense layers, sigmoid (V3) or softmax
-        # (V2) router with group-limited top-k, un-gated shared experts (decoder/models/deepseek2.py)
+        # (V2) router with group-limited top-k, un-gated shared experts (decoder/models/arch/deepseek2.py)
         ArchSpec("deepseek2", ("attn_norm", "attn_kv_a_mqa", "attn_kv_a_norm", "attn_output", "ffn_norm"),
                  shared_expert=True, shared_expert_gate=False, shared_ff_key=None, norm_topk_prob=False,
                  rope="norm", attention="mla", extra_keys=_MLA_KEYS),
         # gpt-oss: attention with biases, per-head sinks and a sliding window on even layers, YaRN
         # rope; the pre-FFN norm is `post_attention_norm`; biased router, top-k then softmax;
-        # experts with biases and the clamped SwiGLU (decoder/models/gpt_oss.py)
+        # experts with biases and the clamped SwiGLU (decoder/models/arch/gpt_oss.py)
         ArchSpec("gpt-oss", ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_sinks",
                              "post_attention_norm", "ffn_gate_inp"),
                  layer_biases=("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp"), head_dim_key=True,
                  routing="topk_softmax", expert_act="swiglu_oai_clamped", extra_keys=_GPT_OSS_KEYS),
         # GLM-4.5/4.6/4.7: q/k/v biases, optional per-head q/k norm, NEOX rope on half of each head,
         # leading dense layers, sigmoid routing with the selection bias, an un-gated shared expert;
-        # the pre-FFN norm is `post_attention_norm` (decoder/models/glm4moe.py)
+        # the pre-FFN norm is `post_attention_norm` (decoder/models/arch/glm4moe.py)
         ArchSpec("glm4moe", ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "post_attention_norm"),
                  layer_biases=("attn_q", "attn_k", "attn_v"), shared_expert=True, shared_expert_gate=False,
                  shared_ff_key=None, qk_norm="head", head_dim_key=True, norm_topk_prob=False, router_bias=True,
@@ -140,7 +140,7 @@ ARCHS: dict[str, ArchSpec] = {
                  router_bias=True, extra_keys=_SIGMOID_MOE_KEYS),
         # Llama 4: dense and MoE layers interleaved (interleave_moe_layer_step), top-k then sigmoid with the
         # weight applied to the expert's input, an un-gated shared expert as wide as the experts, chunked
-        # attention and NoPE layers, normal rope on unpermuted q/k (decoder/models/llama4.py)
+        # attention and NoPE layers, normal rope on unpermuted q/k (decoder/models/arch/llama4.py)
         ArchSpec("llama4", ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm"),
                  shared_expert=True, shared_expert_gate=False, shared_ff_key="expert_feed_forward_length",
                  head_dim_key=True, norm_topk_prob=False, rope="norm", routing="topk_sigmoid", weight_on_input=True,

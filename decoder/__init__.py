@@ -11,7 +11,7 @@ import os
 # your own. Read by libgomp when it loads (with torch), so it is set here, before any decoder
 # module imports torch; the user's setting wins.
 # `OWN_DEFAULTS` lists what was set, so a benchmark can give a peer (llama.cpp, also on libgomp)
-# the environment without them (`bench.capped_plan.Plan.env`).
+# the environment without them (`bench.capped.plan.Plan.env`).
 OWN_DEFAULTS: dict[str, str] = {}
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = OWN_DEFAULTS["OMP_WAIT_POLICY"] = "PASSIVE"

@@ -134,7 +134,7 @@ def use_threads(n: int | None) -> None:
     if n > most:
         raise ConfigError(f"--threads {n}: at most {most} here (the CPUs this process may use)")
     if numba is not None:
-        from .kernels import threads
+        from .kernels.cpu import threads
 
         numba.set_num_threads(n)
         threads.adapt(n if adapt else None)  # by default, the kernels' count follows the host's load
@@ -219,7 +219,7 @@ def open_streamed(cfg: DecoderConfig, layout: ModelLayout, name: str = "moestrea
     status lists this client."""
     try:
         from .experts.arena import open_arena
-        from .experts.streamed import open_streamed as connect
+        from .experts.gpu.streamed import open_streamed as connect
     except ImportError as e:
         raise ConfigError(f"streamed mode not available ({e}); use --resident") from None
     warm_cpu_kernels(cfg)
@@ -227,7 +227,7 @@ def open_streamed(cfg: DecoderConfig, layout: ModelLayout, name: str = "moestrea
         source = open_arena(layout, cfg.iod, fetch_timeout_s=cfg.fetch_timeout_s, name=name,
                             reconnect_s=cfg.reconnect_s)
     elif cfg.gpu_experts == "arena":
-        from .experts.zero_copy import open_arena_gpu
+        from .experts.gpu.zero_copy import open_arena_gpu
 
         source = open_arena_gpu(layout, cfg.iod, cfg.torch_device, fetch_timeout_s=cfg.fetch_timeout_s, name=name,
                                 reconnect_s=cfg.reconnect_s)

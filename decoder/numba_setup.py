@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
-KERNEL_FILES = "cpu_rows*.nbi"  # numba's index files of the kernel modules
+KERNELS_DIR = Path(__file__).resolve().parent / "kernels" / "cpu"
+KERNEL_FILES = "rows*.nbi"  # numba's index files of the kernel modules
 
 
 def _writable(path: Path) -> bool:
@@ -112,7 +112,7 @@ def _run_once() -> None:
     """Every kernel on a tiny Q8_0 expert (d = ff = 32: one block per row, zeros decode to 0)."""
     import numpy as np
 
-    from .kernels import cpu
+    from .kernels.cpu import ffn as cpu
 
     q8_0, d = 8, 32  # ggml type Q8_0: a block of 32 values in 34 bytes
     part = d * 34

@@ -133,7 +133,7 @@ def forecast_slots(s: Shape, memory: int, slots: int, hit_rate: float, bandwidth
 def trace_hit_rate(path: str, expert_bytes: float):
     """hit_rate_at() from an LRU replay of a routing trace (decode steps; the first warms it)."""
     from ..common.traces import load_trace
-    from ..decoder.bench.routing_replay import ideal_lru
+    from ..decoder.bench.capped.routing_replay import ideal_lru
 
     steps = load_trace(path)
     return lambda slots, _f: ideal_lru(steps, slots, expert_bytes).get("hit_rate", 0.0)
@@ -168,7 +168,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     layout = ModelLayout(args.model)
     s = shape_of(layout)
     if args.probe:
-        from ..decoder.bench.host_counters import disk_bandwidth
+        from ..decoder.bench.capped.host_counters import disk_bandwidth
 
         fill = disk_bandwidth(layout, 0)["bytes_per_s"]
         bw = disk_bandwidth(layout, 1, 64 << 20, s.demand_depth)["bytes_per_s"]

@@ -117,7 +117,7 @@ class Run:
             source, status = open_arena(self.layout, daemon.endpoint, name="bench-decode"), daemon.status_endpoint
             self.last_endpoint = daemon.endpoint  # the tight cache's daemon: it reads, for the bandwidth
         else:
-            from ..experts.streamed import open_streamed
+            from ..experts.gpu.streamed import open_streamed
 
             landing = None if self.args.landing == "auto" else self.args.landing
             source = open_streamed(self.layout, self.endpoint, device=self.cfg.torch_device,
@@ -209,7 +209,7 @@ def phase_bandwidth(run: Run, slot_format: str, endpoint: str) -> dict[str, Any]
     With raw slots this is delivery (daemon -> arena -> device copy); with quant (no slot:
     computed in the arena) it is the daemon's delivery alone."""
     from ...common.client import IodClient
-    from ..experts.slot_cache import DeviceSlotCache
+    from ..experts.gpu.slot_cache import DeviceSlotCache
 
     hp = run.layout.hparams
     cache = DeviceSlotCache(run.layout.experts, hp.n_expert, run.cfg.torch_device,

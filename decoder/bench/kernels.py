@@ -32,7 +32,7 @@ _SCALES = {"Q5_K": {0: 2e-4, 2: 1e-3}}
 
 def default_types() -> list[str]:
     """Every type with a native CPU kernel, Q8_0 (the ratios' base) first."""
-    from ..kernels.cpu_rows import NATIVE
+    from ..kernels.cpu.rows import NATIVE
 
     return ["Q8_0"] + [q.name for q in NATIVE if q.name != "Q8_0"]
 
@@ -84,7 +84,7 @@ def _reference(x, gate, up, down) -> Callable[[], Any]:
     import torch.nn.functional as F
     from gguf import GGMLQuantizationType as Q
 
-    from ..kernels.dequant import dequantize
+    from ..kernels.dequant.blocks import dequantize
 
     xt = torch.from_numpy(x)  # [n, d]
     parts = [(torch.from_numpy(m.data), Q(m.qtype), (m.n_in, m.n_out)) for m in (gate, up, down)]
@@ -110,8 +110,8 @@ def _median_ms(fns: list[Callable[[], Any]], repeat: int) -> list[float]:
 def measure(qname: str, n: int, args: argparse.Namespace, rng: np.random.Generator) -> dict[str, Any]:
     from gguf import GGMLQuantizationType as Q
 
-    from ..kernels import cpu as qk
-    from ..kernels.cpu_rows import stream_read
+    from ..kernels.cpu import ffn as qk
+    from ..kernels.cpu.rows import stream_read
 
     qtype, d, ff = Q[qname], args.hidden, args.expert_ff
     shapes = ((ff, d), (ff, d), (d, ff))  # gate, up, down
@@ -199,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from gguf import GGMLQuantizationType as Q
 
-    from ..kernels import cpu as qk
-    from ..kernels.cpu_rows_int import INT_TYPES
-    from ..kernels.cpu_simd_int import dot_path
+    from ..kernels.cpu import ffn as qk
+    from ..kernels.cpu.rows_int import INT_TYPES
+    from ..kernels.cpu.simd.integer import dot_path
 
     problem = _bad_args(args, set(Q.__members__))
     if problem:

@@ -30,7 +30,7 @@ def _use(setting: int | None, most: int, tuner: Any) -> None:
     (one tuner per condition, kept across its runs as a process keeps its own)."""
     import numba
 
-    from ..kernels import threads
+    from ..kernels.cpu import threads
 
     n = most if setting is None else setting
     numba.set_num_threads(n)
@@ -39,7 +39,7 @@ def _use(setting: int | None, most: int, tuner: Any) -> None:
 
 
 def _condition(run: Any, source: Any, most: int, repeat: int) -> dict[str, Any]:
-    from ..kernels.threads import ThreadTuner
+    from ..kernels.cpu.threads import ThreadTuner
 
     tok_s: dict[str, list[float]] = {}
     tuner = ThreadTuner(most) if most > 1 else None
@@ -63,7 +63,7 @@ def measure(run: Any, most: int) -> dict[str, Any]:
 
     import numba
 
-    from ..kernels import threads
+    from ..kernels.cpu import threads
 
     saved = numba.get_num_threads(), torch.get_num_threads(), threads.tuner()
     out: dict[str, Any] = {"model": str(run.args.model), "tokens": run.args.tokens, "repeat": run.args.repeat,

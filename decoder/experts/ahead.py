@@ -31,7 +31,7 @@ from collections.abc import Collection, Mapping, Sequence
 from ...common.client import IodClient
 from .prefetch import Receiver
 from .slot_book import BookEntry
-from .slot_cache import DeviceSlotCache, Key
+from .gpu.slot_cache import DeviceSlotCache, Key
 from .stats import AheadCounters
 
 

@@ -27,7 +27,7 @@ from .bank import ExpertBank
 from .source import ExpertBackend
 from .stats import PrefetcherStats
 from ..models.moe_transformer import LayerObserver, MoEModel
-from .slot_cache import DeviceSlotCache, Key
+from .gpu.slot_cache import DeviceSlotCache, Key
 
 log = logging.getLogger("moestream.prefetch")
 

@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType
 from ...common.layout import ExpertPart, ModelLayout
 from .source import ExpertBackend, combine, group_by_expert
 from .stats import ResidentStats
-from ..kernels.cpu import Bias, QMatrix, expert_table, swiglu_experts
+from ..kernels.cpu.ffn import Bias, QMatrix, expert_table, swiglu_experts
 
 Mats = tuple  # (gate, up, down) QMatrix, or (gate, up, down, Bias) for experts with biases (qkernels.Bias)
 _WEIGHTS = ("gate", "up", "down", "gate_up")

@@ -10,7 +10,7 @@ summed); the bank hands that to its backend, an `ExpertBackend` (this module's A
 - `AcquireSource` family: raw slots of quantized blocks on the device, `acquire`d for a layer
   and `release`d after it: `ResidentExperts` below (`gpu-resident`) and the device slot cache of
   `streamed.StreamedExperts` (`gpu-slots`). On CUDA both override `mix` to run the fused Triton
-  kernels (`triton_experts`) on the slot memory: nothing is dequantized into a copy, and the
+  kernels (`kernels.gpu.experts`) on the slot memory: nothing is dequantized into a copy, and the
   (layer, expert) -> slot map is a device tensor; elsewhere an acquired expert is dequantized
   for its layer only.
 
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ...common.arch import EXPERT_ACTS, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from ...common.layout import ExpertPart, ModelLayout
-from ..kernels.dequant import dequantize
+from ..kernels.dequant.blocks import dequantize
 from .stats import ResidentStats
 
 Predictions = Mapping[int, Sequence[int]]  # layer -> experts predicted for it
@@ -265,7 +265,7 @@ class ResidentExperts(AcquireSource):
         return keys
 
     def _load(self, progress: bool, kernels: bool | None) -> None:
-        from .slot_format import pack_parts, slot_kernels, slot_layouts
+        from .gpu.slot_format import pack_parts, slot_kernels, slot_layouts
 
         hp = self.layout.experts  # n_layer, n_expert as the expert index counts them
         self.layouts = slot_layouts(self.layout.experts)

@@ -1,5 +1,5 @@
 """Grammar-constrained decoding with llguidance: JSON (any object, or one JSON schema) and the
-tool-call grammars of `serve/tools.py`, as a token mask applied to one sequence's logits.
+tool-call grammars of `serve/http/tools.py`, as a token mask applied to one sequence's logits.
 
 Why llguidance (PyPI `llguidance`): one abi3 wheel with no dependencies (a Rust core, no
 compiler, no CUDA, no transformers), masks in ~50 us a token, JSON schema and Lark grammars,

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..kernels.threads import decode_step
+from ..kernels.cpu.threads import decode_step
 from ..models.layers import KVCache
 from ..models.moe_transformer import LayerObserver, MoEModel
 from .sampling import Sampler, SamplingParams

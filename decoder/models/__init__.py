@@ -17,7 +17,7 @@ from ...common.layout import ModelLayout
 from ..experts.bank import ExpertBank
 from .moe_transformer import MoEModel
 
-# GGUF architecture name -> module under decoder.models (imported on first use)
+# GGUF architecture name -> module under decoder.models.arch (imported on first use)
 _REGISTRY: dict[str, str] = {
     "qwen3moe": "qwen3moe",
     "qwen2moe": "qwen2moe",
@@ -40,7 +40,7 @@ def architectures() -> list[str]:
 def get_model_module(arch: str) -> ModuleType:
     if arch not in _REGISTRY:
         raise ValueError(f"no decoder model for architecture {arch!r} (have: {', '.join(architectures())})")
-    return importlib.import_module(f"{__name__}.{_REGISTRY[arch]}")
+    return importlib.import_module(f"{__name__}.arch.{_REGISTRY[arch]}")
 
 
 def load_model(layout: ModelLayout, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,

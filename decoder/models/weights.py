@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ...common.layout import ModelLayout
-from ..kernels.dequant import dequantize
+from ..kernels.dequant.blocks import dequantize
 
 Dense = "torch.Tensor | QuantWeight"
 
@@ -24,7 +24,7 @@ class QuantWeight:
     (`qkernels.linear`) and `rows` (an embedding lookup decodes only the rows it needs)."""
 
     def __init__(self, data: np.ndarray, qtype: int, n_out: int, n_in: int):
-        from ..kernels.cpu import QMatrix
+        from ..kernels.cpu.ffn import QMatrix
 
         self.m = QMatrix(data, qtype, n_out, n_in)
         self.row_bytes = data.size // n_out
@@ -33,7 +33,7 @@ class QuantWeight:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., n_in] -> x @ W.T [..., n_out], in x's dtype."""
-        from ..kernels.cpu import linear
+        from ..kernels.cpu.ffn import linear
 
         if x.dim() == 2 and x.dtype == torch.float32:  # the decode step's case: no conversions
             return torch.from_numpy(linear(x.contiguous().numpy(), self.m))  # [N, n_out]
@@ -43,7 +43,7 @@ class QuantWeight:
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """W[ids] [N, n_in]: only those rows decoded."""
-        from ..kernels.cpu import QMatrix, dequantize as decode
+        from ..kernels.cpu.ffn import QMatrix, dequantize as decode
 
         out = torch.empty(ids.numel(), self.shape[1], dtype=torch.float32)  # [N, n_in]
         for i, r in enumerate(ids.tolist()):
@@ -84,7 +84,7 @@ def keeps_quantized(layout: ModelLayout, name: str) -> bool:
     """A 2-D weight of a block-quantized type the CPU kernels decode natively."""
     from gguf import GGMLQuantizationType as Q
 
-    from ..kernels.cpu import has_kernel
+    from ..kernels.cpu.ffn import has_kernel
 
     t = layout.tensors[name]
     return len(t.shape) == 2 and t.qtype not in (Q.F32, Q.F16, Q.BF16) and has_kernel(t.qtype)

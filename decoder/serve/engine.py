@@ -24,7 +24,7 @@ import torch
 from ..experts.bank import ExpertBank
 from ..models.moe_transformer import MoEModel
 from ..generation.sampling import adjust_logits
-from .metrics import ServeMetrics
+from .http.metrics import ServeMetrics
 from .prefix import MIN_REUSE, PrefixCache, seed
 from .sequence import DoneEvent, Emit, ErrorEvent, Event, GenRequest, Sequence, TokenEvent, random_seed, token_event
 from .telemetry import StepExperts, expert_counters

@@ -57,8 +57,8 @@ def listen(host: str, port: int) -> socket.socket:
 def serve(cfg: ServeConfig) -> int:
     import uvicorn
 
-    from .app import ServerState, build_app
-    from .openai_api import Served
+    from .http.app import ServerState, build_app
+    from .http.openai_api import Served
 
     class Server(uvicorn.Server):
         """uvicorn's server, with the engine told first on SIGINT/SIGTERM: it admits nothing more

@@ -11,7 +11,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "decode": ("moestream.decoder.bench.decode", "tokens/s streamed vs resident"),
     "kernels": ("moestream.decoder.bench.kernels", "per-expert time: quantized kernels vs dequantize-then-matmul"),
     "serve": ("moestream.decoder.bench.serve", "a real server at concurrency 1/2/4: tok/s, TTFT, expert bytes per token"),
-    "capped": ("moestream.decoder.bench.capped", "daemon + decoder under one memory cap, optionally beside llama.cpp"),
+    "capped": ("moestream.decoder.bench.capped.main", "daemon + decoder under one memory cap, optionally beside llama.cpp"),
 }
 
 

@@ -22,11 +22,11 @@ from moestream.decoder.experts.arena import open_arena
 from moestream.decoder.experts.source import ResidentExperts
 from moestream.decoder.generation.loop import generate
 from moestream.decoder.models import get_model_module, load_model
-from moestream.decoder.models.deepseek2 import Routing, hf_kv_b, route_grouped
+from moestream.decoder.models.arch.deepseek2 import Routing, hf_kv_b, route_grouped
 from moestream.decoder.experts.prefetch import Prefetcher
 from moestream.decoder.experts.resident import QuantResidentExperts
-from moestream.decoder.experts.slot_cache import DeviceSlotCache
-from moestream.decoder.experts.streamed import StreamedExperts
+from moestream.decoder.experts.gpu.slot_cache import DeviceSlotCache
+from moestream.decoder.experts.gpu.streamed import StreamedExperts
 from moestream.decoder.models.weights import load_dense
 from hf_reference import gguf_tensors, max_logit_diff
 

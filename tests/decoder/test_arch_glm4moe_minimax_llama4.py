@@ -22,7 +22,7 @@ from moestream.decoder.experts.prefetch import Prefetcher
 from moestream.decoder.experts.resident import QuantResidentExperts
 from moestream.decoder.generation.loop import generate
 from moestream.decoder.models import get_model_module, load_model
-from moestream.decoder.models.llama4 import hf_experts
+from moestream.decoder.models.arch.llama4 import hf_experts
 from hf_reference import gguf_tensors, max_logit_diff
 
 transformers = pytest.importorskip("transformers")
@@ -130,7 +130,7 @@ def test_logits_match_hf(make_tiny_model, case):
 def test_llama4_chunked_attention_matches_hf(make_tiny_model, monkeypatch, top_k):
     """With a chunk of 5 tokens, a 16-token prompt and 6 decode steps cross four chunk boundaries;
     llama.cpp's chunk is 8192 (the file does not carry it), so both sides are told 5."""
-    import moestream.decoder.models.llama4 as llama4
+    import moestream.decoder.models.arch.llama4 as llama4
 
     monkeypatch.setattr(llama4, "CHUNK", 5)
     path = make_tiny_model(arch="llama4", quant="F32", layers=4, top_k=top_k)
@@ -183,9 +183,9 @@ def test_streamed_slot_cache_equals_resident_bit_for_bit(make_tiny_model, start_
     """The device slot cache's path (here on the CPU, dequantized slots) with evictions: GLM's dense
     layer and Llama 4's dense layers never fetch, Llama 4's (token, expert) rows come through whole."""
     from moestream.common.client import IodClient
-    from moestream.decoder.experts.slot_cache import DeviceSlotCache
+    from moestream.decoder.experts.gpu.slot_cache import DeviceSlotCache
     from moestream.decoder.experts.source import ResidentExperts
-    from moestream.decoder.experts.streamed import StreamedExperts
+    from moestream.decoder.experts.gpu.streamed import StreamedExperts
 
     path = make_tiny_model(**CASES[case])
     layout = ModelLayout(path)

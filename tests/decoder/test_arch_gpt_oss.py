@@ -17,7 +17,7 @@ from gguf.quants import quantize as gguf_quantize
 from moestream.decoder.experts.bank import ExpertBank
 from moestream.common.arch import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from moestream.common.layout import ModelLayout
-from moestream.decoder.kernels import cpu as qk
+from moestream.decoder.kernels.cpu import ffn as qk
 from moestream.decoder.experts.arena import open_arena
 from moestream.decoder.experts.source import ResidentExperts
 from moestream.decoder.generation.loop import generate, forward_step
@@ -178,7 +178,7 @@ def test_left_padding_changes_nothing(make_tiny_model):
 def test_unsupported_rope_scaling_is_a_clear_error(make_tiny_model):
     import dataclasses
 
-    from moestream.decoder.models.gpt_oss import Yarn
+    from moestream.decoder.models.arch.gpt_oss import Yarn
 
     hp = ModelLayout(make_tiny_model(**MODEL)).hparams
     assert Yarn.from_hparams(hp) == Yarn(32.0, 4096, 32.0, 1.0)
@@ -195,14 +195,14 @@ def _logits(model, backend, one_sequence: bool) -> torch.Tensor:
     return torch.cat([forward_step(model, torch.tensor([[t]]), cache)[0] for t in PROMPT])
 
 
-@pytest.mark.skipif(not __import__("moestream.decoder.kernels.triton_quant", fromlist=["x"]).interpreted()
+@pytest.mark.skipif(not __import__("moestream.decoder.kernels.gpu.quant", fromlist=["x"]).interpreted()
                     and not torch.cuda.is_available(), reason="the Triton kernels need CUDA or TRITON_INTERPRET=1")
 @torch.inference_mode()
 def test_triton_kernels_with_biases_and_the_clamped_swiglu(make_tiny_model, start_daemon):
     """MXFP4 experts with biases on the fused Triton kernels (raw slots resident, and the device
     slot cache streamed from a daemon): the CPU kernels' logits (checked against HF above) within
     float32 noise, and streamed == resident bit for bit."""
-    from moestream.decoder.experts.streamed import open_streamed
+    from moestream.decoder.experts.gpu.streamed import open_streamed
 
     path = make_tiny_model(**MODEL)
     layout = ModelLayout(path)

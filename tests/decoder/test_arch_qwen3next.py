@@ -134,7 +134,7 @@ def test_logits_match_hf(make_tiny_model, arch):
 def test_chunked_prefill_equals_token_by_token():
     """The chunked delta rule over 150 tokens (3 chunks, pads at a row's start and in its middle)
     and the vectorized conv give what feeding the same tokens one step at a time gives."""
-    from moestream.decoder.models.qwen3next import causal_conv, delta_rule
+    from moestream.decoder.models.arch.qwen3next import causal_conv, delta_rule
 
     g = torch.Generator().manual_seed(0)
     B, T, H, dk, dv, C, K = 2, 150, 4, 8, 8, 12, 4

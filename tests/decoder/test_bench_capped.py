@@ -9,13 +9,13 @@ import os
 import subprocess
 
 import pytest
-from moestream.decoder.bench import capped as bc
-from moestream.decoder.bench import capped_plan as plan
-from moestream.decoder.bench import capped_report as report
-from moestream.decoder.bench import cgroup_run as cg
-from moestream.decoder.bench import host_counters as hc
-from moestream.decoder.bench import moestream_run as msr
-from moestream.decoder.bench import routing_replay as rr
+from moestream.decoder.bench.capped import main as bc
+from moestream.decoder.bench.capped import plan as plan
+from moestream.decoder.bench.capped import report as report
+from moestream.decoder.bench.capped import cgroup_run as cg
+from moestream.decoder.bench.capped import host_counters as hc
+from moestream.decoder.bench.capped import moestream_run as msr
+from moestream.decoder.bench.capped import routing_replay as rr
 
 MiB = 1 << 20
 
@@ -294,7 +294,7 @@ def test_belady_never_misses_more_than_lru_and_is_reported_beside_it():
 
 
 def test_routing_kinds_and_their_errors(tmp_path):
-    from moestream.decoder.bench import capped_routing as cr
+    from moestream.decoder.bench.capped import routing as cr
 
     assert cr.parse_routing(None).kind == "sampled"
     assert cr.parse_routing(["curve", "qwen3-235b"]).forced

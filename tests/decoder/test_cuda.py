@@ -18,10 +18,10 @@ from moestream.decoder.generation.loop import forward_step
 from moestream.common.layout import ModelLayout
 from moestream.decoder.experts.source import ResidentExperts
 from moestream.decoder.models import load_model
-from moestream.decoder.experts.streamed import open_streamed
+from moestream.decoder.experts.gpu.streamed import open_streamed
 
 try:
-    from moestream.decoder.kernels.triton_quant import KERNEL_TYPES
+    from moestream.decoder.kernels.gpu.quant import KERNEL_TYPES
 except ImportError:  # no Triton: the fused-kernel tests below fail to find kernels, the rest still run
     KERNEL_TYPES = ()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import moestream.decoder.kernels.dequant as dq
+import moestream.decoder.kernels.dequant.blocks as dq
 import numpy as np
 import pytest
 import torch
@@ -10,7 +10,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quant_shape_to_byte_shape
 from moestream.common.layout import SUPPORTED_QTYPES
-from moestream.decoder.kernels.dequant import SUPPORTED, byte_size, dequantize
+from moestream.decoder.kernels.dequant.blocks import SUPPORTED, byte_size, dequantize
 
 import qref
 

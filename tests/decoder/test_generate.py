@@ -162,7 +162,7 @@ def test_cli_json_and_trace(tiny_model, tmp_path, capsys):
 def test_cli_without_streamed_module(tiny_model, capsys, monkeypatch):
     import sys
 
-    monkeypatch.setitem(sys.modules, "moestream.decoder.experts.streamed", None)  # import now fails
+    monkeypatch.setitem(sys.modules, "moestream.decoder.experts.gpu.streamed", None)  # import now fails
     rc = cli.main(["--model", str(tiny_model), "--iod", "ipc:///nonexistent", "--prompt", "x", "--no-progress"])
     assert rc == 1 and "streamed mode not available" in capsys.readouterr().err
 

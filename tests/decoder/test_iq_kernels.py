@@ -12,9 +12,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from moestream.authoring.quantize import encode, random_blocks
 from moestream.authoring.quantize_iq import set_d
-from moestream.decoder.kernels import cpu as qk
-from moestream.decoder.kernels import cpu_rows_iq as iq
-from moestream.decoder.kernels.dequant import dequantize as torch_dequantize
+from moestream.decoder.kernels.cpu import ffn as qk
+from moestream.decoder.kernels.cpu import rows_iq as iq
+from moestream.decoder.kernels.dequant.blocks import dequantize as torch_dequantize
 
 GRID = (Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S)
 SHAPES = ((1, 256), (3, 512), (16, 1024))  # (n_out, n_in)
@@ -154,17 +154,17 @@ def test_expert_kernels_match_float64(dense: bool, monkeypatch: pytest.MonkeyPat
 
 
 def test_cached_kernels_are_stamped_with_every_row_file() -> None:
-    """numba's cache must see a change to any cpu_rows*.py in the kernels of cpu_rows.py that
+    """numba's cache must see a change to any rows*.py (or simd/*.py) in the kernels of rows.py that
     inline its decoders (and the other way round): every file's functions carry all the hashes."""
     import hashlib
     from pathlib import Path
 
-    from moestream.decoder.kernels import (cpu_rows, cpu_rows_base, cpu_rows_dot, cpu_rows_int, cpu_rows_q, cpu_simd,
-                                           cpu_simd_blocks, cpu_simd_int)
+    from moestream.decoder.kernels.cpu import rows, rows_base, rows_dot, rows_int, rows_q
+    from moestream.decoder.kernels.cpu.simd import blocks, integer, vectors
 
-    files = [Path(m.__file__) for m in (cpu_rows_base, cpu_rows, cpu_rows_q, iq, cpu_rows_dot, cpu_simd, cpu_rows_int,
-                                        cpu_simd_int, cpu_simd_blocks)]
+    files = [Path(m.__file__) for m in (rows_base, rows, rows_q, iq, rows_dot, vectors, rows_int,
+                                        integer, blocks)]
     want = hashlib.sha256(b"".join(f.read_bytes() for f in files)).digest()
-    for fn in (cpu_rows.gate_up_kernel, cpu_rows.decode_row, iq.decode_grid_row, cpu_rows_q._row_q2_k,
-               cpu_rows_dot.fused_dots, cpu_rows_int.int_dots):
+    for fn in (rows.gate_up_kernel, rows.decode_row, iq.decode_grid_row, rows_q._row_q2_k,
+               rows_dot.fused_dots, rows_int.int_dots):
         assert fn._cache._impl.locator.get_source_stamp() == want, fn

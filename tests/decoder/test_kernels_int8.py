@@ -1,4 +1,4 @@
-"""The int8-activation CPU kernels (cpu_rows_int): activations quantized per 32, integer dots.
+"""The int8-activation CPU kernels (rows_int): activations quantized per 32, integer dots.
 
 References are independent: gguf-py's numpy dequantizer for the weights, float64 math, and
   - the same int8-quantized activations (q x d, from the kernels' quantizer, itself checked
@@ -19,10 +19,10 @@ from gguf import quants as gq
 from numba import njit
 
 from moestream.decoder.bench.kernels import random_matrix
-from moestream.decoder.kernels import cpu as qk
-from moestream.decoder.kernels import cpu_simd_int as si
-from moestream.decoder.kernels.cpu_rows_int import INT_TYPES, quantize_acts
-from moestream.decoder.kernels.cpu_simd import addr
+from moestream.decoder.kernels.cpu import ffn as qk
+from moestream.decoder.kernels.cpu.simd import integer as si
+from moestream.decoder.kernels.cpu.rows_int import INT_TYPES, quantize_acts
+from moestream.decoder.kernels.cpu.simd.vectors import addr
 
 TIGHT, LOOSE = 2e-5, 2e-2
 D, FF = 512, 256

@@ -26,7 +26,7 @@ from moestream.decoder.experts.bank import ExpertBank
 from moestream.decoder.generation.loop import forward_step
 from moestream.common.layout import ModelLayout
 from moestream.decoder.experts.resident import QuantResidentExperts
-from moestream.decoder.kernels.dequant import dequantize
+from moestream.decoder.kernels.dequant.blocks import dequantize
 from qref import dequantize as ref_dequantize
 
 from hf_reference import max_logit_diff
@@ -126,7 +126,7 @@ def test_llamacpp_logits_agree(quantized, tmp_path):
 # crashed llama.cpp 0.3.36 on this AMX-capable VM (SIGSEGV on a 256-wide Q8_0 model).
 _CHILD = """
 import sys, numpy as np, llama_cpp
-from moestream.decoder.bench.llamacpp_peer import _no_extra_bufts
+from moestream.decoder.bench.capped.llamacpp_peer import _no_extra_bufts
 _no_extra_bufts()
 llm = llama_cpp.Llama(sys.argv[1], n_ctx=64, logits_all=True, verbose=False, n_threads=2)
 ids = [int(t) for t in sys.argv[2].split(",")]

@@ -119,7 +119,7 @@ def test_mixtral_wider_gqa(make_tiny_model):
 
 def test_unpermute_inverts_llama_cpp_permute():
     """`unpermute_qk` undoes convert_hf_to_gguf's `permute` (written out here from its definition)."""
-    from moestream.decoder.models.mixtral import unpermute_qk
+    from moestream.decoder.models.arch.mixtral import unpermute_qk
 
     def permute(w, n_head):  # llama.cpp: reshape(n_head, 2, hd/2, ...).swapaxes(1, 2)
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

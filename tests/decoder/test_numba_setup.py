@@ -44,7 +44,7 @@ def test_the_kernels_load_from_a_read_only_install_without_a_home(tmp_path):
     """The kernels' folder bind-mounted read-only, HOME unwritable: numba alone refuses to define
     the kernels ("no locator available"); the decoder points it at a writable cache."""
     kernels = ns.KERNELS_DIR
-    probe = ("import os; from moestream.decoder.kernels import cpu_rows; "
+    probe = ("import os; from moestream.decoder.kernels.cpu import rows as cpu_rows; "
              "print(os.environ['NUMBA_CACHE_DIR']); print(cpu_rows.row_bytes._cache._cache_path)")
     script = textwrap.dedent(f"""
         mount --bind {kernels} {kernels} && mount -o remount,bind,ro {kernels} || exit 99
@@ -97,6 +97,6 @@ def test_the_first_run_says_it_compiles_and_where_it_caches(tmp_path, monkeypatc
     ns.warm_kernels(said.append)
     assert len(said) == 1 and "compiling the CPU kernels" in said[0] and str(tmp_path) in said[0]
     (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "cpu_rows.gate_up_kernel-401.py311.nbi").write_bytes(b"")
+    (tmp_path / "sub" / "rows.gate_up_kernel-401.py311.nbi").write_bytes(b"")
     ns.warm_kernels(said.append)
     assert len(said) == 1  # a cache there: nothing to say

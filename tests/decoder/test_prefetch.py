@@ -18,8 +18,8 @@ from moestream.decoder.models import load_model
 from moestream.decoder.models.moe_transformer import OnLayer
 from moestream.decoder.experts.prefetch import Prefetcher
 from moestream.decoder.generation.sampling import SamplingParams
-from moestream.decoder.experts.slot_cache import DeviceSlotCache
-from moestream.decoder.experts.streamed import StreamedExperts
+from moestream.decoder.experts.gpu.slot_cache import DeviceSlotCache
+from moestream.decoder.experts.gpu.streamed import StreamedExperts
 
 MODEL = dict(arch="qwen3moe", quant="Q8_0", layers=3, experts=8, top_k=2)
 PROMPTS = [[5, 17, 99, 3, 250, 41], [7, 300]]

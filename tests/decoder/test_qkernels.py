@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from moestream.authoring.quantize import ENCODABLE, encode
-from moestream.decoder.kernels import cpu as qk
+from moestream.decoder.kernels.cpu import ffn as qk
 
 RTOL = 1e-5
 D, FF = 256, 512  # hidden, expert ff: multiples of every block size
@@ -136,7 +136,7 @@ def test_deterministic(n: int) -> None:
 def test_fused_path_is_independent_of_threads_and_batch(qtype: Q) -> None:
     """Each output row is one thread's fixed-order sum: same bits for any thread count, and a
     row's result does not depend on the other rows of the batch (the single-pass dots of
-    cpu_rows_dot, Q8_0 .. Q6_K, and the decode-then-dot path of the other types, Q2_K)."""
+    rows_dot, Q8_0 .. Q6_K, and the decode-then-dot path of the other types, Q2_K)."""
     mats, x = expert(qtype), rows(6)  # rows 0-3 are dotted four at a time, 4-5 one by one
     threads = qk.numba.get_num_threads()
     try:

@@ -1,4 +1,4 @@
-"""The row decoders of cpu_rows_q.py (Q4_1 Q5_0 Q5_1 Q2_K Q3_K IQ4_NL IQ4_XS TQ1_0 TQ2_0 Q1_0
+"""The row decoders of rows_q.py (Q4_1 Q5_0 Q5_1 Q2_K Q3_K IQ4_NL IQ4_XS TQ1_0 TQ2_0 Q1_0
 NVFP4) against gguf-py's numpy dequantizer (Q1_0: the numpy reference in qref.py, written from
 ggml's block layout), bit for bit; and the fused / dense expert kernels on them within
 RTOL x max |reference| of float64 SwiGLU on the reference-decoded weights."""
@@ -10,7 +10,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from moestream.authoring.quantize import encode
-from moestream.decoder.kernels import cpu as qk
+from moestream.decoder.kernels.cpu import ffn as qk
 
 import qref
 

@@ -30,8 +30,8 @@ from moestream.decoder.generation.loop import generate
 from moestream.decoder.models import get_model_module
 from moestream.decoder.experts.prefetch import Prefetcher
 from moestream.decoder.experts.resident import QuantResidentExperts
-from moestream.decoder.experts.slot_cache import DeviceSlotCache
-from moestream.decoder.experts.streamed import StreamedExperts
+from moestream.decoder.experts.gpu.slot_cache import DeviceSlotCache
+from moestream.decoder.experts.gpu.streamed import StreamedExperts
 from moestream.decoder.models.weights import load_dense
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 300], [400, 2, 33]]

@@ -12,7 +12,7 @@ from gguf import GGUFReader
 from gguf import quants as gq
 from moestream.common.traces import load_trace
 from moestream.decoder import cli
-from moestream.decoder.bench.routing_replay import routing_spread
+from moestream.decoder.bench.capped.routing_replay import routing_spread
 from moestream.decoder.experts.forced import load_forced
 from moestream.common.layout import ModelLayout
 
@@ -90,7 +90,7 @@ def test_llamacpp_replays_forced_routing(make_tiny_model, tmp_path):
     """llama.cpp's eval callback overwrites every layer's selected experts: all rows are forced
     (llama.cpp's last layer computes only the output row), and what it decodes follows the trace."""
     pytest.importorskip("llama_cpp")
-    from moestream.decoder.bench.llamacpp_peer import llamacpp_child
+    from moestream.decoder.bench.capped.llamacpp_peer import llamacpp_child
 
     path = make_tiny_model(layers=3, experts=16, top_k=2, vocab=300)  # a random router: experts change the text
 

@@ -153,7 +153,7 @@ def test_tool_choice_none_leaves_the_tools_out(qwen):
 
 
 def test_a_harmony_answer_is_its_final_channel():
-    from moestream.decoder.serve.tools import ToolStream, parse
+    from moestream.decoder.serve.http.tools import ToolStream, parse
 
     text = "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>Hi there"
     assert parse("harmony", text) == ("Hi there", [])
@@ -179,7 +179,7 @@ def test_a_harmony_answer_is_its_final_channel():
 ])
 def test_each_familys_call_text_parses(fmt, text, name, args):
     """The call text each family's template teaches (as its own template and docs write it)."""
-    from moestream.decoder.serve.tools import ToolStream, parse
+    from moestream.decoder.serve.http.tools import ToolStream, parse
 
     _, calls = parse(fmt, text)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [(name, args)]

@@ -23,8 +23,8 @@ from moestream.decoder.experts.source import ResidentExperts
 from moestream.decoder.generation.loop import generate, forward_step
 from moestream.decoder.models import load_model
 from moestream.decoder.experts.prefetch import Prefetcher
-from moestream.decoder.experts.slot_cache import DeviceSlotCache
-from moestream.decoder.experts.streamed import StreamedExperts
+from moestream.decoder.experts.gpu.slot_cache import DeviceSlotCache
+from moestream.decoder.experts.gpu.streamed import StreamedExperts
 from moestream.authoring.tiny_corpus import (
     corpus_files,
     is_held_out,

@@ -13,8 +13,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from moestream.common.layout import ExpertIndex, TensorInfo
 from moestream.authoring.quantize import random_blocks
-from moestream.decoder.experts.slot_cache import DeviceSlotCache, FetchFailed
-from moestream.decoder.experts.slot_format import bytes_per_slot, slot_layouts, slots_for_bytes
+from moestream.decoder.experts.gpu.slot_cache import DeviceSlotCache, FetchFailed
+from moestream.decoder.experts.gpu.slot_format import bytes_per_slot, slot_layouts, slots_for_bytes
 from policy_check import CheckedPolicy
 
 D, FF = 64, 32

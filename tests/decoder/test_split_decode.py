@@ -13,9 +13,9 @@ from moestream.common.layout import ModelLayout
 from moestream.decoder.experts.arena import open_arena
 from moestream.decoder.experts.prefetch import Prefetcher
 from moestream.decoder.experts.resident import QuantResidentExperts
-from moestream.decoder.experts.slot_cache import DeviceSlotCache
+from moestream.decoder.experts.gpu.slot_cache import DeviceSlotCache
 from moestream.decoder.experts.source import ResidentExperts
-from moestream.decoder.experts.streamed import StreamedExperts
+from moestream.decoder.experts.gpu.streamed import StreamedExperts
 from moestream.decoder.generation.loop import generate
 from moestream.decoder.models import get_model_module
 from moestream.decoder.models.weights import load_dense

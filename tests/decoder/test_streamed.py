@@ -14,8 +14,8 @@ from moestream.decoder.generation.loop import generate
 from moestream.decoder.models import get_model_module
 from moestream.decoder.experts.prefetch import Prefetcher
 from moestream.decoder.generation.sampling import SamplingParams
-from moestream.decoder.experts.slot_cache import DeviceSlotCache
-from moestream.decoder.experts.streamed import StreamedExperts, open_streamed
+from moestream.decoder.experts.gpu.slot_cache import DeviceSlotCache
+from moestream.decoder.experts.gpu.streamed import StreamedExperts, open_streamed
 from moestream.decoder.models.weights import load_dense
 from policy_check import CheckedPolicy
 
@@ -133,7 +133,7 @@ def test_refetch_keeps_earlier_bypasses_and_failure_forgets_them(benches, fails)
     """2 slots: expert 0 resident, acquire [0, 1, 2] -> 1 gets the free slot, 2 is bypassed; 0's
     fill then fails and is refetched in the same acquire (it must not forget that 2 bypassed),
     or the acquire fails (nothing of it may stay behind for a later release)."""
-    from moestream.decoder.experts.slot_cache import FetchFailed
+    from moestream.decoder.experts.gpu.slot_cache import FetchFailed
 
     b = benches("Q8_0")
     with open_streamed(b.layout, b.endpoint, slots=2, landing="lazy") as src:

@@ -8,8 +8,8 @@ import numba
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from moestream.decoder.kernels import cpu as qk
-from moestream.decoder.kernels.threads import ThreadTuner
+from moestream.decoder.kernels.cpu import ffn as qk
+from moestream.decoder.kernels.cpu.threads import ThreadTuner
 
 
 def test_tuner_tries_each_count_then_keeps_the_fastest() -> None:

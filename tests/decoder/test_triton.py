@@ -27,9 +27,9 @@ triton = pytest.importorskip("triton")
 from moestream.decoder.experts.bank import ExpertBank
 from moestream.decoder.generation.loop import forward_step
 from moestream.common.layout import ExpertIndex, TensorInfo
-from moestream.decoder.kernels import triton_experts as tx
-from moestream.decoder.kernels import triton_quant as tq
-from moestream.decoder.experts.slot_format import slot_layouts
+from moestream.decoder.kernels.gpu import experts as tx
+from moestream.decoder.kernels.gpu import quant as tq
+from moestream.decoder.experts.gpu.slot_format import slot_layouts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 QUANTS = tuple(q for q in tq.KERNEL_TYPES if q not in (Q.F32, Q.F16, Q.BF16))
@@ -206,7 +206,7 @@ from gguf import GGMLQuantizationType as Q
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moestream.decoder.kernels import triton_experts as tx, triton_quant as tq
+from moestream.decoder.kernels.gpu import experts as tx, quant as tq
 
 target = GPUTarget("cuda", 90, 32)
 
@@ -281,7 +281,7 @@ def test_resident_and_streamed_on_the_kernels(tiny_model, start_daemon) -> None:
     from moestream.common.layout import ModelLayout
     from moestream.decoder.experts.source import ResidentExperts
     from moestream.decoder.models import load_model
-    from moestream.decoder.experts.streamed import open_streamed
+    from moestream.decoder.experts.gpu.streamed import open_streamed
 
     layout = ModelLayout(tiny_model)
     model = load_model(layout, DEVICE, torch.float32)
@@ -305,7 +305,7 @@ def test_resident_and_streamed_on_the_kernels(tiny_model, start_daemon) -> None:
 def test_slot_kernels_choice_and_the_one_time_notice(capsys) -> None:
     """Auto: kernels on CUDA only; asked for: layers of types without a kernel keep the torch
     path, said once per process."""
-    from moestream.decoder.experts import slot_format
+    from moestream.decoder.experts.gpu import slot_format
 
     mixed = [slot_layout((Q.Q8_0, Q.Q8_0), 64, 96), slot_layout((NO_KERNEL, Q.Q8_0), 64, 96)]
     assert slot_format.slot_kernels(mixed, "cpu", None) is None

@@ -13,8 +13,8 @@ from moestream.common.layout import ModelLayout
 from moestream.decoder.experts.bank import ExpertBank
 from moestream.decoder.experts.source import ResidentExperts
 from moestream.decoder.generation.loop import forward_step
-from moestream.decoder.experts.zero_copy import open_arena_gpu
-from moestream.decoder.kernels.triton_experts import available
+from moestream.decoder.experts.gpu.zero_copy import open_arena_gpu
+from moestream.decoder.kernels.gpu.experts import available
 from moestream.decoder.models import load_model
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

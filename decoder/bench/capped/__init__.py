@@ -1,0 +1,1 @@
+"""`moestream bench capped`: daemon + decoder under one memory cap, beside llama.cpp."""

@@ -1,0 +1,70 @@
+"""moestream's routing trace of one run, replayed for `moestream bench capped`: what an ideal LRU
+cache of the arena's size would have missed, and how widely the decode steps spread over the
+experts (greedy decoding of a random model tends to loop over a few tokens, so few experts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ....authoring.policy_sim import simulate, split_per_layer
+
+NARROW_SHARE = 0.5  # routing narrower than this share of the experts per layer counts as narrow
+NARROW_MIN_TOKENS = 32
+
+Steps = Sequence[Sequence[tuple[int, int]]]  # per forward pass, its (layer, expert) keys
+
+
+def is_narrow(share: float, tokens: int) -> bool:
+    """Too few experts touched, over a run long enough to judge."""
+    return tokens >= NARROW_MIN_TOKENS and share < NARROW_SHARE
+
+
+def ideal_lru(steps: Steps, capacity: int, expert_bytes: float, decode_from: int = 1) -> dict[str, Any]:
+    """LRU over `steps` (one per forward pass; the first `decode_from` are the prefill) with
+    `capacity` experts: misses of the decode steps and their bytes per decoded token; the same
+    for Belady's optimum (keys `belady_*`: the fewest misses any cache of that size could have;
+    Belady's prefill misses the same as LRU's, every key is new there).
+
+    Steps are split per layer (one layer's experts are in use at a time, as in the arena), and
+    a layer's keys that outnumber the capacity into pieces that fit (the arena, too, processes
+    such a prompt in pieces). For LRU neither split changes anything where a whole step fits."""
+    out: dict[str, Any] = {"capacity": capacity, "decode_steps": len(steps) - decode_from}
+    if capacity < 1:
+        return {**out, "error": f"an arena of {capacity} slots holds no expert"}
+    flat = _pieces(steps, capacity)
+    n_pre = len(_pieces(steps[:decode_from], capacity))
+    tokens = out["decode_steps"]
+    for policy, tag in (("lru", ""), ("belady", "belady_")):
+        pre = simulate(flat[:n_pre], capacity, policy) if n_pre else None
+        full = simulate(flat, capacity, policy)
+        misses = full.misses - (pre.misses if pre else 0)
+        hits = full.hits - (pre.hits if pre else 0)
+        out.update({f"{tag}misses": misses, f"{tag}hits": hits,
+                    f"{tag}hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+                    f"{tag}missed_bytes_per_token": misses * expert_bytes / tokens if tokens else None})
+        out.setdefault("prefill_misses", pre.misses if pre else 0)
+    return out
+
+
+def _pieces(steps: Steps, capacity: int) -> list[list[tuple[int, int]]]:
+    """Steps split per layer, then into pieces of at most `capacity` distinct keys."""
+    out = []
+    for step in split_per_layer(steps):
+        keys = list(dict.fromkeys(step))
+        out += [keys[i:i + capacity] for i in range(0, len(keys), capacity)]
+    return out
+
+
+def routing_spread(steps: Steps, n_layer: int, n_expert: int, decode_from: int = 1) -> dict[str, Any]:
+    """Distinct experts per layer over the decode steps: mean over layers, share of n_expert."""
+    seen: list[set[int]] = [set() for _ in range(n_layer)]
+    for step in steps[decode_from:]:
+        for layer, e in step:
+            seen[layer].add(e)
+    mean = sum(map(len, seen)) / n_layer if n_layer else 0.0
+    tokens = len(steps) - decode_from + 1  # the prefill's token + one per decode step
+    share = mean / n_expert if n_expert else 0.0
+    return {"mean_distinct": mean, "n_expert": n_expert, "share": share, "tokens": tokens,
+            "narrow": is_narrow(share, tokens)}

@@ -1,0 +1,1 @@
+"""GPU expert backends: the device slot cache (`gpu-slots`) and zero-copy arena experts (`gpu-arena`)."""

@@ -1,0 +1,1 @@
+"""CPU kernels (numba): MoE experts computed on their quantized GGUF blocks."""

@@ -1,0 +1,384 @@
+"""Integer dot products of one quantized weight row with int8-quantized activation rows.
+
+The float kernels (rows_dot.py, rows.py's decoders) turn every weight into a float32
+and multiply-add it: for the 1-4 bit types that decoding, not the memory, set the speed. Here,
+as llama.cpp does, each activation row is quantized once per call (`quantize_acts`) and a
+weight sub-block of 32 codes meets its 32 activation bytes in one integer `dpbusd`
+(simd/integer: u8 x s8 -> 8 int32 lanes). The 8 sub-blocks of 256 weights are summed into one
+vector of 8 integer sums (hsum8x8) and scaled at once, so floats appear once per 256 weights and
+activation row (rows are taken 256 weights at a time: the callers ask n_in % 256 == 0).
+
+Activation format (per row of n values, n a multiple of 32), `Acts`:
+  q  int8  [n]       round(x / d_b), |q| <= 127, block b = elements 32b .. 32b + 31
+  d  float [n / 32]  d_b = max |x| over block b x float32(1 / 127)
+  ds float [n / 32]  d_b x the sum of q over block b (for weight offsets and K-quant mins)
+Blocks of 32, not llama.cpp's 256-wide Q8_K: the 8 block scales of a super-block are one vector
+load, as cheap as Q8_K's one scale with integer sub-scale multiplies, and an outlier only
+coarsens its own 32 activations.
+
+Weights as unsigned bytes (dpbusd's u8 side), per type, for sub-block j with weight scale c_j:
+  Q8_0     |q| with the activation's signs flipped where q < 0 (psignb)      c = d
+  Q4_0     nibble n, w = d (n - 8)            : c = d, offset -8 d x sum(a)
+  Q4_K/Q5_K  n (+16 x fifth bit), w = d sc n - dmin m: c = d sc, offset -dmin m x sum(a)
+  Q2_K     sc q (<= 45) and, in a second dot, the mins m as bytes: w = d sc q - dmin m
+  Q6_K     |q - 32| with the activation's signs flipped where q < 32: c per 16 weights
+  IQ2_XXS  grid bytes (<= 43), signs applied to the activation bytes        c = d (0.5 + s) / 4
+  IQ1_S    grid + 1 (0..2), w = dl (g + delta) : c = dl, offset dl (delta - 1) x sum(a)
+  TQ2_0, TQ1_0  q in 0..2, w = d (q - 1)       : c = d, offset -d x sum(a)
+A row's result is, per activation row, sum_j c_j d_a,j (W_j . q_j) plus the offsets: the same
+real number as the dequantized weights (gguf-py's) dotted with the dequantized int8 activation,
+up to float32 rounding of the scales and the sums (8 lanes, a fixed tree at the end). Every
+activation row runs the same operations whether alone or one of four, so a token's result
+does not depend on the other rows sharing its expert, nor on the thread count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from numba import njit
+
+from .simd import blocks as blk
+from .simd import integer as s
+from .rows_base import _JIT
+from .rows_iq import GRID64_IQ2_XXS, GRID_IQ1_S
+from .simd.vectors import addr, f16_at
+
+_Q8_0, _Q4_0, _Q4_K, _Q5_K, _Q6_K = int(Q.Q8_0), int(Q.Q4_0), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
+_Q2_K = int(Q.Q2_K)
+_IQ2_XXS, _IQ1_S, _TQ2_0, _TQ1_0 = int(Q.IQ2_XXS), int(Q.IQ1_S), int(Q.TQ2_0), int(Q.TQ1_0)
+INT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ1_S, Q.TQ2_0, Q.TQ1_0)
+_INL = {**_JIT, "inline": "always"}
+# IQ1_S's code book {-1, 0, 1} plus one, as unsigned bytes: 8 per index, one uint64 per group
+GRID64_IQ1_S_P1 = (GRID_IQ1_S.astype(np.int16) + 1).astype(np.uint8).view(np.uint64)  # [2048]
+_EIGHTH, _INV127 = np.float32(0.125), np.float32(1.0 / 127.0)
+
+
+@njit(**_JIT)
+def has_int(qtype):
+    return (qtype == _Q8_0 or qtype == _Q4_0 or qtype == _Q2_K or qtype == _Q4_K or qtype == _Q5_K or qtype == _Q6_K
+            or qtype == _IQ2_XXS or qtype == _IQ1_S or qtype == _TQ2_0 or qtype == _TQ1_0)
+
+
+# -- activations ---------------------------------------------------------------------------------
+@njit(**_JIT)
+def quantize_acts(x):
+    """x [N, n] float32 (n % 32 == 0) -> Acts: (q int8 [N, n], d float32 [N, n/32],
+    ds float32 [N, n/32] = d x the sum of q over the block)."""
+    n_rows, n = x.shape
+    q = np.empty((n_rows, n), np.int8)
+    d = np.empty((n_rows, n // 32), np.float32)
+    ds = np.empty((n_rows, n // 32), np.float32)
+    for r in range(n_rows):
+        for b in range(n // 32):
+            amax = np.float32(0.0)
+            for k in range(32):
+                amax = max(amax, abs(x[r, 32 * b + k]))
+            db = amax * _INV127  # (a product, not a quotient: fast-math would rewrite that)
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            t = np.int32(0)
+            for k in range(32):
+                v = min(np.int32(127), max(np.int32(-127), np.int32(np.rint(x[r, 32 * b + k] * inv))))
+                q[r, 32 * b + k] = v
+                t += v
+            d[r, b], ds[r, b] = db, db * np.float32(t)
+    return q, d, ds
+
+
+# -- one super-block (8 sub-blocks of 32) against 1 or 4 activation rows -----------------------------
+# The 8 sub-blocks' integer dots are summed lane-wise into one vector of 8 sums (hsum8x8), which
+# is scaled by the weights' sub-block scales c and the activations' block scales d_a, and the
+# weight offsets (or mins) cm by the activations' d_a x sum(q): two fmas per 256 weights and row.
+# R = (q addresses of rows 0-3, d addresses 0-3, ds addresses 0-3); e = the super-block's element.
+# The activation bytes are used as they are (mode 0), with the signs of the int8 weights W
+# (mode 1: U holds their magnitudes), or negated where the sub-block's bits B are set (mode 2).
+@njit(**_INL)
+def _dp(U, W, B, a, e, j, mode):
+    x = s.ld_b(a, e + 32 * j)
+    if mode == 1:
+        x = s.b_sign(x, W[j])
+    elif mode == 2:
+        x = s.b_neg_where(x, B[j])
+    return s.dpbusd(s.i8_zero(), U[j], x)
+
+
+@njit(**_INL)
+def _sb_row(i, R, U, W, B, mode, c, cm, has_m, e, acc):
+    a = R[i]
+    isum = s.hsum8x8((_dp(U, W, B, a, e, 0, mode), _dp(U, W, B, a, e, 1, mode), _dp(U, W, B, a, e, 2, mode),
+                      _dp(U, W, B, a, e, 3, mode), _dp(U, W, B, a, e, 4, mode), _dp(U, W, B, a, e, 5, mode),
+                      _dp(U, W, B, a, e, 6, mode), _dp(U, W, B, a, e, 7, mode)))
+    acc = s.f8_fma(s.f8_mul(s.f8_of_i(isum), s.f8_ld(R[4 + i], (e >> 5) * 4)), c, acc)
+    if has_m:
+        acc = s.f8_fma(s.f8_ld(R[8 + i], (e >> 5) * 4), cm, acc)
+    return acc
+
+
+@njit(**_INL)
+def _sb(U, W, B, mode, c, cm, has_m, e, nx, R, c0, c1, c2, c3):
+    """c_i += sum_j (U_j . a_i[e + 32j:]) c_j d_a,j + cm_j d_a,j sum(a_i[e + 32j:]) (has_m)."""
+    c0 = _sb_row(0, R, U, W, B, mode, c, cm, has_m, e, c0)
+    if nx > 1:
+        c1 = _sb_row(1, R, U, W, B, mode, c, cm, has_m, e, c1)
+        c2 = _sb_row(2, R, U, W, B, mode, c, cm, has_m, e, c2)
+        c3 = _sb_row(3, R, U, W, B, mode, c, cm, has_m, e, c3)
+    return c0, c1, c2, c3
+
+
+@njit(**_INL)
+def _fin(c0, c1, c2, c3):
+    return s.f8_hsum(c0), s.f8_hsum(c1), s.f8_hsum(c2), s.f8_hsum(c3)
+
+
+@njit(**_INL)
+def _zeros():
+    return s.f8_zero(), s.f8_zero(), s.f8_zero(), s.f8_zero()
+
+
+_NB = (np.int64(0),) * 8  # no sign bits
+
+
+# -- types ---------------------------------------------------------------------------------------
+@njit(**_JIT)
+def _q8_0(p, off, n_in, R, nx):
+    """34 B / 32: f16 d, int8 q[32]; 8 blocks per step (the callers ask n_in % 256 == 0)."""
+    o = np.int64(off)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        W = (s.ld_b(p, o + 2), s.ld_b(p, o + 36), s.ld_b(p, o + 70), s.ld_b(p, o + 104),
+             s.ld_b(p, o + 138), s.ld_b(p, o + 172), s.ld_b(p, o + 206), s.ld_b(p, o + 240))
+        U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
+             s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
+        c = s.f8_of_f16(p, o, 34)
+        c0, c1, c2, c3 = _sb(U, W, _NB, 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += 272
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_JIT)
+def _q4_0(p, off, n_in, R, nx):
+    """18 B / 32: f16 d, 16 B nibbles (elements 0-15 low, 16-31 high): w = d (n - 8)."""
+    o = np.int64(off)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        U = (s.nib16(p, o + 2), s.nib16(p, o + 20), s.nib16(p, o + 38), s.nib16(p, o + 56),
+             s.nib16(p, o + 74), s.nib16(p, o + 92), s.nib16(p, o + 110), s.nib16(p, o + 128))
+        c = s.f8_of_f16(p, o, 18)
+        cm = s.f8_mul(c, s.f8_splat(np.float32(-8.0)))
+        c0, c1, c2, c3 = _sb(U, U, _NB, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += 144
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_INL)
+def _k4_scales(p, o):
+    """Q4_K/Q5_K's 12 bytes at p + o of 6-bit (scale, min) x 8 -> (8 scale bytes, 8 min bytes) as
+    uint64 words (ggml's get_scale_min_k4, four lanes at a time in 32-bit words)."""
+    w0, w1, w2 = s.u32_at(p, o), s.u32_at(p, o + 4), s.u32_at(p, o + 8)
+    sc = (w0 & 0x3F3F3F3F) | (((w2 & 0x0F0F0F0F) | ((w0 >> 2) & 0x30303030)) << 32)
+    mn = (w1 & 0x3F3F3F3F) | ((((w2 >> 4) & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)) << 32)
+    return sc, mn
+
+
+@njit(**_INL)
+def _q5_u(c, h, g, hi):
+    """Q4_K/Q5_K sub-block 2g + hi of a chunk c of nibbles, with its fifth bits from h (Q5_K)."""
+    u = s.b_shr(c, 4) if hi else s.b_and(c, 15)
+    return s.b_or(u, s.b_shl(s.b_and(s.b_shr(h, 2 * g + hi), 1), 4))
+
+
+@njit(**_JIT)
+def _q45_k(p, off, n_in, R, nx, five):
+    """Q4_K (144 B) / Q5_K (176 B: 32 B of fifth bits before the nibbles): chunk g of 32 bytes
+    holds sub-block 2g in its low nibbles, 2g + 1 in its high ones; w = d sc n - dmin m."""
+    o = np.int64(off)
+    c0, c1, c2, c3 = _zeros()
+    size = 176 if five else 144
+    for sb in range(n_in // 256):
+        q = o + 48 if five else o + 16
+        k0, k1, k2, k3 = s.ld_b(p, q), s.ld_b(p, q + 32), s.ld_b(p, q + 64), s.ld_b(p, q + 96)
+        if five:
+            h = s.ld_b(p, o + 16)
+            U = (_q5_u(k0, h, 0, 0), _q5_u(k0, h, 0, 1), _q5_u(k1, h, 1, 0), _q5_u(k1, h, 1, 1),
+                 _q5_u(k2, h, 2, 0), _q5_u(k2, h, 2, 1), _q5_u(k3, h, 3, 0), _q5_u(k3, h, 3, 1))
+        else:
+            U = (s.b_and(k0, 15), s.b_shr(k0, 4), s.b_and(k1, 15), s.b_shr(k1, 4),
+                 s.b_and(k2, 15), s.b_shr(k2, 4), s.b_and(k3, 15), s.b_shr(k3, 4))
+        sc, mn = _k4_scales(p, o + 4)
+        c = s.f8_mul(s.f8_of_u8x8(sc), s.f8_splat(f16_at(p, o)))
+        cm = s.f8_mul(s.f8_of_u8x8(mn), s.f8_splat(-f16_at(p, o + 2)))
+        c0, c1, c2, c3 = _sb(U, U, _NB, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += size
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_INL)
+def _q6_w(p, ql, h, g):
+    """Q6_K group g of a 128-half: nibble g // 2 of ql[32 (g % 2) + l] with bits 2g.. of h above
+    it, less 32, as signed bytes."""
+    la = s.ld_b(p, ql + 32 * (g % 2))
+    nib = s.b_and(la, 15) if g < 2 else s.b_shr(la, 4)
+    return s.b_sub(s.b_or(nib, s.b_shl(s.b_and(s.b_shr(h, 2 * g), 3), 4)), 32)
+
+
+@njit(**_INL)
+def _q6_half(W, U, a, e, j):
+    """hsum4x8_halves of sub-blocks j .. j + 3 (signed weights W, magnitudes U) against a[e:]."""
+    return s.hsum4x8_halves((_dp(U, W, _NB, a, e, j, 1), _dp(U, W, _NB, a, e, j + 1, 1),
+                             _dp(U, W, _NB, a, e, j + 2, 1), _dp(U, W, _NB, a, e, j + 3, 1)))
+
+
+@njit(**_INL)
+def _q6_row(i, R, U, W, cA, cB, e, acc):
+    a, db = R[i], R[4 + i] + (e >> 5) * 4
+    acc = s.f8_fma(s.f8_mul(s.f8_of_i(_q6_half(W, U, a, e, 0)), s.f8_ld4x2(db, 0)), cA, acc)
+    return s.f8_fma(s.f8_mul(s.f8_of_i(_q6_half(W, U, a, e, 4)), s.f8_ld4x2(db, 16)), cB, acc)
+
+
+@njit(**_JIT)
+def _q6_k(p, off, n_in, R, nx):
+    """210 B / 256: ql[128], qh[64], int8 scales[16], f16 d. Per 128-element half, element
+    32g + l is nibble g // 2 of ql[32 (g % 2) + l] with bits 2g..2g+1 of qh[l] above it, less 32,
+    times d * scale 2g + l // 16 (a scale per 16 weights: the sums are taken per 16)."""
+    o = np.int64(off)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        h0, h1 = s.ld_b(p, o + 128), s.ld_b(p, o + 160)
+        W = (_q6_w(p, o, h0, 0), _q6_w(p, o, h0, 1), _q6_w(p, o, h0, 2), _q6_w(p, o, h0, 3),
+             _q6_w(p, o + 64, h1, 0), _q6_w(p, o + 64, h1, 1), _q6_w(p, o + 64, h1, 2), _q6_w(p, o + 64, h1, 3))
+        U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
+             s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
+        sa, sc_b = blk.q6_scales(p, o + 192)
+        d = s.f8_splat(f16_at(p, o + 208))
+        cA, cB = s.f8_mul(sa, d), s.f8_mul(sc_b, d)
+        e = 256 * sb
+        c0 = _q6_row(0, R, U, W, cA, cB, e, c0)
+        if nx > 1:
+            c1 = _q6_row(1, R, U, W, cA, cB, e, c1)
+            c2 = _q6_row(2, R, U, W, cA, cB, e, c2)
+            c3 = _q6_row(3, R, U, W, cA, cB, e, c3)
+        o += 210
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_JIT)
+def _q2_k(p, off, n_in, R, nx):
+    """84 B / 256: 16 scale bytes (low nibble scale, high min, per 16 weights), qs[64] of 2-bit
+    codes (element 128 h + 32 j + l: bits 2j.. of qs[32 h + l]), f16 d, f16 dmin:
+    w = d sc q - dmin m. The 4-bit scales are multiplied into the codes (sc q <= 45) and the
+    mins dotted as bytes of their own: two integer dots, no per-16 float work."""
+    o = np.int64(off)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        S, M = blk.q2k_scales(p, o)
+        a, b = s.ld_b(p, o + 16), s.ld_b(p, o + 48)
+        U = (s.b_mul(s.b_and(a, 3), S[0]), s.b_mul(s.b_and(s.b_shr(a, 2), 3), S[1]),
+             s.b_mul(s.b_and(s.b_shr(a, 4), 3), S[2]), s.b_mul(s.b_shr(a, 6), S[3]),
+             s.b_mul(s.b_and(b, 3), S[4]), s.b_mul(s.b_and(s.b_shr(b, 2), 3), S[5]),
+             s.b_mul(s.b_and(s.b_shr(b, 4), 3), S[6]), s.b_mul(s.b_shr(b, 6), S[7]))
+        e = 256 * sb
+        c0, c1, c2, c3 = _sb(U, U, _NB, 0, s.f8_splat(f16_at(p, o + 80)), s.f8_zero(), False, e, nx, R,
+                             c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sb(M, M, _NB, 0, s.f8_splat(-f16_at(p, o + 82)), s.f8_zero(), False, e, nx, R,
+                             c0, c1, c2, c3)
+        o += 84
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_JIT)
+def _iq2_xxs(p, off, n_in, R, nx):
+    """66 B / 256: f16 d, then per sub-block 4 grid indices (bytes) and a u32 of 4 x 7 sign bits
+    and a 4-bit scale s: w = d (0.5 + s) / 4 x grid x sign = d / 8 x (2 s + 1) x grid x sign.
+    The 8 sub-blocks' indices, signs and scales are unpacked at once (iq2xxs_prep: vector shifts,
+    a popcount for the sign parity, gathers from the code book)."""
+    o, grid = np.int64(off), addr(GRID64_IQ2_XXS)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        U, sg, k = blk.iq2xxs_prep(p, o, grid)
+        B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
+             s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
+        c = s.f8_mul(k, s.f8_splat(f16_at(p, o) * _EIGHTH))
+        c0, c1, c2, c3 = _sb(U, U, B, 2, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += 66
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_JIT)
+def _iq1_s(p, off, n_in, R, nx):
+    """50 B / 256: f16 d, qs[32], u16 qh[8]: sub-block ib's 4 groups are grid entries of 8 + 3
+    bits (qs[4 ib + l], bits 3l.. of qh[ib]); w = d (2 s + 1) (grid + delta), delta = +-1/8,
+    dotted as d (2 s + 1) ((grid + 1) . a) - d / 8 x 8 (1 - delta) (2 s + 1) x sum(a)."""
+    o, grid = np.int64(off), addr(GRID64_IQ1_S_P1)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        U, k, m = blk.iq1s_prep(p, o, grid)
+        d = f16_at(p, o)
+        c = s.f8_mul(k, s.f8_splat(d))
+        cm = s.f8_mul(m, s.f8_splat(-(d * _EIGHTH)))
+        c0, c1, c2, c3 = _sb(U, U, _NB, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += 50
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_JIT)
+def _tq2_0(p, off, n_in, R, nx):
+    """66 B / 256: qs[64] of 2-bit codes, f16 d: element 128 j + 32 l + m is bits 2l.. of
+    qs[32 j + m]; w = d (q - 1)."""
+    o = np.int64(off)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        a, b = s.ld_b(p, o), s.ld_b(p, o + 32)
+        U = (s.b_and(a, 3), s.b_and(s.b_shr(a, 2), 3), s.b_and(s.b_shr(a, 4), 3), s.b_shr(a, 6),
+             s.b_and(b, 3), s.b_and(s.b_shr(b, 2), 3), s.b_and(s.b_shr(b, 4), 3), s.b_shr(b, 6))
+        d = f16_at(p, o + 64)
+        c0, c1, c2, c3 = _sb(U, U, _NB, 0, s.f8_splat(d), s.f8_splat(-d), True, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += 66
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_JIT)
+def _tq1_0(p, off, n_in, R, nx):
+    """54 B / 256: qs[48], qh[4] of base-3 codes (tq1_codes), f16 d: w = d (q - 1)."""
+    o = np.int64(off)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        d = f16_at(p, o + 52)
+        c0, c1, c2, c3 = _sb(blk.tq1_codes(p, o), blk.tq1_codes(p, o), _NB, 0, s.f8_splat(d), s.f8_splat(-d), True,
+                             256 * sb, nx, R, c0, c1, c2, c3)
+        o += 54
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_JIT)
+def int_dots(qtype, p, off, n_in, R, nx):
+    """(W . a0, .., W . a3) for the row W of `qtype` (has_int) at address p + off and the
+    quantized activation rows R (see above): nx = 1 computes row 0 alone (the rest 0), any other
+    nx all four (the caller repeats a row where it has fewer)."""
+    if qtype == _Q8_0:
+        return _q8_0(p, off, n_in, R, nx)
+    if qtype == _Q4_0:
+        return _q4_0(p, off, n_in, R, nx)
+    if qtype == _Q4_K:
+        return _q45_k(p, off, n_in, R, nx, False)
+    if qtype == _Q5_K:
+        return _q45_k(p, off, n_in, R, nx, True)
+    if qtype == _Q6_K:
+        return _q6_k(p, off, n_in, R, nx)
+    if qtype == _Q2_K:
+        return _q2_k(p, off, n_in, R, nx)
+    if qtype == _IQ2_XXS:
+        return _iq2_xxs(p, off, n_in, R, nx)
+    if qtype == _IQ1_S:
+        return _iq1_s(p, off, n_in, R, nx)
+    if qtype == _TQ1_0:
+        return _tq1_0(p, off, n_in, R, nx)
+    return _tq2_0(p, off, n_in, R, nx)
+
+
+@njit(**_INL)
+def act_rows(qa, qd, qs, i0, i1, i2, i3):
+    """R for rows i0 .. i3 of the quantized activations (q [N, n], d [N, n/32], ds [N, n/32])."""
+    a, d, sm = addr(qa), addr(qd), addr(qs)
+    n, nd, ns = np.int64(qa.shape[1]), np.int64(qd.shape[1]) * 4, np.int64(qs.shape[1]) * 4
+    return (a + i0 * n, a + i1 * n, a + i2 * n, a + i3 * n, d + i0 * nd, d + i1 * nd, d + i2 * nd, d + i3 * nd,
+            sm + i0 * ns, sm + i1 * ns, sm + i2 * ns, sm + i3 * ns)

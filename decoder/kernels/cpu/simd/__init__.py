@@ -1,0 +1,1 @@
+"""Explicit SIMD vectors (LLVM IR) for the numba kernels."""

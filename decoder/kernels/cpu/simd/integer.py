@@ -1,0 +1,544 @@
+"""Integer SIMD values for the int8-activation dot kernels (rows_int.py): 32-byte vectors.
+
+A weight sub-block of 32 codes is one `<32 x i8>` (a ymm register on x86); its dot with 32 int8
+activations is `dpbusd`: unsigned weight bytes times signed activation bytes, each 4 adjacent
+products summed into one of 8 int32 lanes (`<8 x i32>`), then scaled as floats (`<8 x float>`).
+32 bytes rather than 64: every block layout of GGUF comes in 32-weight sub-blocks, and Zen 4
+runs a 512-bit operation as two 256-bit halves anyway.
+
+`dpbusd` is emitted for the CPU numba compiles for (its name and features, read once here):
+  AVX512-VNNI + VL or AVX-VNNI   one vpdpbusd
+  AVX2                           vpmaddubsw + vpmaddwd (int16 pair sums saturate: the callers
+                                 keep weight bytes <= 128, so 2 x 128 x 127 fits)
+  anything else                  plain widening IR (exact, slower)
+so nothing needs a compiler at install time, and a CPU without the instruction never sees it.
+numba's on-disk cache is keyed by CPU name and features, so a cache moved between machines
+recompiles. Every operation is exact integer arithmetic or one IEEE float operation in a fixed
+order: results do not depend on the path taken.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+from .vectors import _i64, _ptr, _splat, float_binary, float_splat  # (the 16-lane module's IR helpers)
+
+_I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_VB, _VW, _VI, _VF = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8), ir.VectorType(_F32, 8)
+_V1 = ir.VectorType(ir.IntType(1), 32)
+
+
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """The features of the CPU numba compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, else the host)."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    if config.CPU_NAME and config.CPU_NAME != "host":
+        flat = config.CPU_FEATURES or ""
+    else:
+        flat = config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
+    return frozenset(f[1:] for f in flat.split(",") if f.startswith("+"))
+
+
+def has_vnni() -> bool:
+    f = cpu_features()
+    return ("avx512vnni" in f and "avx512vl" in f) or "avxvnni" in f
+
+
+def has_avx2() -> bool:
+    return "avx2" in cpu_features()
+
+
+def dot_path() -> str:
+    """Which instructions `dpbusd` uses here: 'vnni', 'avx2' or 'generic'."""
+    return "vnni" if has_vnni() else "avx2" if has_avx2() else "generic"
+
+
+class _VecB(types.Type):
+    def __init__(self) -> None:
+        super().__init__(name="VecI8x32")
+
+
+class _VecI(types.Type):
+    def __init__(self) -> None:
+        super().__init__(name="VecI32x8")
+
+
+class _VecF(types.Type):
+    def __init__(self) -> None:
+        super().__init__(name="VecF32x8")
+
+
+vb, vi8, vf8 = _VecB(), _VecI(), _VecF()
+
+
+def _model(llty):
+    class _M(models.PrimitiveModel):
+        def __init__(self, dmm, fe_type):
+            super().__init__(dmm, fe_type, llty)
+
+    return _M
+
+
+for _cls, _llty in ((_VecB, _VB), (_VecI, _VI), (_VecF, _VF)):
+    register_model(_cls)(_model(_llty))
+
+
+def _ints(*tys) -> bool:
+    return all(isinstance(t, types.Integer) for t in tys)
+
+
+def _call(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _scalar_i8(builder, v):
+    return builder.trunc(v, _I8) if v.type.width > 8 else v
+
+
+# -- byte vectors --------------------------------------------------------------------------------
+@intrinsic
+def ld_b(typingctx, p, off):
+    """The 32 bytes at address p + off."""
+    if not _ints(p, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        q = builder.bitcast(_ptr(builder, args[0], args[1], _I8), _VB.as_pointer())
+        return builder.load(q, align=1)
+
+    return vb(p, off), codegen
+
+
+@intrinsic
+def ld_b16x2(typingctx, p, off0, off1):
+    """16 bytes at p + off0 then 16 bytes at p + off1, as one 32-byte vector."""
+    if not _ints(p, off0, off1):
+        return None
+
+    def codegen(context, builder, sig, args):
+        h = ir.VectorType(_I8, 16)
+        lo = builder.load(builder.bitcast(_ptr(builder, args[0], args[1], _I8), h.as_pointer()), align=1)
+        hi = builder.load(builder.bitcast(_ptr(builder, args[0], args[2], _I8), h.as_pointer()), align=1)
+        return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+
+    return vb(p, off0, off1), codegen
+
+
+@intrinsic
+def b_u64x4(typingctx, a, b, c, d):
+    """Four 64-bit words (8 bytes each, little-endian) as one 32-byte vector."""
+    if not _ints(a, b, c, d):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v4 = ir.VectorType(_I64, 4)
+        v = ir.Constant(v4, ir.Undefined)
+        for i, w in enumerate(args):
+            w = w if w.type.width == 64 else builder.zext(w, _I64)
+            v = builder.insert_element(v, w, ir.Constant(_I32, i))
+        return builder.bitcast(v, _VB)
+
+    return vb(a, b, c, d), codegen
+
+
+def _bin_b(op: str):
+    """vb (op) vb, or vb (op) an integer in every byte."""
+
+    def typer(typingctx, a, b):
+        if a != vb or not (b == vb or isinstance(b, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            rhs = args[1] if b == vb else _splat(builder, _scalar_i8(builder, args[1]), _VB)
+            return getattr(builder, op)(args[0], rhs)
+
+        return vb(a, b), codegen
+
+    return typer
+
+
+b_and, b_or, b_shr, b_shl, b_add, b_sub = (intrinsic(_bin_b(op)) for op in ("and_", "or_", "lshr", "shl", "add", "sub"))
+
+
+@intrinsic
+def b_neg_where(typingctx, a, bits):
+    """a with byte k negated where bit k of the 32-bit integer `bits` is set (sign masks)."""
+    if a != vb or not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        m = args[1]
+        m = builder.trunc(m, _I32) if m.type.width > 32 else builder.zext(m, _I32) if m.type.width < 32 else m
+        mask = builder.bitcast(m, _V1)
+        return builder.select(mask, builder.sub(ir.Constant(_VB, [0] * 32), args[0]), args[0])
+
+    return vb(a, bits), codegen
+
+
+@intrinsic
+def b_abs(typingctx, a):
+    """|a| of int8 bytes, read as unsigned (|-128| = 128)."""
+    if a != vb:
+        return None
+
+    def codegen(context, builder, sig, args):
+        neg = builder.icmp_signed("<", args[0], ir.Constant(_VB, [0] * 32))
+        return builder.select(neg, builder.sub(ir.Constant(_VB, [0] * 32), args[0]), args[0])
+
+    return vb(a), codegen
+
+
+@intrinsic
+def b_sign(typingctx, a, w):
+    """a negated where w < 0 and zeroed where w == 0, bytewise (psignb)."""
+    if a != vb or w != vb:
+        return None
+
+    def codegen(context, builder, sig, args):
+        if has_avx2():
+            return _call(builder, "llvm.x86.avx2.psign.b", _VB, list(args))
+        zero = ir.Constant(_VB, [0] * 32)
+        neg = builder.select(builder.icmp_signed("<", args[1], zero), builder.sub(zero, args[0]), args[0])
+        return builder.select(builder.icmp_signed("==", args[1], zero), zero, neg)
+
+    return vb(a, w), codegen
+
+
+# -- the dot: u8 x s8 -> int32 lanes --------------------------------------------------------------
+@intrinsic
+def dpbusd(typingctx, acc, u, s):
+    """acc + (sums of 4 adjacent products of unsigned bytes u and signed bytes s): 8 int32 lanes.
+    Exact while u <= 128 (the AVX2 path's int16 pair sums); the callers keep it so."""
+    if acc != vi8 or u != vb or s != vb:
+        return None
+
+    def codegen(context, builder, sig, args):
+        a, uu, ss = args
+        if has_vnni():
+            return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _VI,
+                         [a, builder.bitcast(uu, _VI), builder.bitcast(ss, _VI)])
+        if has_avx2():
+            pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _VW, [uu, ss])
+            quads = _call(builder, "llvm.x86.avx2.pmadd.wd", _VI, [pairs, ir.Constant(_VW, [1] * 16)])
+            return builder.add(a, quads)
+        wide = ir.VectorType(_I32, 32)
+        prod = builder.mul(builder.zext(uu, wide), builder.sext(ss, wide))
+        out = a
+        for k in range(4):
+            out = builder.add(out, builder.shuffle_vector(prod, prod, ir.Constant(_VI, list(range(k, 32, 4)))))
+        return out
+
+    return vi8(acc, u, s), codegen
+
+
+@intrinsic
+def i8_zero(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VI, [0] * 8)
+
+    return vi8(), codegen
+
+
+# -- float lanes ------------------------------------------------------------------------------------
+@intrinsic
+def f8_zero(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VF, [0.0] * 8)
+
+    return vf8(), codegen
+
+
+@intrinsic
+def f8_fma_i(typingctx, i, c, acc):
+    """acc + float(i) * c (c a float32 in every lane; one rounding: llvm.fma)."""
+    if i != vi8 or not isinstance(c, types.Float) or acc != vf8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        cf = args[1] if args[1].type == _F32 else builder.fptrunc(args[1], _F32)
+        f = builder.sitofp(args[0], _VF)
+        return _call(builder, "llvm.fma.v8f32", _VF, [f, _splat(builder, cf, _VF), args[2]])
+
+    return vf8(i, c, acc), codegen
+
+
+@intrinsic
+def f8_fma_i2(typingctx, i, c0, c1, acc):
+    """acc + float(i) * (c0 in lanes 0-3, c1 in lanes 4-7): a 32-byte dot of two 16-weight halves."""
+    if i != vi8 or not isinstance(c0, types.Float) or not isinstance(c1, types.Float) or acc != vf8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        cs = [a if a.type == _F32 else builder.fptrunc(a, _F32) for a in args[1:3]]
+        lo, hi = _splat(builder, cs[0], _VF), _splat(builder, cs[1], _VF)
+        c = builder.shuffle_vector(lo, hi, ir.Constant(_VI, [0, 1, 2, 3, 12, 13, 14, 15]))
+        f = builder.sitofp(args[0], _VF)
+        return _call(builder, "llvm.fma.v8f32", _VF, [f, c, args[3]])
+
+    return vf8(i, c0, c1, acc), codegen
+
+
+@intrinsic
+def f8_hsum(typingctx, a):
+    """The 8 lanes' sum as float32, in a fixed tree order."""
+    if a != vf8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        v, n = args[0], 8
+        while n > 1:
+            n //= 2
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
+            v = builder.fadd(lo, hi)
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    return types.float32(a), codegen
+
+
+# -- scalars at addresses ---------------------------------------------------------------------------
+def _ld_scalar(llty, nbty, signed: bool):
+    def typer(typingctx, p, off):
+        if not _ints(p, off):
+            return None
+
+        def codegen(context, builder, sig, args):
+            v = builder.load(builder.bitcast(_ptr(builder, args[0], args[1], _I8), llty.as_pointer()), align=1)
+            if isinstance(llty, ir.IntType) and llty.width < 64:
+                return builder.sext(v, _I64) if signed else builder.zext(v, _I64)
+            return v
+
+        return nbty(p, off), codegen
+
+    return typer
+
+
+f32_at = intrinsic(_ld_scalar(_F32, types.float32, False))
+f32_at.__doc__ = "The float32 at address p + off (byte offset)."
+i32_at = intrinsic(_ld_scalar(_I32, types.int64, True))
+i32_at.__doc__ = "The int32 at address p + off (byte offset), as int64."
+u16_at = intrinsic(_ld_scalar(_I16, types.int64, False))
+u16_at.__doc__ = "The little-endian uint16 at address p + off, as int64."
+u32_at = intrinsic(_ld_scalar(_I32, types.int64, False))
+u32_at.__doc__ = "The little-endian uint32 at address p + off, as int64."
+
+
+@intrinsic
+def nib16(typingctx, p, off):
+    """The 16 bytes at p + off as 32 nibbles: the low nibbles (elements 0-15) then the high ones."""
+    if not _ints(p, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        h = ir.VectorType(_I8, 16)
+        c = builder.load(builder.bitcast(_ptr(builder, args[0], args[1], _I8), h.as_pointer()), align=1)
+        lo = builder.and_(c, ir.Constant(h, [15] * 16))
+        hi = builder.lshr(c, ir.Constant(h, [4] * 16))
+        return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+
+    return vb(p, off), codegen
+
+
+@intrinsic
+def f8_mul_i(typingctx, i, c):
+    """float(i) * c (c a float32 in every lane)."""
+    if i != vi8 or not isinstance(c, types.Float):
+        return None
+
+    def codegen(context, builder, sig, args):
+        cf = args[1] if args[1].type == _F32 else builder.fptrunc(args[1], _F32)
+        return builder.fmul(builder.sitofp(args[0], _VF), _splat(builder, cf, _VF))
+
+    return vf8(i, c), codegen
+
+
+@intrinsic
+def f8_mul_i2(typingctx, i, c0, c1):
+    """float(i) * (c0 in lanes 0-3, c1 in lanes 4-7)."""
+    if i != vi8 or not isinstance(c0, types.Float) or not isinstance(c1, types.Float):
+        return None
+
+    def codegen(context, builder, sig, args):
+        cs = [a if a.type == _F32 else builder.fptrunc(a, _F32) for a in args[1:3]]
+        lo, hi = _splat(builder, cs[0], _VF), _splat(builder, cs[1], _VF)
+        c = builder.shuffle_vector(lo, hi, ir.Constant(_VI, [0, 1, 2, 3, 12, 13, 14, 15]))
+        return builder.fmul(builder.sitofp(args[0], _VF), c)
+
+    return vf8(i, c0, c1), codegen
+
+
+@intrinsic
+def f8_add(typingctx, a, b):
+    if a != vf8 or b != vf8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], args[1])
+
+    return vf8(a, b), codegen
+
+
+# -- per-super-block (8 sub-blocks) forms -----------------------------------------------------------
+@intrinsic
+def hsum8x8(typingctx, t):
+    """Lane j = the sum of the 8 lanes of t[j], for a tuple t of 8 int32 vectors (a transposing
+    add tree: 7 adds and 14 shuffles for 8 sub-blocks' dot products)."""
+    if not (isinstance(t, types.UniTuple) and t.count == 8 and t.dtype == vi8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = [builder.extract_value(args[0], i) for i in range(8)]
+
+        def level(a, b, lo, hi):
+            m = lambda idx: ir.Constant(_VI, idx)  # noqa: E731
+            return builder.add(builder.shuffle_vector(a, b, m(lo)), builder.shuffle_vector(a, b, m(hi)))
+
+        l1 = [level(v[k], v[k + 1], [0, 8, 2, 10, 4, 12, 6, 14], [1, 9, 3, 11, 5, 13, 7, 15]) for k in range(0, 8, 2)]
+        l2 = [level(l1[k], l1[k + 1], [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]) for k in range(0, 4, 2)]
+        return level(l2[0], l2[1], [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
+
+    return vi8(t), codegen
+
+
+@intrinsic
+def f8_ld(typingctx, p, off):
+    """The 8 float32 at address p + off (byte offset)."""
+    if not _ints(p, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(builder.bitcast(_ptr(builder, args[0], args[1], _I8), _VF.as_pointer()), align=4)
+
+    return vf8(p, off), codegen
+
+
+@intrinsic
+def f8_of_i(typingctx, i):
+    if i != vi8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.sitofp(args[0], _VF)
+
+    return vf8(i), codegen
+
+
+@intrinsic
+def f8_of_u8x8(typingctx, w):
+    """The 8 bytes of a 64-bit integer (little-endian: byte j in lane j), as float32 lanes."""
+    if not isinstance(w, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = args[0] if args[0].type.width == 64 else builder.zext(args[0], _I64)
+        b = builder.bitcast(v, ir.VectorType(_I8, 8))
+        return builder.uitofp(b, _VF)
+
+    return vf8(w), codegen
+
+
+@intrinsic
+def f8_of_f16(typingctx, p, off, stride):
+    """8 float16 at p + off + j * stride (j = 0..7), widened exactly to float32."""
+    if not _ints(p, off, stride):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vh = ir.VectorType(ir.HalfType(), 8)
+        v = ir.Constant(vh, ir.Undefined)
+        base, step = _i64(builder, args[1]), _i64(builder, args[2])
+        for j in range(8):
+            o = builder.add(base, builder.mul(step, ir.Constant(_I64, j)))
+            q = builder.bitcast(_ptr(builder, args[0], o, _I8), ir.HalfType().as_pointer())
+            v = builder.insert_element(v, builder.load(q, align=1), ir.Constant(_I32, j))
+        return builder.fpext(v, _VF)
+
+    return vf8(p, off, stride), codegen
+
+
+f8_splat = intrinsic(float_splat(vf8, _VF))  # a float32 in every lane
+f8_mul = intrinsic(float_binary("fmul", vf8))
+
+
+@intrinsic
+def f8_fma(typingctx, a, b, c):
+    """a * b + c, rounded once."""
+    if not (a == b == c == vf8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _call(builder, "llvm.fma.v8f32", _VF, list(args))
+
+    return vf8(a, b, c), codegen
+
+
+def _c(ty, vals):
+    return ir.Constant(ty, vals)
+
+
+def _ld_vec(builder, p, off, vty):
+    return builder.load(builder.bitcast(_ptr(builder, p, off, _I8), vty.as_pointer()), align=1)
+
+
+@intrinsic
+def i8_lane(typingctx, v, j):
+    """Lane j (a constant after inlining) of an int32 vector, as int64."""
+    if v != vi8 or not isinstance(j, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.zext(builder.extract_element(args[0], builder.trunc(args[1], _I32)), _I64)
+
+    return types.int64(v, j), codegen
+
+
+@intrinsic
+def hsum4x8_halves(typingctx, t):
+    """For 4 int32 vectors t[0..3] (dots of 32 bytes: lanes 0-3 cover the first 16 bytes, 4-7 the
+    last 16): [t[j] lanes 0-3 summed for j = 0..3, then t[j] lanes 4-7 summed for j = 0..3]."""
+    if not (isinstance(t, types.UniTuple) and t.count == 4 and t.dtype == vi8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = [builder.extract_value(args[0], i) for i in range(4)]
+
+        def level(a, b, lo, hi):
+            return builder.add(builder.shuffle_vector(a, b, _c(_VI, lo)), builder.shuffle_vector(a, b, _c(_VI, hi)))
+
+        l1 = [level(v[k], v[k + 1], [0, 8, 2, 10, 4, 12, 6, 14], [1, 9, 3, 11, 5, 13, 7, 15]) for k in (0, 2)]
+        return level(l1[0], l1[1], [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])
+
+    return vi8(t), codegen
+
+
+@intrinsic
+def f8_ld4x2(typingctx, p, off):
+    """The 4 float32 at address p + off, twice: [f0, f1, f2, f3, f0, f1, f2, f3]."""
+    if not _ints(p, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v4 = _ld_vec(builder, args[0], args[1], ir.VectorType(_F32, 4))
+        return builder.shuffle_vector(v4, v4, _c(_VI, [0, 1, 2, 3, 0, 1, 2, 3]))
+
+    return vf8(p, off), codegen
+
+
+@intrinsic
+def b_mul(typingctx, a, b):
+    """a * b bytewise, modulo 256 (the callers' products fit)."""
+    if a != vb or b != vb:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.mul(args[0], args[1])
+
+    return vb(a, b), codegen

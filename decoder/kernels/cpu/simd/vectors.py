@@ -1,0 +1,257 @@
+"""Explicit SIMD values for the numba kernels: 16-lane float32 / int32 vectors as numba types.
+
+The fused dot kernels (rows_dot.py) decode a block's codes into registers and multiply-add
+them into vector accumulators that live across the whole row; written as scalar loops, LLVM
+reduced every 32-element block horizontally (or spilled the decoded row to a buffer and read it
+back), which kept the kernels at half the memory bandwidth. These intrinsics emit the LLVM
+vector IR directly (`<16 x float>`, `<16 x i32>`): LLVM lowers it to one zmm register with
+AVX-512, two ymm with AVX2, four xmm on plain x86-64 or NEON, so the code stays portable and
+needs no compiler at install time. Every operation is an exact IEEE operation in a fixed order
+(no fast-math flags): a sum comes out the same whichever kernel (1 or 4 activation rows) ran it.
+
+Loads read integer addresses (`addr(arr)` plus an offset), unaligned and unchecked, like
+numba's own unchecked indexing: the callers stay inside the rows they were given.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+LANES = 16
+_F32, _I32, _I8, _I16, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(8), ir.IntType(16), ir.IntType(64)
+_VF, _VI = ir.VectorType(_F32, LANES), ir.VectorType(_I32, LANES)
+
+
+class _VecF(types.Type):
+    def __init__(self) -> None:
+        super().__init__(name="VecF32x16")
+
+
+class _VecI(types.Type):
+    def __init__(self) -> None:
+        super().__init__(name="VecI32x16")
+
+
+vecf, veci = _VecF(), _VecI()
+
+
+@register_model(_VecF)
+class _VecFModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VF)
+
+
+@register_model(_VecI)
+class _VecIModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VI)
+
+
+def _i64(builder, v):
+    return v if v.type.width == 64 else builder.sext(v, _I64)
+
+
+def _ptr(builder, addr, idx, elem):
+    """Pointer to element idx of `elem`s starting at the integer address `addr`."""
+    base = builder.inttoptr(_i64(builder, addr), elem.as_pointer())
+    return builder.gep(base, [_i64(builder, idx)])
+
+
+def _splat(builder, scalar, vec_ty):
+    """`scalar` in every lane of `vec_ty` (any width: simd/integer's 8-lane vectors use it too)."""
+    n = vec_ty.count
+    v = builder.insert_element(ir.Constant(vec_ty, ir.Undefined), scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vec_ty, ir.Undefined), ir.Constant(ir.VectorType(_I32, n), [0] * n))
+
+
+def _ints(*tys) -> bool:
+    return all(isinstance(t, types.Integer) for t in tys)
+
+
+# -- addresses and loads ---------------------------------------------------------------------------
+# The kernels pass plain integer addresses, not arrays, into the per-row functions: an array
+# argument costs an NRT incref/decref pair per call wherever numba cannot prune them (it could
+# not in the type dispatch), which took more time than the dot itself.
+@intrinsic
+def addr(typingctx, arr):
+    """The address of arr's first element, as an int64."""
+    if not isinstance(arr, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.ptrtoint(a.data, _I64)
+
+    return types.int64(arr), codegen
+
+
+@intrinsic
+def ld_f32(typingctx, p, idx):
+    """The 16 float32 at address p, elements idx .. idx + 15, as a vector."""
+    if not _ints(p, idx):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(builder.bitcast(_ptr(builder, args[0], args[1], _F32), _VF.as_pointer()), align=4)
+
+    return vecf(p, idx), codegen
+
+
+def _ld_bytes(signed: bool):
+    def typer(typingctx, p, off):
+        if not _ints(p, off):
+            return None
+
+        def codegen(context, builder, sig, args):
+            q = builder.bitcast(_ptr(builder, args[0], args[1], _I8), ir.VectorType(_I8, LANES).as_pointer())
+            v = builder.load(q, align=1)
+            return builder.sext(v, _VI) if signed else builder.zext(v, _VI)
+
+        return veci(p, off), codegen
+
+    return typer
+
+
+ld_i8 = intrinsic(_ld_bytes(True))
+ld_i8.__doc__ = "The 16 bytes at address p + off read as int8, widened to int32 lanes."
+ld_u8 = intrinsic(_ld_bytes(False))
+ld_u8.__doc__ = "The 16 bytes at address p + off, zero-extended to int32 lanes."
+
+
+@intrinsic
+def u8_at(typingctx, p, off):
+    """The byte at address p + off, as an int32."""
+    if not _ints(p, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.zext(builder.load(_ptr(builder, args[0], args[1], _I8)), _I32)
+
+    return types.int32(p, off), codegen
+
+
+@intrinsic
+def f16_at(typingctx, p, off):
+    """The little-endian float16 at address p + off, widened exactly to float32."""
+    if not _ints(p, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        q = builder.bitcast(_ptr(builder, args[0], args[1], _I8), _I16.as_pointer())
+        return builder.fpext(builder.bitcast(builder.load(q, align=1), ir.HalfType()), _F32)
+
+    return types.float32(p, off), codegen
+
+
+# -- float vectors -------------------------------------------------------------------------------
+@intrinsic
+def zero(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VF, [0.0] * LANES)
+
+    return vecf(), codegen
+
+
+def float_splat(vt, llvm_vt):
+    """The typer of an intrinsic that puts a float32 in every lane of the vector type `vt`."""
+    def typer(typingctx, f):
+        if not isinstance(f, types.Float):
+            return None
+
+        def codegen(context, builder, sig, args):
+            v = args[0] if args[0].type == _F32 else builder.fptrunc(args[0], _F32)
+            return _splat(builder, v, llvm_vt)
+
+        return vt(f), codegen
+
+    return typer
+
+
+def float_binary(op: str, vt):
+    """The typer of an intrinsic applying llvm's `op` lane-wise to two `vt` vectors."""
+    def typer(typingctx, a, b):
+        if a != vt or b != vt:
+            return None
+
+        def codegen(context, builder, sig, args):
+            return getattr(builder, op)(args[0], args[1])
+
+        return vt(a, b), codegen
+
+    return typer
+
+
+splat = intrinsic(float_splat(vecf, _VF))  # a float32 in every lane
+add, sub, mul = (intrinsic(float_binary(op, vecf)) for op in ("fadd", "fsub", "fmul"))
+
+
+@intrinsic
+def fma(typingctx, a, b, c):
+    """a * b + c, rounded once (llvm.fma: vfmadd with FMA hardware)."""
+    if not (a == b == c == vecf):
+        return None
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v16f32")
+        return builder.call(fn, list(args))
+
+    return vecf(a, b, c), codegen
+
+
+@intrinsic
+def hsum(typingctx, a):
+    """The lanes' sum as float32, in a fixed tree order (halves added, log2(16) = 4 steps)."""
+    if a != vecf:
+        return None
+
+    def codegen(context, builder, sig, args):
+        v, n = args[0], LANES
+        while n > 1:
+            n //= 2
+            ty = ir.VectorType(_F32, n)
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
+            v = builder.fadd(lo, hi)
+            assert v.type == ty
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    return types.float32(a), codegen
+
+
+# -- int32 vectors -------------------------------------------------------------------------------
+@intrinsic
+def to_f(typingctx, a):
+    """int32 lanes -> float32 (exact for the small codes the decoders make)."""
+    if a != veci:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.sitofp(args[0], _VF)
+
+    return vecf(a), codegen
+
+
+def _binary_i(op: str):
+    """veci (op) veci, or veci (op) an integer scalar in every lane."""
+
+    def typer(typingctx, a, b):
+        if a != veci or not (b == veci or isinstance(b, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            rhs = args[1]
+            if b != veci:
+                s = builder.trunc(rhs, _I32) if rhs.type.width > 32 else builder.sext(rhs, _I32) if rhs.type.width < 32 else rhs
+                rhs = _splat(builder, s, _VI)
+            return getattr(builder, op)(args[0], rhs)
+
+        return veci(a, b), codegen
+
+    return typer
+
+
+iand, ior, ishr, ishl, iadd, isub, imul = (intrinsic(_binary_i(op)) for op in
+                                           ("and_", "or_", "lshr", "shl", "add", "sub", "mul"))

@@ -1,0 +1,1 @@
+"""Torch dequantizers of raw GGUF blocks, on any device."""

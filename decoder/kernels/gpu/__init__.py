@@ -1,0 +1,1 @@
+"""Triton kernels: fused MoE experts on raw GGUF blocks."""

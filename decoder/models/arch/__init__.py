@@ -1,0 +1,1 @@
+"""One module per architecture over the generic `moe_transformer.MoETransformer`."""

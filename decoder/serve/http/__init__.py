@@ -1,0 +1,1 @@
+"""The HTTP side of `moestream serve`: routes, OpenAI's request and response shapes, metrics."""
