@@ -51,17 +51,29 @@ class ResidentStats:
 
 
 @dataclass
-class DemandCounters:
-    """What the `gpu-slots` backend's layers asked of the slot cache (`StreamedExperts.counts`)."""
+class LeaseCounters:
+    """The lease pipeline's (`leases.LeasePipeline`): what a backend's layers had to fetch."""
+
+    demand: int = 0  # fetched `now`
+    refetched: int = 0  # fetched again (dropped, refused, cancelled)
+    voided: int = 0  # leases of a lost daemon (or revoked) fetched again
+    changed: int = 0  # lease-free reads whose slot was reloaded during their compute, fetched
+    bytes_fetched: int = 0  # blob bytes of the leases used
+    deadlines: int = 0  # requests that waited out the daemon's queue deadline
+    stall_s: float = 0.0  # waiting for leases
+    deadline_wait_s: float = 0.0
+    waited_on: str = ""  # the last deadline's message (who held the arena)
+
+
+@dataclass
+class DemandCounters(LeaseCounters):
+    """What the `gpu-slots` backend's layers asked of the slot cache (`StreamedExperts.counts`);
+    `demand` (from the lease pipeline) counts its misses."""
 
     acquired: int = 0  # experts the layers used
     hits: int = 0  # resident and not prefetched
-    misses: int = 0  # fetched `now`
     bypassed: int = 0  # served without a slot (every slot pinned)
-    refetched: int = 0  # fetched again (a failed prefetch, a voided lease, a dropped request)
-    demand_bytes: int = 0
     ahead_bytes: int = 0  # prefetched bytes the compute thread landed itself (lazy landing)
-    deadlines: int = 0  # requests that waited out the daemon's queue deadline
 
 
 @dataclass
@@ -120,15 +132,18 @@ class SlotStats:
     ahead: AheadCounters
     cache: CacheStats
     landing: str
-    stall_s: float = 0.0
     receiver_bytes: int = 0  # prefetched bytes the receiver thread landed
     receiver_copy_s: float = 0.0
     landed_by_compute: int = 0  # landings the compute thread took over from the receiver
     kind: str = field(default="gpu-slots")
 
     @property
+    def stall_s(self) -> float:
+        return self.demand.stall_s
+
+    @property
     def bytes_fetched(self) -> int:
-        return self.demand.demand_bytes + self.prefetch_bytes
+        return self.demand.bytes_fetched + self.receiver_bytes
 
     @property
     def prefetch_bytes(self) -> int:
@@ -141,12 +156,12 @@ class SlotStats:
     @property
     def hidden_share(self) -> float:
         """Of the experts that would have missed, those whose read prefetch hid."""
-        would_miss = self.demand.misses + self.ahead.useful
+        would_miss = self.demand.demand + self.ahead.useful
         return self.ahead.hidden / would_miss if would_miss else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         a = self.ahead
-        return {"source": "streamed", **asdict(self.demand), **asdict(a), "stall_s": self.stall_s,
+        return {"source": "streamed", **asdict(self.demand), **asdict(a), "misses": self.demand.demand,
                 "hit_rate": self.hit_rate, "bytes_fetched": self.bytes_fetched, "prefetch_bytes": self.prefetch_bytes,
                 "landing": self.landing, "hidden_share": self.hidden_share,
                 "prefetch_precision": a.predicted_right / a.predicted if a.predicted else 0.0,
@@ -158,7 +173,7 @@ class SlotStats:
         """Hit rate, bytes, stall, prefetch usefulness, for people."""
         d, a, c, st = self.demand, self.ahead, self.cache, self.as_dict()
         lines = [
-            f"experts: {d.acquired} used, hit rate {self.hit_rate:.1%} ({d.hits} hits, {d.misses} misses, "
+            f"experts: {d.acquired} used, hit rate {self.hit_rate:.1%} ({d.hits} hits, {d.demand} misses, "
             f"{a.useful} prefetched), {self.bytes_fetched / 2**20:.2f} MiB fetched, stall {self.stall_s * 1e3:.1f} ms",
             f"slot cache: {c.resident}/{c.capacity} slots, {c.evictions} evictions, {d.bypassed} served without a "
             f"slot (cache full of pins)",
@@ -171,23 +186,8 @@ class SlotStats:
         return "\n".join(lines)
 
     def traffic(self) -> Traffic:
-        return Traffic(hits=self.demand.hits, misses=self.demand.misses, bytes_fetched=self.bytes_fetched,
+        return Traffic(hits=self.demand.hits, misses=self.demand.demand, bytes_fetched=self.bytes_fetched,
                        stall_s=self.stall_s, prefetch_hidden=self.ahead.hidden, prefetch_useful=self.ahead.useful)
-
-
-@dataclass
-class LeaseCounters:
-    """The lease pipeline's (`leases.LeasePipeline`): what a backend's layers had to fetch."""
-
-    demand: int = 0  # fetched `now`
-    refetched: int = 0  # fetched again (dropped, refused, cancelled)
-    voided: int = 0  # leases of a lost daemon (or revoked) fetched again
-    changed: int = 0  # lease-free reads whose slot was reloaded during their compute, fetched
-    bytes_fetched: int = 0  # blob bytes of the leases used
-    deadlines: int = 0  # requests that waited out the daemon's queue deadline
-    stall_s: float = 0.0  # waiting for leases
-    deadline_wait_s: float = 0.0
-    waited_on: str = ""  # the last deadline's message (who held the arena)
 
 
 @dataclass

@@ -7,8 +7,9 @@ the ready ones → demand-fetch the missing ones (`_fetch_now`) → wait for the
 (`_wait`). Each step returns what it pinned or served; `acquire` alone keeps the set of slots
 the layer holds (`release` unpins them) and gives them back if a step fails.
 
-Misses get a slot (`claim`), one `fetch now` for all of them, and each is copied from the
-arena into its slot as its `ready` arrives, then the lease goes back. When every slot is pinned
+Misses get a slot (`claim`), one `fetch now` for all of them through the lease pipeline
+(`leases.LeasePipeline`, shared with the other streamed backends: retries, void leases, deadlines),
+and each batch of arrivals is copied from the arena into its slots, then its leases go back. When every slot is pinned
 an expert is served straight from the arena (`bypass`), so a prefill that routes to more
 experts than the cache holds still runs, and the cache never overcommits.
 
@@ -33,22 +34,21 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
-from dataclasses import replace
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from ....common import protocol as P
-from ....common.client import IodClient, IodRequestError, IodUnavailable, Lease, LeaseVoided
+from ....common.client import IodClient, IodUnavailable, Lease, LeaseVoided
 from ....common.layout import ModelLayout
 from ..ahead import AheadPrefetches
+from ..leases import LeasePipeline
 from ..source import AcquireSource, ExpertWeights
 from ..prefetch import Receiver
 from ..slot_book import BookEntry
-from .slot_cache import DeviceSlotCache, FetchFailed, Key
 from ..stats import DemandCounters, SlotStats
-
+from .slot_cache import DeviceSlotCache, FetchFailed, Key
 
 
 class StreamedExperts(AcquireSource):
@@ -72,7 +72,7 @@ class StreamedExperts(AcquireSource):
         self._bypassed: dict[int, set[int]] = {}  # layer -> experts served without a slot (no pin)
         self._closed = False
         self.counts = DemandCounters()
-        self.stall_s = 0.0
+        self.leases = LeasePipeline(client, self.counts, fetch_timeout_s)
         self._arena: Any = None  # the client's arena mapping as registered with CUDA
         self._register_arena()
 
@@ -80,6 +80,7 @@ class StreamedExperts(AcquireSource):
     def begin_step(self) -> None:
         self.cache.step()
         self.ahead.end_step()
+        self.leases.begin_step()
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Send `fetch ahead` for predicted experts not resident."""
@@ -126,16 +127,16 @@ class StreamedExperts(AcquireSource):
         try:
             out, slow = self._ready_hits(layer, present)
             if missing or slow or self.ahead.has_deferred:
-                t0 = time.perf_counter()
                 got, slotted = self._fetch_now(layer, missing, {e: used[e] for e in missing if e in used})
                 out.update(got)
                 held |= slotted
+                t0 = time.perf_counter()
                 for e in slow:
                     held.discard(e)  # `_wait` owns its pin until it returns
                     out[e], pinned = self._wait(layer, e, used.get(e))
                     if pinned:
                         held.add(e)
-                self.stall_s += time.perf_counter() - t0
+                self.counts.stall_s += time.perf_counter() - t0
         except BaseException:
             for e in held:  # nothing is released after a failed acquire
                 self.cache.unpin((layer, e))
@@ -155,7 +156,7 @@ class StreamedExperts(AcquireSource):
     def stats(self) -> SlotStats:
         r = self.receiver
         return SlotStats(demand=replace(self.counts), ahead=replace(self.ahead.counts), cache=self.cache.stats(),
-                         landing=self.landing, stall_s=self.stall_s, receiver_bytes=r.bytes,
+                         landing=self.landing, receiver_bytes=r.bytes,
                          receiver_copy_s=r.copy_s, landed_by_compute=r.stolen)
 
     def close(self) -> None:
@@ -191,88 +192,48 @@ class StreamedExperts(AcquireSource):
 
     def _fetch_now(self, layer: int, missing: list[int],
                    joined: Mapping[int, cf.Future] | None = None) -> tuple[dict[int, ExpertWeights], set[int]]:
-        """Demand-fetch `missing`: into claimed slots, or bypassing the cache when none is free.
-        Experts in `joined` are already requested (a lazy prefetch): land them, never ask twice.
-        Deferred prefetches go out right after the demand message, before we wait on it.
-        Returns the weights and the experts that got a slot (pinned: the caller's to release);
-        if it fails, nothing it claimed stays behind."""
+        """Demand-fetch `missing` through the lease pipeline (one `fetch now`; retries, void
+        leases): into claimed slots, or bypassing the cache when none is free. Experts in `joined`
+        are already requested (a lazy prefetch): land them, never ask twice. Deferred prefetches
+        go out right after the demand message, before we wait on it. Returns the weights and the
+        experts that got a slot (pinned: the caller's to release); if it fails, nothing it claimed
+        stays behind."""
         if not missing:
             self.ahead.flush_deferred()
             return {}, set()
-        joined = joined or {}
+        joined = dict(joined or {})
         slotted = {e for e in missing if self._claim((layer, e))}
-        fresh = [e for e in missing if e not in joined]
-        self.counts.misses += len(fresh)
         self.counts.bypassed += len(missing) - len(slotted)
+        owed = self.leases.request(layer, [e for e in missing if e not in joined], joined)
+        self.ahead.flush_deferred()
         out: dict[int, ExpertWeights] = {}
-        futures: list[cf.Future] = []
         try:
-            sent = dict(zip(fresh, self.client.fetch([(layer, e) for e in fresh], "now") if fresh else []))
-            futures = [joined.get(e) or sent[e] for e in missing]
-            self.ahead.flush_deferred()
-            for e, fut in zip(missing, futures):
-                out[e] = self._land_now(layer, e, fut, e in slotted, prefetched=e in joined)
+            for leases in self.leases.arrivals(owed):
+                try:
+                    for e, lease in leases.items():
+                        try:
+                            out[e] = self._land(layer, e, lease, e in slotted, prefetched=e in joined)
+                        except LeaseVoided:  # the daemon was lost after the lease came: ask the new one
+                            self.leases.refetch(owed, e, "voided")
+                finally:
+                    self.client.release_many(list(leases.values()))
         except BaseException:
-            self._abandon(layer, futures, out, slotted)
+            self.leases.give_up(owed)
+            for e in sorted(slotted):  # landed ones are pinned, the others still filling
+                (self.cache.unpin if e in out else self.cache.abort)((layer, e))
             raise
         return out, slotted
 
-    def _abandon(self, layer: int, futures: list[cf.Future], out: Mapping[int, Any], slotted: set[int]) -> None:
-        """A demand fetch failed: drop the slots it claimed (unpin those already landed), cancel
-        what is in flight and hand back the leases that came."""
-        for e in sorted(slotted):
-            if e in out:
-                self.cache.unpin((layer, e))
-            else:
-                self.cache.abort((layer, e))
-        self.client.cancel(futures)
-        _release_unused(self.client, futures, len(out))
-
-    def _land_now(self, layer: int, e: int, fut: cf.Future, slotted: bool, prefetched: bool) -> ExpertWeights:
-        lease, parts = self._leased_parts(layer, e, fut)
-        try:
-            n = sum(n for _, n in lease.parts.values())
-            if prefetched:  # a lazy prefetch joined here
-                self.counts.ahead_bytes += n
-            else:
-                self.counts.demand_bytes += n
-            if not slotted:
-                return self.cache.bypass_weights(layer, parts)
-            self.cache.write((layer, e), parts)
-        finally:
-            self.client.release(lease)
+    def _land(self, layer: int, e: int, lease: Lease, slotted: bool, prefetched: bool) -> ExpertWeights:
+        """Copy a lease's expert into its claimed slot, or serve it without one (`slotted` false)."""
+        if prefetched:  # a lazy prefetch joined here
+            self.counts.ahead_bytes += sum(n for _, n in lease.parts.values())
+        parts = {name: self.client.part_view(lease, name) for name in lease.parts}
+        if not slotted:
+            return self.cache.bypass_weights(layer, parts)
+        self.cache.write((layer, e), parts)
         self.cache.wait((layer, e))
         return self.cache.weights((layer, e))
-
-    def _leased_parts(self, layer: int, e: int, fut: cf.Future) -> tuple[Lease, dict[str, memoryview]]:
-        """`fut`'s lease and views of its parts; fetched again `now` while a daemon restart voided it
-        (the client reconnected: the lease's slot belongs to the lost daemon) or the daemon gave up
-        the prefetch it joined (`dropped`/`not_cached`: stale or over this client's quota), or the
-        arena stayed full of others' leases for its queue deadline (`deadline`: asked again until
-        `fetch_timeout_s` of such waits)."""
-        waited = 0.0
-        while True:
-            try:
-                lease = self._result(fut, (layer, e))
-                return lease, {name: self.client.part_view(lease, name) for name in lease.parts}
-            except IodRequestError as exc:
-                if exc.code == P.ErrorCode.DEADLINE.value:
-                    waited += self.client.welcome.get("queue_deadline_s", 0.0)
-                    self.counts.deadlines += 1
-                    if waited > self.fetch_timeout_s:
-                        raise IodUnavailable(f"expert {(layer, e)}: no arena room for {waited:.0f}s: {exc}") from None
-                elif exc.code not in P.GIVEN_UP:
-                    raise
-            except LeaseVoided:
-                pass
-            self.counts.refetched += 1
-            fut = self.client.fetch([(layer, e)], "now")[0]
-
-    def _result(self, fut: cf.Future, key: Key) -> Lease:
-        try:
-            return fut.result(self.fetch_timeout_s)
-        except cf.TimeoutError:
-            raise IodUnavailable(f"expert {key} not delivered within {self.fetch_timeout_s}s") from None
 
     def _wait(self, layer: int, e: int, fut: cf.Future | None) -> tuple[ExpertWeights, bool]:
         """A present expert still in flight: land its prefetch here or wait for the receiver;
@@ -313,16 +274,6 @@ def default_landing(cache: DeviceSlotCache) -> str:
     compute thread lands it: on a CPU, landing is dequantizing, which would compete with the
     compute for the same cores and the GIL, and a wrong guess would have cost a slot)."""
     return "eager" if cache.device.type == "cuda" else "lazy"
-
-
-def _release_unused(client: IodClient, futures: list[cf.Future], used: int) -> None:
-    """Hand back leases that arrived for a demand fetch we abandoned (the rest were cancelled)."""
-    for fut in futures[used:]:
-        if fut.done() and not fut.cancelled() and fut.exception() is None:
-            try:
-                client.release(fut.result())
-            except (ValueError, IodUnavailable):
-                pass  # already released, or the daemon is gone and leases with it
 
 
 def open_streamed(layout: ModelLayout, endpoint: str, *, device: Any = "cpu", dtype: Any = None,
