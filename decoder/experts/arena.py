@@ -20,10 +20,10 @@ A decoder on CPU keeps no expert memory of its own. For each layer, `ArenaExpert
    computed again from a lease; the step's hits go to the daemon's decayed LFU in one `touch`
    message at the next step, never waited on;
 6. computes the experts whose leases have arrived (one kernel call per batch of arrivals),
-   straight from the read-only arena slots (`quant_experts.run_experts`, zero copies), and
+   straight from the read-only arena slots (`resident.run_experts`, zero copies), and
    releases those leases at once: the slots stay in the daemon's host tier (decayed LFU,
    shared by every decoder) until evicted;
-7. sums the outputs in ascending expert order (`experts.combine`): bit-identical to
+7. sums the outputs in ascending expert order (`resident.combine_rows`): bit-identical to
    `QuantResidentExperts` on the same file, however the experts came.
 
 A daemon restart voids every lease of the lost connection (the client reconnects and sends
@@ -48,7 +48,6 @@ kept, lease released) — owned by `mix`'s loop.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import time
 from dataclasses import replace
 from typing import Any
@@ -59,10 +58,11 @@ import torch
 from ...common.arena import ArenaView
 from ...common.client import IodClient, IodUnavailable, Lease, LeaseVoided
 from ...common.layout import ModelLayout
-from .source import ExpertBackend, Predictions, combine, group_by_expert
-from .resident import Mats, expert_mats, run_experts
+from ..kernels.cpu.ffn import expert_table
 from .ahead import AheadPrefetches
 from .leases import LeasePipeline, Owed
+from .resident import ExpertRows, Mats, Routed, combine_rows, cpu_inputs, expert_mats, run_experts
+from .source import ExpertBackend, Predictions
 from .stats import ArenaCounters, ArenaStats
 
 
@@ -118,34 +118,35 @@ class ArenaExperts(ExpertBackend):
 
     def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         self.prefetches.hand_back_recalled()
-        groups = group_by_expert(ids)
-        wanted = sorted(groups)
+        xs, w, routed = cpu_inputs(x, weights, ids)
+        wanted = routed.experts.tolist()
         landed = self.prefetches.take(layer, {}, wanted)
         arena = self.client.arena  # (one arena for the lookup and the compute: a reconnect swaps it)
         direct = self._look_up(arena, layer, [e for e in wanted if e not in landed])
         owed = self.leases.request(layer, [e for e in wanted if e not in landed and e not in direct], landed)
         self._send_deferred()  # behind this layer's demand at the daemon
-        outputs = {}
+        outputs = []
         try:
             if direct:  # computed while the misses are on their way
-                outputs.update(self._compute_direct(arena, layer, x, groups, weights, direct, owed))
+                outputs.append(self._compute_direct(arena, layer, xs, routed, w, direct, owed))
             for leases in self.leases.arrivals(owed):
                 t0 = time.perf_counter()
                 try:
-                    computed = self._compute(layer, x, groups, weights, leases)
+                    computed = self._compute(layer, xs, routed, w, leases)
                 finally:
                     self.client.release_many(list(leases.values()))
                 self.counts.compute_s += time.perf_counter() - t0
-                for e, lease in leases.items():
-                    if e in computed and not self.client.voided(lease):
-                        outputs[e] = computed[e]
-                    else:  # computed from a lost daemon's (or a revoked) slot: not to be trusted
-                        self.leases.refetch(owed, e, "voided")
+                # computed from a lost daemon's (or a revoked) slot: not to be trusted, fetched again
+                void = [e for e, lease in leases.items() if computed is None or self.client.voided(lease)]
+                for e in void:
+                    self.leases.refetch(owed, e, "voided")
+                if computed is not None:
+                    outputs.append(computed.without(void))
         except BaseException:
             self.leases.give_up(owed)
             raise
-        self.counts.acquired += len(groups)
-        return combine(x, outputs)
+        self.counts.acquired += len(wanted)
+        return torch.from_numpy(combine_rows(*xs.shape, outputs)).to(x.dtype)  # [N, d]
 
     def stats(self) -> ArenaStats:
         return ArenaStats(replace(self.counts), replace(self.prefetches.counts), dict(self.client.recalls))
@@ -179,42 +180,42 @@ class ArenaExperts(ExpertBackend):
         first = layer * self._n_expert
         return {k - first: v for k, v in d.lookup([first + e for e in experts]).items()}
 
-    def _compute_direct(self, arena: ArenaView, layer: int, x: torch.Tensor, groups: Any, weights: torch.Tensor,
-                        direct: dict[int, tuple[int, int]], owed: Owed) -> dict[int, Any]:
+    def _compute_direct(self, arena: ArenaView, layer: int, x: np.ndarray, routed: Routed, w: np.ndarray,
+                        direct: dict[int, tuple[int, int]], owed: Owed) -> ExpertRows:
         """Outputs of the experts found through the directory, computed from their slots without a
         lease; an expert whose slot changed meanwhile (evicted, reloaded) is fetched `now` instead."""
         t0 = time.perf_counter()
         base = self._base_of(arena)
-        mats = {e: self._slot_mats(layer, e, slot, arena) for e, (slot, _) in direct.items()}
-        computed = run_experts(x, groups, weights, base, mats, self.layout.spec.expert_act)
-        out = {}
-        for e, (slot, seq) in direct.items():
-            if arena.directory.unchanged(slot, seq):
-                out[e] = computed[e]
-            else:
-                self.leases.refetch(owed, e, "changed")
-        self.client.touch([(layer, e) for e in out])  # gathered by the client, sent without waiting
-        self.counts.direct += len(out)
+        mine = routed.only(sorted(direct))
+        mats = [self._slot_mats(layer, e, direct[e][0], arena) for e in mine.experts.tolist()]
+        computed = run_experts(x, mine, w, expert_table(base, mats), self.layout.spec.expert_act)
+        changed = [e for e, (slot, seq) in direct.items() if not arena.directory.unchanged(slot, seq)]
+        for e in changed:
+            self.leases.refetch(owed, e, "changed")
+        self.client.touch([(layer, e) for e in direct if e not in changed])  # sent with the next message
+        self.counts.direct += len(direct) - len(changed)
         self.counts.compute_s += time.perf_counter() - t0
-        return out
+        return computed.without(changed)
 
     def _slot_mats(self, layer: int, e: int, slot: int, arena: ArenaView) -> Mats:
         """Expert (layer, e)'s matrices in `slot`, where the directory places its parts."""
         offs = arena.directory.slot_offs[slot]  # [MAX_PARTS], in the layout's part order
         return self._mats_in(layer, e, slot, arena, lambda parts: [int(offs[i]) for i in range(len(parts))])
 
-    def _compute(self, layer: int, x: torch.Tensor, groups: Any, weights: torch.Tensor,
-                 leases: dict[int, Lease]) -> dict[int, torch.Tensor]:
-        """The outputs of the leased experts, computed where they lie in the arena; none when the
-        leases were voided meanwhile (the caller fetches them again)."""
-        # void leases (an older connection's, or revoked) are left out: fetched again by the caller
+    def _compute(self, layer: int, x: np.ndarray, routed: Routed, w: np.ndarray,
+                 leases: dict[int, Lease]) -> ExpertRows | None:
+        """The outputs of the leased experts, computed where they lie in the arena; leases voided
+        by then are left out (the caller fetches them again), None when all of them were."""
         current = {e: lease for e, lease in leases.items() if not self.client.voided(lease)}
         try:
             base = self._base_for(next(iter(current.values()))) if current else None
         except LeaseVoided:  # lost since: all of them are void now
-            return {}
-        mats = {e: self._mats(layer, lease) for e, lease in current.items()}
-        return run_experts(x, groups, weights, base, mats, self.layout.spec.expert_act) if mats else {}
+            return None
+        if base is None:
+            return None
+        mine = routed.only(sorted(current))
+        mats = [self._mats(layer, current[e]) for e in mine.experts.tolist()]
+        return run_experts(x, mine, w, expert_table(base, mats), self.layout.spec.expert_act)
 
     def _base_for(self, lease: Lease) -> np.ndarray:
         """The arena `lease` lives in, as one uint8 array."""

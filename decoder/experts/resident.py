@@ -7,24 +7,25 @@ no dequantized copy of an expert exists, so resident mode costs the file's exper
 the page cache, shared with every process mapping the file) and a streamed decoder holds no
 expert memory of its own.
 
-Both sources compute experts with `run_experts` (one kernel call for a layer's experts, or for
-those that arrived together) and sum with `experts.combine`, so they are bit-identical.
+Both sources group a layer's routing by expert once (`Routed`), compute experts with
+`run_experts` (one kernel call for a layer's experts, or for those that arrived together) and
+sum with `combine_rows` in ascending expert order, so they are bit-identical.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
 from ...common.layout import ExpertPart, ModelLayout
-from .source import ExpertBackend, combine, group_by_expert
+from .source import ExpertBackend
 from .stats import ResidentStats
-from ..kernels.cpu.ffn import Bias, QMatrix, expert_table, swiglu_experts
+from ..kernels.cpu.ffn import Bias, ExpertTable, QMatrix, expert_table, swiglu_rows
 
 Mats = tuple  # (gate, up, down) QMatrix, or (gate, up, down, Bias) for experts with biases (qkernels.Bias)
 _WEIGHTS = ("gate", "up", "down", "gate_up")
@@ -84,25 +85,95 @@ def _bias(biases: dict[str, np.ndarray], names: list[str]) -> Bias:
     return biases["gate"], biases["up"], biases["down"]
 
 
-def run_experts(x: torch.Tensor, groups: Mapping[int, tuple[torch.Tensor, torch.Tensor]], weights: torch.Tensor,
-                base: np.ndarray | tuple[np.ndarray, ...], mats: Mapping[int, Mats],
-                act: str = "swiglu") -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """The experts of `mats`, whose bytes all lie inside `base` (or gate's, up's, down's), in one kernel call (two parallel
-    regions in all): {e: (rows [n_e], weights * swiglu_e(x[rows]) [n_e, d])}. Each expert's
-    output is the same bits whichever experts share the call, so arrival batches do not matter."""
-    es = sorted(mats)
-    xs = x.to(torch.float32).contiguous().numpy()  # [N, d]
-    ys = swiglu_experts(xs, expert_table(base, [mats[e] for e in es]), [groups[e][0].numpy() for e in es], act)
-    out = {}
-    w = weights.numpy() if weights.dtype == torch.float32 and x.dtype == torch.float32 else None  # [N, k]
-    for e, y in zip(es, ys):
-        rows, slot = groups[e]
-        if w is not None:  # the same float32 products, in numpy (no torch op per expert)
-            y *= w[rows.numpy(), slot.numpy()][:, None]  # [n_e, d]
-            out[e] = rows, torch.from_numpy(y)
-        else:
-            out[e] = rows, torch.from_numpy(y).to(x.dtype) * weights[rows, slot, None]  # [n_e, d]
+@dataclass(frozen=True)
+class Routed:
+    """A layer call's routing grouped by expert, as the CPU kernels take it: no per-expert objects.
+
+    experts [U] ascending; pair i of expert experts[j] (i in row_ptr[j] .. row_ptr[j + 1]) is
+    token row rows[i] (ascending within an expert) and routing slot picks[i] of ids.reshape(-1).
+    """
+
+    experts: np.ndarray  # [U] int64
+    row_ptr: np.ndarray  # [U + 1] int64
+    rows: np.ndarray  # [R] int64
+    picks: np.ndarray  # [R] int64
+
+    @classmethod
+    def of(cls, ids: np.ndarray) -> "Routed":
+        """From ids [N, k]: one stable sort for the whole layer."""
+        flat = ids.reshape(-1)  # [N*k]
+        picks = np.argsort(flat, kind="stable")  # [R] grouped by expert, token order kept
+        counts = np.bincount(flat)  # [max id + 1]
+        experts = np.flatnonzero(counts)  # [U]
+        row_ptr = np.zeros(experts.size + 1, np.int64)
+        np.cumsum(counts[experts], out=row_ptr[1:])
+        return cls(experts, row_ptr, picks // ids.shape[1], picks)
+
+    def only(self, keep: Sequence[int]) -> "Routed":
+        """The same routing for the experts `keep` only (those of one arrival batch)."""
+        if len(keep) == self.experts.size:
+            return self
+        sel = np.isin(self.experts, np.asarray(keep, np.int64))  # [U]
+        counts = np.diff(self.row_ptr)  # [U]
+        pairs = np.repeat(sel, counts)  # [R]
+        row_ptr = np.zeros(int(sel.sum()) + 1, np.int64)
+        np.cumsum(counts[sel], out=row_ptr[1:])
+        return Routed(self.experts[sel], row_ptr, self.rows[pairs], self.picks[pairs])
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """Weighted outputs of a layer call's experts: ys[i] = weight x y of pair i of `routed`."""
+
+    routed: Routed
+    ys: np.ndarray  # [R, d] float32
+
+    def without(self, drop: Sequence[int]) -> "ExpertRows":
+        """These outputs less those of the experts `drop` (computed from a slot that changed)."""
+        if not drop:
+            return self
+        r, gone = self.routed, set(drop)
+        keep = [e for e in r.experts.tolist() if e not in gone]
+        pairs = np.repeat(np.isin(r.experts, np.asarray(keep, np.int64)), np.diff(r.row_ptr))  # [R]
+        return ExpertRows(r.only(keep), self.ys[pairs])
+
+
+def run_experts(x: np.ndarray, r: Routed, weights: np.ndarray, table: ExpertTable,
+                act: str = "swiglu") -> ExpertRows:
+    """The experts of `r` (`table` holds them, in `r.experts`' order) in one kernel call (two
+    parallel regions in all), each output row scaled by its routing weight (weights [N*k]
+    float32). Each expert's output is the same bits whichever experts share the call, so
+    arrival batches do not matter."""
+    ys = swiglu_rows(x, table, r.row_ptr, r.rows, act)  # [R, d]
+    ys *= weights[r.picks][:, None]  # [R, d]
+    return ExpertRows(r, ys)
+
+
+def combine_rows(n: int, d: int, outputs: Sequence[ExpertRows]) -> np.ndarray:
+    """Sum the weighted outputs into [n, d], per row in ascending expert order whatever batches
+    they came in (resident's one batch and the arena's arrival batches add the same floats in the
+    same order: bit-identical)."""
+    out = np.zeros((n, d), np.float32)  # [n, d]
+    outputs = [o for o in outputs if o.ys.shape[0]]
+    if not outputs:
+        return out
+    if len(outputs) == 1:
+        rows, ys = outputs[0].routed.rows, outputs[0].ys
+    else:
+        expert_of = np.concatenate([np.repeat(o.routed.experts, np.diff(o.routed.row_ptr)) for o in outputs])  # [R]
+        order = np.argsort(expert_of, kind="stable")  # [R] expert-major, each expert's rows ascending
+        rows = np.concatenate([o.routed.rows for o in outputs])[order]
+        ys = np.concatenate([o.ys for o in outputs])[order]
+    np.add.at(out, rows, ys)  # in order: out[rows[i]] += ys[i]
     return out
+
+
+def cpu_inputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray, Routed]:
+    """What the CPU kernels take of a layer call: x [N, d] and the weights [N*k] as float32
+    arrays, and the routing grouped by expert."""
+    xs = x.to(torch.float32).contiguous().numpy()  # [N, d]
+    w = weights.to(torch.float32).contiguous().numpy().reshape(-1)  # [N*k]
+    return xs, w, Routed.of(ids.numpy())
 
 
 class QuantResidentExperts(ExpertBackend):
@@ -121,6 +192,7 @@ class QuantResidentExperts(ExpertBackend):
         self.layout = layout
         self._bases = {layer: self._layer_bases(layer) for layer in layout.experts.moe_layers}
         self._mats: dict[tuple[int, int], Mats] = {}
+        self._tables: dict[int, ExpertTable] = {}
         ex = layout.experts
         nbytes = sum(ex.blob_bytes(layer) * ex.n_expert for layer in ex.moe_layers)
         self.counts = ResidentStats(self.kind, "quant", experts=ex.n_blobs, bytes=nbytes)
@@ -136,12 +208,19 @@ class QuantResidentExperts(ExpertBackend):
 
     def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
-        groups = group_by_expert(ids)
-        outputs = run_experts(x, groups, weights, self._bases[layer], {e: self.mats(layer, e) for e in groups},
-                              self.layout.spec.expert_act)
-        self.counts.acquired += len(groups)
+        xs, w, routed = cpu_inputs(x, weights, ids)
+        out = run_experts(xs, routed, w, self._table(layer).take(routed.experts), self.layout.spec.expert_act)
+        self.counts.acquired += routed.experts.size
         self.counts.compute_s += time.perf_counter() - t0
-        return combine(x, outputs)
+        return torch.from_numpy(combine_rows(*xs.shape, [out])).to(x.dtype)  # [N, d]
+
+    def _table(self, layer: int) -> ExpertTable:
+        """Every expert of `layer` as one table, built (and checked) on the layer's first call."""
+        table = self._tables.get(layer)
+        if table is None:
+            mats = [self.mats(layer, e) for e in range(self.layout.experts.n_expert)]
+            table = self._tables[layer] = expert_table(self._bases[layer], mats)
+        return table
 
     def _layer_bases(self, layer: int) -> np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The memory map(s) `layer`'s experts lie in: the file's, or (gate's, up's, down's) parts'."""
@@ -157,3 +236,4 @@ class QuantResidentExperts(ExpertBackend):
 
     def close(self) -> None:
         self._mats.clear()
+        self._tables.clear()

@@ -230,6 +230,15 @@ class ExpertTable:
     bias_d: np.ndarray = field(default=None)  # [E, d] float32 down biases
     has_bias: bool = False
 
+    def take(self, idx: np.ndarray) -> "ExpertTable":
+        """The experts `idx` [U] (indices into this table) as a table of their own: a layer's
+        table built once, then one call's experts picked from it without re-checking them."""
+        bias_gu, bias_d = self.bias_gu, self.bias_d
+        if self.has_bias:
+            bias_gu, bias_d = _readonly(bias_gu[idx]), _readonly(bias_d[idx])  # [U, 2, ff], [U, d]
+        return ExpertTable(self.bases, self.offsets[idx], self.qtypes[idx], tuple(self.mats[i] for i in idx.tolist()),
+                           self.native[idx], self.d, self.ff, bias_gu, bias_d, self.has_bias)
+
 
 def view_offset(base: np.ndarray, view: np.ndarray | QMatrix) -> int:
     """Byte offset of `view`'s first byte inside `base` (contiguous uint8 arrays; `view` must lie
@@ -297,20 +306,38 @@ def swiglu_experts(x: np.ndarray, table: ExpertTable, rows: Sequence[np.ndarray]
     each y_e is bit-identical to `swiglu_expert(x[rows[e]], *table.mats[e])`, whatever the
     other experts of the call.
     """
-    x = _check_x(x, table.d)  # [N, d]
     if len(rows) != len(table.mats):
         raise ValueError(f"{len(table.mats)} experts but {len(rows)} row lists")
     idx = [np.asarray(r, dtype=np.int64).reshape(-1) for r in rows]
-    fused = [bool(ok) and 0 < r.size < DENSE_MIN_ROWS for r, ok in zip(idx, table.native)]
-    ends = list(accumulate(r.size if f else 0 for r, f in zip(idx, fused)))
-    row_ptr = np.array([0, *ends], np.int64)  # [E + 1]: fused experts' rows; others get none
-    row_idx = np.concatenate([r for r, f in zip(idx, fused) if f] or [_NO_ROWS])  # [R]
-    if row_idx.size and (row_idx.min() < 0 or row_idx.max() >= x.shape[0]):
+    row_ptr = np.array([0, *accumulate(r.size for r in idx)], np.int64)  # [E + 1]
+    ys = swiglu_rows(x, table, row_ptr, np.concatenate(idx or [_NO_ROWS]), act)  # [R, d]
+    return [ys[a:b] for a, b in zip(row_ptr[:-1].tolist(), row_ptr[1:].tolist())]
+
+
+def swiglu_rows(x: np.ndarray, table: ExpertTable, row_ptr: np.ndarray, rows: np.ndarray,
+                act: str = "swiglu") -> np.ndarray:
+    """`swiglu_experts` with the rows given as the kernels take them: expert e of `table` gets
+    the rows rows[row_ptr[e]:row_ptr[e + 1]] of x [N, d]; y [R, d] in the same order (the layer's
+    one call, with no per-expert lists)."""
+    x = _check_x(x, table.d)  # [N, d]
+    n_exp = len(table.mats)
+    if row_ptr.shape != (n_exp + 1,) or row_ptr[0] != 0 or row_ptr[-1] != rows.size:
+        raise ValueError(f"row_ptr must be [{n_exp + 1}] from 0 to {rows.size}, got {row_ptr.tolist()}")
+    if rows.size and (rows.min() < 0 or rows.max() >= x.shape[0]):
         raise ValueError(f"row indices must lie in [0, {x.shape[0]})")
     code = act_code(act)
-    ys = _run_fused(x, table, row_ptr, row_idx, code)  # [R, d]
-    return [ys[end - r.size:end] if f else swiglu_expert(x[r], *mats[:3], bias=bias_of(mats), act=act)
-            for r, f, end, mats in zip(idx, fused, ends, table.mats)]
+    counts = np.diff(row_ptr)  # [E]
+    fused = table.native & (counts < DENSE_MIN_ROWS)  # [E]
+    if fused.all():
+        return _run_fused(x, table, row_ptr, rows, code)  # [R, d]
+    on_fused = np.repeat(fused, counts)  # [R]
+    ys = np.empty((rows.size, table.d), np.float32)  # [R, d]
+    fused_ptr = np.concatenate([[0], np.cumsum(np.where(fused, counts, 0))]).astype(np.int64)  # [E + 1]
+    ys[on_fused] = _run_fused(x, table, fused_ptr, rows[on_fused], code)
+    for e in np.flatnonzero(~fused & (counts > 0)).tolist():  # prefill-sized experts, other types
+        a, b, mats = int(row_ptr[e]), int(row_ptr[e + 1]), table.mats[e]
+        ys[a:b] = swiglu_expert(x[rows[a:b]], *mats[:3], bias=bias_of(mats), act=act)
+    return ys
 
 
 _NO_ROWS = np.zeros(0, np.int64)
@@ -322,7 +349,7 @@ def _run_fused(x: np.ndarray, table: ExpertTable, row_ptr: np.ndarray, row_idx: 
     y = np.empty((n_rows, table.d), np.float32)  # [R, d]
     if n_rows:
         (gbase, ubase, dbase), offs, qts = table.bases, table.offsets, table.qtypes
-        used = sum(1 for e in range(len(table.mats)) if row_ptr[e + 1] > row_ptr[e])
+        used = int(np.count_nonzero(np.diff(row_ptr)))  # experts with rows
         threads = _threads_for(used * table.mats[0][0].nbytes)
         h = np.empty((n_rows, table.ff), np.float32)  # [R, ff]
         _gate_up(gbase, ubase, offs, qts, _readonly(x), row_ptr, row_idx, table.ff, table.d, h, threads,
