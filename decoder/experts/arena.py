@@ -207,11 +207,11 @@ class ArenaExperts(ExpertBackend):
         """The outputs of the leased experts, computed where they lie in the arena; leases voided
         by then are left out (the caller fetches them again), None when all of them were."""
         current = {e: lease for e, lease in leases.items() if not self.client.voided(lease)}
-        try:
-            base = self._base_for(next(iter(current.values()))) if current else None
-        except LeaseVoided:  # lost since: all of them are void now
+        if not current:
             return None
-        if base is None:
+        try:
+            base = self._base_for(next(iter(current.values())))
+        except LeaseVoided:  # lost since: all of them are void now
             return None
         mine = routed.only(sorted(current))
         mats = [self._mats(layer, current[e]) for e in mine.experts.tolist()]

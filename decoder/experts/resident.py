@@ -111,14 +111,16 @@ class Routed:
 
     def only(self, keep: Sequence[int]) -> "Routed":
         """The same routing for the experts `keep` only (those of one arrival batch)."""
-        if len(keep) == self.experts.size:
-            return self
+        return self if len(keep) == self.experts.size else self.select(keep)[0]
+
+    def select(self, keep: Sequence[int]) -> tuple["Routed", np.ndarray]:
+        """`only(keep)` and the mask [R] of the pairs it kept."""
         sel = np.isin(self.experts, np.asarray(keep, np.int64))  # [U]
         counts = np.diff(self.row_ptr)  # [U]
         pairs = np.repeat(sel, counts)  # [R]
         row_ptr = np.zeros(int(sel.sum()) + 1, np.int64)
         np.cumsum(counts[sel], out=row_ptr[1:])
-        return Routed(self.experts[sel], row_ptr, self.rows[pairs], self.picks[pairs])
+        return Routed(self.experts[sel], row_ptr, self.rows[pairs], self.picks[pairs]), pairs
 
 
 @dataclass(frozen=True)
@@ -132,10 +134,9 @@ class ExpertRows:
         """These outputs less those of the experts `drop` (computed from a slot that changed)."""
         if not drop:
             return self
-        r, gone = self.routed, set(drop)
-        keep = [e for e in r.experts.tolist() if e not in gone]
-        pairs = np.repeat(np.isin(r.experts, np.asarray(keep, np.int64)), np.diff(r.row_ptr))  # [R]
-        return ExpertRows(r.only(keep), self.ys[pairs])
+        gone = set(drop)
+        routed, pairs = self.routed.select([e for e in self.routed.experts.tolist() if e not in gone])
+        return ExpertRows(routed, self.ys[pairs])
 
 
 def run_experts(x: np.ndarray, r: Routed, weights: np.ndarray, table: ExpertTable,

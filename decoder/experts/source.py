@@ -14,8 +14,9 @@ summed); the bank hands that to its backend, an `ExpertBackend` (this module's A
   (layer, expert) -> slot map is a device tensor; elsewhere an acquired expert is dequantized
   for its layer only.
 
-Every backend sums its experts' outputs in ascending expert order (`combine`), whatever order
-they were computed or arrived in, so streamed and resident decoding are bit-identical.
+Every backend sums its experts' outputs in ascending expert order (`combine` here, the CPU
+backends' `resident.combine_rows`), whatever order they were computed or arrived in, so
+streamed and resident decoding are bit-identical.
 """
 
 from __future__ import annotations
@@ -43,16 +44,6 @@ def group_by_expert(ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Te
     One stable sort and one host sync for the whole layer (not one per expert on a GPU).
     """
     k = ids.shape[1]
-    if ids.device.type == "cpu":  # numpy: a few microseconds per call less than torch's ops, per expert
-        flat_np = ids.numpy().reshape(-1)  # [N*k]
-        order_np = np.argsort(flat_np, kind="stable")  # [N*k]
-        out_np, start = {}, 0
-        for e, n in enumerate(np.bincount(flat_np).tolist()):
-            if n:
-                pick_np = order_np[start:start + n]  # [n_e]
-                out_np[e] = (torch.from_numpy(pick_np // k), torch.from_numpy(pick_np % k))
-                start += n
-        return out_np
     flat = ids.flatten()  # [N*k]
     order = torch.argsort(flat, stable=True)  # [N*k] grouped by expert, token order kept
     counts = torch.bincount(flat).tolist()  # the one sync
@@ -73,12 +64,6 @@ def combine(x: torch.Tensor, outputs: Mapping[int, tuple[torch.Tensor, torch.Ten
     each call's rows are distinct, so both are exact and deterministic.)
     """
     out = torch.zeros_like(x)  # [N, d]
-    if x.device.type == "cpu" and x.dtype == torch.float32:  # numpy's fancy += (same adds, same order)
-        acc = out.numpy()
-        for e in sorted(outputs):
-            rows, y = outputs[e]
-            acc[rows.numpy()] += y.numpy()  # rows distinct within an expert
-        return out
     for e in sorted(outputs):
         rows, y = outputs[e]
         out.index_put_((rows,), y, accumulate=True)
