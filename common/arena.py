@@ -332,23 +332,25 @@ class Directory:
         return tuple(int(v) for v in self.header) == (
             self.MAGIC, self.n_keys, self.n_slots, MAX_PARTS)
 
-    def lookup(self, keys: Sequence[int]) -> dict[int, tuple[int, int]]:
+    def lookup(self, keys: Sequence[int], first: int = 0) -> dict[int, tuple[int, int]]:
         """{key: (slot, seq)} of the `keys` whose slot holds them complete now (check them with
-        `unchanged` after reading the slots). Plain Python over memoryview casts: for a layer's
-        few experts that is several times faster than numpy's small-array calls."""
+        `moved` after reading the slots); the keys are `first + k` (a layer's experts: its first
+        key and their numbers). Plain Python over memoryview casts: for a layer's few experts
+        that is several times faster than numpy's small-array calls."""
         key_slot, seq, slot_key, n_slots = self._key_slot, self._seq, self._slot_key, self.n_slots
         found = {}
         for k in keys:
-            s = key_slot[k]
+            s = key_slot[first + k]
             if 0 <= s < n_slots:
                 q = seq[s]
-                if not q & 1 and slot_key[s] == k:
+                if not q & 1 and slot_key[s] == first + k:
                     found[k] = (s, q)
         return found
 
-    def unchanged(self, slot: int, seq: int) -> bool:
-        """Whether `slot` still holds what it held when `lookup` gave it `seq`."""
-        return self._seq[slot] == seq
+    def moved(self, found: dict[int, tuple[int, int]]) -> list[int]:
+        """The keys of `found` (a `lookup`) whose slot no longer holds what it held then."""
+        seq = self._seq
+        return [k for k, (s, q) in found.items() if seq[s] != q]
 
 
 MAX_PARTS = 8  # parts per expert a directory entry can place (gate, up, down and their biases)

@@ -153,7 +153,7 @@ class IodClient:
         self._dead: IodUnavailable | None = None
         self._held: Counter = Counter()  # (slot, generation) -> leases of this epoch held
         self._recalled: set[tuple[int, int]] = set()  # asked back by the daemon, not yet taken
-        self._touched: Counter = Counter()  # (layer, expert) -> lease-free hits not yet reported (`touch`)
+        self._touched: list[tuple[int, list[int]]] = []  # (layer, experts) lease-free hits not yet reported (`touch`)
         self._revoked: set[tuple[int, int]] = set()  # taken back by the daemon (this epoch)
         self.recalls = {"recalled": 0, "revoked": 0}  # leases, since start
         self.arena: ArenaView | None = None
@@ -204,6 +204,8 @@ class IodClient:
     def take_recalled(self) -> set[tuple[int, int]]:
         """The (slot, generation) leases the daemon asked back since the last call (release the
         ones not being computed from; the others go back anyway once computed)."""
+        if not self._recalled:  # (the common case: no lock taken; a recall set meanwhile waits a call)
+            return set()
         with self._lock:
             out, self._recalled = self._recalled, set()
         return out
@@ -249,20 +251,20 @@ class IodClient:
         if keys:
             self._send_command(("release", keys, epoch))
 
-    def touch(self, keys: Iterable[tuple[int, int]]) -> None:
-        """Report experts computed straight from the arena through its directory (hits that took
-        no lease; a key listed n times counts n), so the daemon's decayed LFU and history see
-        them. Never answered; dropped while not connected (it is a hint)."""
+    def touch(self, layer: int, experts: list[int]) -> None:
+        """Report experts of `layer` computed straight from the arena through its directory (hits
+        that took no lease; an expert listed n times counts n), so the daemon's decayed LFU and
+        history see them. Never answered; dropped while not connected (it is a hint)."""
         # Kept here, not queued: the I/O thread sends what gathered in one message whenever it
         # runs next (its next command or timer). No wake-up: that would cost the compute thread a
-        # GIL hand-over per step, and a queue of one message per step could fill the socket.
-        with self._lock:
-            self._touched.update((int(layer), int(e)) for layer, e in keys)
+        # GIL hand-over per step, and a queue of one message per step could fill the socket. A
+        # list append (atomic under the GIL) is all the compute thread pays; the I/O thread counts.
+        self._touched.append((int(layer), experts))
 
     def _take_touched(self) -> list[tuple[tuple[int, int], int]]:
         with self._lock:
-            out, self._touched = self._touched, Counter()
-        return sorted(out.items())
+            out, self._touched = self._touched, []
+        return sorted(Counter((layer, int(e)) for layer, es in out for e in es).items())
 
     def cancel(self, futures: Iterable[cf.Future]) -> None:
         """Cancel requests still pending (typically stale prefetches); leases that arrive anyway are released."""

@@ -58,10 +58,10 @@ import torch
 from ...common.arena import ArenaView
 from ...common.client import IodClient, IodUnavailable, Lease, LeaseVoided
 from ...common.layout import ModelLayout
-from ..kernels.cpu.ffn import expert_table
+from ..kernels.cpu.ffn import TableRows
 from .ahead import AheadPrefetches
 from .leases import LeasePipeline, Owed
-from .resident import ExpertRows, Mats, Routed, combine_rows, cpu_inputs, expert_mats, run_experts
+from .resident import ExpertRows, Routed, combine_rows, cpu_inputs, expert_mats, run_experts
 from .source import ExpertBackend, Predictions
 from .stats import ArenaCounters, ArenaStats
 
@@ -83,7 +83,7 @@ class ArenaExperts(ExpertBackend):
         self.prefetches = AheadPrefetches(client, landing="lazy", max_in_flight=max(0, limit), join_late=False)
         self._base: np.ndarray | None = None  # the arena as one array (`_base_of`), re-made after a reconnect
         self._base_arena: ArenaView | None = None
-        self._mats_memo: dict[tuple[int, int], tuple[int, Mats]] = {}  # (layer, e) -> (slot, its matrices)
+        self._rows: dict[int, TableRows] = {}  # layer -> its experts' table rows over the arena (`_placed`)
         self._n_expert = layout.experts.n_expert
         self._deferred: list[tuple[Predictions, Predictions]] = []  # sent after the next layer's demand
         self._closed = False
@@ -122,26 +122,15 @@ class ArenaExperts(ExpertBackend):
         wanted = routed.experts.tolist()
         landed = self.prefetches.take(layer, {}, wanted)
         arena = self.client.arena  # (one arena for the lookup and the compute: a reconnect swaps it)
-        direct = self._look_up(arena, layer, [e for e in wanted if e not in landed])
+        direct = self._look_up(arena, layer, [e for e in wanted if e not in landed] if landed else wanted)
         owed = self.leases.request(layer, [e for e in wanted if e not in landed and e not in direct], landed)
         self._send_deferred()  # behind this layer's demand at the daemon
         outputs = []
         try:
             if direct:  # computed while the misses are on their way
                 outputs.append(self._compute_direct(arena, layer, xs, routed, w, direct, owed))
-            for leases in self.leases.arrivals(owed):
-                t0 = time.perf_counter()
-                try:
-                    computed = self._compute(layer, xs, routed, w, leases)
-                finally:
-                    self.client.release_many(list(leases.values()))
-                self.counts.compute_s += time.perf_counter() - t0
-                # computed from a lost daemon's (or a revoked) slot: not to be trusted, fetched again
-                void = [e for e, lease in leases.items() if computed is None or self.client.voided(lease)]
-                for e in void:
-                    self.leases.refetch(owed, e, "voided")
-                if computed is not None:
-                    outputs.append(computed.without(void))
+            if owed.pending:
+                self._compute_arrivals(layer, xs, routed, w, owed, outputs)
         except BaseException:
             self.leases.give_up(owed)
             raise
@@ -156,7 +145,7 @@ class ArenaExperts(ExpertBackend):
             return
         self._closed = True
         self._base = self._base_arena = None  # the arena mapping can go with the client
-        self._mats_memo.clear()
+        self._rows.clear()
         try:
             self.prefetches.drop_all()
         except IodUnavailable:
@@ -166,9 +155,29 @@ class ArenaExperts(ExpertBackend):
 
     # -- internals ---------------------------------------------------------------------------
     def _send_deferred(self) -> None:
+        if not self._deferred:
+            return
         deferred, self._deferred = self._deferred, []
         for predictions, if_cached in deferred:
             self._send(predictions, if_cached)
+
+    def _compute_arrivals(self, layer: int, xs: np.ndarray, routed: Routed, w: np.ndarray, owed: Owed,
+                          outputs: list[ExpertRows]) -> None:
+        """Compute the experts owed to this layer as their leases arrive (one kernel call per
+        batch), releasing each batch at once; a void lease is fetched again."""
+        for leases in self.leases.arrivals(owed):
+            t0 = time.perf_counter()
+            try:
+                computed = self._compute(layer, xs, routed, w, leases)
+            finally:
+                self.client.release_many(list(leases.values()))
+            self.counts.compute_s += time.perf_counter() - t0
+            # computed from a lost daemon's (or a revoked) slot: not to be trusted, fetched again
+            void = [e for e, lease in leases.items() if computed is None or self.client.voided(lease)]
+            for e in void:
+                self.leases.refetch(owed, e, "voided")
+            if computed is not None:
+                outputs.append(computed.without(void))
 
     # -- lease-free hits (the arena's directory) ----------------------------------------------------
     def _look_up(self, arena: ArenaView | None, layer: int, experts: list[int]) -> dict[int, tuple[int, int]]:
@@ -177,30 +186,32 @@ class ArenaExperts(ExpertBackend):
         d = arena.directory if arena is not None else None
         if d is None or not experts:
             return {}
-        first = layer * self._n_expert
-        return {k - first: v for k, v in d.lookup([first + e for e in experts]).items()}
+        return d.lookup(experts, first=layer * self._n_expert)
 
     def _compute_direct(self, arena: ArenaView, layer: int, x: np.ndarray, routed: Routed, w: np.ndarray,
                         direct: dict[int, tuple[int, int]], owed: Owed) -> ExpertRows:
         """Outputs of the experts found through the directory, computed from their slots without a
         lease; an expert whose slot changed meanwhile (evicted, reloaded) is fetched `now` instead."""
         t0 = time.perf_counter()
-        base = self._base_of(arena)
         mine = routed.only(sorted(direct))
-        mats = [self._slot_mats(layer, e, direct[e][0], arena) for e in mine.experts.tolist()]
-        computed = run_experts(x, mine, w, expert_table(base, mats), self.layout.spec.expert_act)
-        changed = [e for e, (slot, seq) in direct.items() if not arena.directory.unchanged(slot, seq)]
+        rows = self._rows_of(layer, arena)
+        held = rows.held
+        for e, (slot, _) in direct.items():
+            if held[e] != slot:
+                self._slot_placed(rows, layer, e, slot, arena)
+        computed = run_experts(x, mine, w, rows.take(mine.experts), self.layout.spec.expert_act)
+        changed = arena.directory.moved(direct)
         for e in changed:
             self.leases.refetch(owed, e, "changed")
-        self.client.touch([(layer, e) for e in direct if e not in changed])  # sent with the next message
+        self.client.touch(layer, [e for e in direct if e not in changed] if changed else list(direct))  # sent later
         self.counts.direct += len(direct) - len(changed)
         self.counts.compute_s += time.perf_counter() - t0
         return computed.without(changed)
 
-    def _slot_mats(self, layer: int, e: int, slot: int, arena: ArenaView) -> Mats:
-        """Expert (layer, e)'s matrices in `slot`, where the directory places its parts."""
+    def _slot_placed(self, rows: TableRows, layer: int, e: int, slot: int, arena: ArenaView) -> None:
+        """Expert (layer, e)'s table row for `slot`, where the directory places its parts."""
         offs = arena.directory.slot_offs[slot]  # [MAX_PARTS], in the layout's part order
-        return self._mats_in(layer, e, slot, arena, lambda parts: [int(offs[i]) for i in range(len(parts))])
+        self._place(rows, layer, e, slot, arena, lambda parts: [int(offs[i]) for i in range(len(parts))])
 
     def _compute(self, layer: int, x: np.ndarray, routed: Routed, w: np.ndarray,
                  leases: dict[int, Lease]) -> ExpertRows | None:
@@ -210,12 +221,16 @@ class ArenaExperts(ExpertBackend):
         if not current:
             return None
         try:
-            base = self._base_for(next(iter(current.values())))
+            self._base_for(next(iter(current.values())))
         except LeaseVoided:  # lost since: all of them are void now
             return None
         mine = routed.only(sorted(current))
-        mats = [self._mats(layer, current[e]) for e in mine.experts.tolist()]
-        return run_experts(x, mine, w, expert_table(base, mats), self.layout.spec.expert_act)
+        rows = self._rows_of(layer, self._base_arena)
+        for e, lease in current.items():
+            if rows.held[e] != lease.slot:
+                self._place(rows, layer, e, lease.slot, self._base_arena,
+                            lambda parts: [lease.parts[p.name][0] for p in parts])
+        return run_experts(x, mine, w, rows.take(mine.experts), self.layout.spec.expert_act)
 
     def _base_for(self, lease: Lease) -> np.ndarray:
         """The arena `lease` lives in, as one uint8 array."""
@@ -223,29 +238,28 @@ class ArenaExperts(ExpertBackend):
 
     def _base_of(self, arena: ArenaView) -> np.ndarray:
         """`arena` as one uint8 array (re-made when a reconnect brought a new arena, and with it
-        the matrices kept over the old one)."""
+        the table rows kept over the old one)."""
         if arena is not self._base_arena:
             self._base, self._base_arena = np.frombuffer(arena.whole(), dtype=np.uint8), arena
-            self._mats_memo.clear()
+            self._rows.clear()
         return self._base
 
-    def _mats(self, layer: int, lease: Lease) -> Mats:
-        """The leased expert's matrices, where its lease places its parts."""
-        return self._mats_in(layer, lease.expert, lease.slot, self._base_arena,
-                             lambda parts: [lease.parts[p.name][0] for p in parts])
+    def _rows_of(self, layer: int, arena: ArenaView) -> TableRows:
+        """`layer`'s table rows over `arena` (made on first use, and anew with a new arena)."""
+        base = self._base_of(arena)
+        rows = self._rows.get(layer)
+        if rows is None:
+            rows = self._rows[layer] = TableRows(base, self._n_expert)
+        return rows
 
-    def _mats_in(self, layer: int, e: int, slot: int, arena: ArenaView, offsets: Any) -> Mats:
-        """Views into the arena array (no copy) of (layer, e)'s parts in `slot` at `offsets(parts)`,
-        kept per expert while it stays in that slot (the offsets of a key's parts never change)."""
-        memo = self._mats_memo.get((layer, e))
-        if memo is not None and memo[0] == slot:
-            return memo[1]
+    def _place(self, rows: TableRows, layer: int, e: int, slot: int, arena: ArenaView, offsets: Any) -> None:
+        """Row e := (layer, e)'s parts in `slot` at `offsets(parts)` (views into the arena array,
+        no copy), checked once while the expert stays in that slot: the offsets of a key's parts
+        in a slot never change, so a row whose `held` slot matches needs nothing."""
         parts = self.layout.experts.parts(layer, e)
-        base, start = self._base_of(arena), slot * arena.slot_bytes
+        base, start = rows.base, slot * arena.slot_bytes
         views = {p.name: base[start + off:start + off + p.nbytes] for p, off in zip(parts, offsets(parts))}
-        mats = expert_mats(parts, views)
-        self._mats_memo[(layer, e)] = (slot, mats)
-        return mats
+        rows.set(e, slot, expert_mats(parts, views))
 
 
 def open_arena(layout: ModelLayout, endpoint: str, *, timeout_s: float = 5.0, fetch_timeout_s: float = 60.0,

@@ -103,11 +103,11 @@ def test_directory_publishes_ready_slots_and_every_overwrite_is_seen():
         w.ready(1, 1, 4, [0, 8192, 12288])
         found = r.lookup([4, 7])
         assert list(found) == [4] and found[4][0] == 1 and list(r.slot_offs[1, :3]) == [0, 8192, 12288]
-        assert r.unchanged(*found[4])
+        assert r.moved(found) == [] and r.lookup([1, 4], first=3) == {1: found[4]}  # key 3 + 1
         w.loading(1, 2, evicted=4)  # evicted for another key
-        assert not r.unchanged(*found[4]) and r.lookup([4]) == {}
+        assert r.moved(found) == [4] and r.lookup([4]) == {}
         w.ready(1, 2, 4, [0, 8192, 12288])  # the same key again: a new generation, still a change
-        assert not r.unchanged(*found[4]) and list(r.lookup([4])) == [4]
+        assert r.moved(found) == [4] and list(r.lookup([4])) == [4]
         w.ready(2, 1, 7, [0, 4096, 8192])
         w.loading(2, 2, evicted=None)  # a key whose slot was taken over reads as absent
         assert r.lookup([7]) == {}

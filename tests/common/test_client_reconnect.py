@@ -196,6 +196,6 @@ def test_a_client_that_only_reports_hits_stays_connected(tiny_model, start_daemo
         c.release(c.fetch([(0, 1)])[0].result(10))
         end = time.monotonic() + 2.0  # 5x the client's silence limit
         while time.monotonic() < end:
-            c.touch([(0, 1)])
+            c.touch(0, [1])
             time.sleep(0.01)
         assert c.state is State.CONNECTED and c.reconnects == 0

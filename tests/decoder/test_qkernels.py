@@ -311,3 +311,36 @@ def test_expert_table_checks() -> None:
         qk.swiglu_experts(rows(2), table, [np.array([0]), np.array([2])])
     with pytest.raises(ValueError, match="2 experts but 1 row lists"):
         qk.swiglu_experts(rows(2), table, [np.array([0])])
+
+
+def test_table_rows_set_one_at_a_time() -> None:
+    """A table filled row by row (the arena's, as experts land in slots) gives the same bits as one
+    built at once, picks rows in any order, and checks each row when it is set."""
+    base, experts = packed()
+    x = rows(6)  # [N, D]
+    idx = [np.array([0, 5]), np.arange(3), np.array([4])]
+    pick = np.array([4, 1, 2])
+    t = qk.TableRows(base, len(experts))
+    with pytest.raises(ValueError, match=r"rows \[4, 1, 2\] were never set"):
+        t.take(pick)
+    for i in reversed(range(len(experts))):
+        t.set(i, 100 + i, experts[i])
+    assert t.held.tolist() == [100 + i for i in range(len(experts))]
+    got = qk.swiglu_experts(x, t.take(pick), idx)
+    want = qk.swiglu_experts(x, qk.expert_table(base, [experts[i] for i in pick]), idx)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
+    t.set(4, 7, experts[0])  # row 4 now holds expert 0's bytes
+    np.testing.assert_array_equal(qk.swiglu_experts(x, t.take(np.array([4])), idx[:1])[0],
+                                  qk.swiglu_expert(x[idx[0]], *experts[0]))
+    with pytest.raises(ValueError, match="not all inside the base"):
+        t.set(0, 1, expert(Q.Q8_0))
+    small_base, small = packed(MIXED[:1], d=128, ff=256)
+    both = np.frombuffer(base.tobytes() + small_base.tobytes(), dtype=np.uint8)
+    moved = tuple(qk.QMatrix(both[base.size + m.addr - small_base.ctypes.data:][:m.nbytes], m.qtype, m.n_out, m.n_in)
+                  for m in small[0])
+    mixed = qk.TableRows(both, 2)
+    mixed.set(0, 0, tuple(qk.QMatrix(both[m.addr - base.ctypes.data:][:m.nbytes], m.qtype, m.n_out, m.n_in)
+                          for m in experts[0]))
+    with pytest.raises(ValueError, match="share d, ff and biases"):
+        mixed.set(1, 0, moved)

@@ -291,6 +291,42 @@ def expert_table(base: np.ndarray | Sequence[np.ndarray], experts: Sequence[Mats
                        tuple(tuple(m) for m in experts), np.array(native), int(d), int(ff), bias_gu, bias_d, has_bias)
 
 
+class TableRows:
+    """A table over one base whose rows are set one at a time and picked per call: an arena's
+    experts, each checked (`expert_table`) once when it lands in a slot, not on every layer call
+    that uses it. `held[i]` is the caller's key of what row i holds (a slot; -1: nothing)."""
+
+    def __init__(self, base: np.ndarray, n: int):
+        self.base = base
+        self.held = np.full(n, -1, np.int64)  # [n]
+        self._table: ExpertTable | None = None  # n rows, those never set unread
+
+    def set(self, i: int, key: int, mats: Mats) -> None:
+        """Row i := the expert `mats` (checked as `expert_table` checks it), held under `key`."""
+        one = expert_table(self.base, [mats])
+        t = self._table
+        if t is None:
+            n = self.held.size
+            bias_gu = np.zeros((n, 2, one.ff), np.float32) if one.has_bias else one.bias_gu
+            bias_d = np.zeros((n, one.d), np.float32) if one.has_bias else one.bias_d
+            t = self._table = ExpertTable(one.bases, np.zeros((n, 3), np.int64), np.zeros((n, 3), np.int64),
+                                          [one.mats[0]] * n, np.zeros(n, bool), one.d, one.ff, bias_gu, bias_d,
+                                          one.has_bias)
+        elif (one.d, one.ff, one.has_bias) != (t.d, t.ff, t.has_bias):
+            raise ValueError(f"experts of one table must share d, ff and biases: d={t.d}, ff={t.ff}, "
+                             f"biases {t.has_bias}; row {i} has d={one.d}, ff={one.ff}, biases {one.has_bias}")
+        t.offsets[i], t.qtypes[i], t.native[i], t.mats[i] = one.offsets[0], one.qtypes[0], one.native[0], one.mats[0]
+        if t.has_bias:
+            t.bias_gu[i], t.bias_d[i] = one.bias_gu[0], one.bias_d[0]
+        self.held[i] = key
+
+    def take(self, idx: np.ndarray) -> ExpertTable:
+        """The rows `idx` [U] (each set) as a table of their own."""
+        if self._table is None or (self.held[idx] < 0).any():
+            raise ValueError(f"rows {[int(i) for i in idx if self.held[i] < 0]} were never set")
+        return self._table.take(idx)
+
+
 # stand-ins for experts without biases: one numba signature either way, never read
 _NO_BIAS_GU = _readonly(np.zeros((1, 2, 1), np.float32))
 _NO_BIAS_D = _readonly(np.zeros((1, 1), np.float32))

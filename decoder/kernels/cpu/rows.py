@@ -38,10 +38,13 @@ from numba.extending import intrinsic
 from ....common.arch import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from . import rows_iq as _iq
 from . import rows_q as rq
-from .rows_base import _JIT, _U, _as_f32, _e2m1x2, _f16, _fi, _i8, _opaque
+from .rows_base import _JIT, _JIT_EXACT, _U, _as_f32, _e2m1x2, _f16, _fi, _i8, _opaque
 from .rows_dot import fused_dots, has_fused
 from .rows_int import act_rows, has_int, int_dots, quantize_acts
-from .simd.vectors import addr
+from .simd.vectors import addr, hsum, ld_f32
+from .simd.vectors import add as vadd
+from .simd.vectors import fma as vfma
+from .simd.vectors import zero as vz
 
 # Every type decode_row handles (one `elif` each there; its row decoder here or in a sibling file)
 NATIVE = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4, Q.F32, Q.F16, Q.BF16,
@@ -309,27 +312,49 @@ def prefetch_row(data, off, nbytes):
 
 
 # -- dot products of one decoded row with activation rows ---------------------------------------
-# dot4 is dot four times over, each accumulator vectorized as dot's one is: a row's sum comes
-# out bit-identical whether it was computed in a group of four or alone (checked by the tests),
-# while the decoded row is loaded once per four activation rows (15-40 % faster at n = 4..8).
-@njit(**_JIT)
-def dot(w, x, n):
+# dot4 is dot four times over: each sum is written out as explicit 16-lane vectors (two
+# accumulators, even and odd blocks of 16, a fixed tree at the end) plus a tail summed in order
+# without fast-math, so a row's sum is bit-identical whether it was computed in a group of four
+# or alone on any CPU (left to LLVM's vectorizer, the two loops were unrolled differently on
+# AVX2), while the decoded row is loaded once per four activation rows.
+@njit(**_JIT_EXACT)
+def _tail(w, x, k0, n):
     acc = np.float32(0.0)
-    for k in range(n):
+    for k in range(k0, n):
         acc += w[k] * x[k]
     return acc
 
 
 @njit(**_JIT)
+def dot(w, x, n):
+    pw, px, m = addr(w), addr(x), n - n % 32
+    a, b = vz(), vz()
+    for k in range(0, m, 32):
+        a = vfma(ld_f32(pw, k), ld_f32(px, k), a)
+        b = vfma(ld_f32(pw, k + 16), ld_f32(px, k + 16), b)
+    if m + 16 <= n:
+        a = vfma(ld_f32(pw, m), ld_f32(px, m), a)
+        m += 16
+    return hsum(vadd(a, b)) + _tail(w, x, m, n)
+
+
+@njit(**_JIT)
 def dot4(w, x0, x1, x2, x3, n):
-    a0, a1, a2, a3 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)
-    for k in range(n):
-        wk = w[k]
-        a0 += wk * x0[k]
-        a1 += wk * x1[k]
-        a2 += wk * x2[k]
-        a3 += wk * x3[k]
-    return a0, a1, a2, a3
+    pw, p0, p1, p2, p3, m = addr(w), addr(x0), addr(x1), addr(x2), addr(x3), n - n % 32
+    a0, a1, a2, a3, b0, b1, b2, b3 = vz(), vz(), vz(), vz(), vz(), vz(), vz(), vz()
+    for k in range(0, m, 32):
+        wk, wl = ld_f32(pw, k), ld_f32(pw, k + 16)
+        a0, b0 = vfma(wk, ld_f32(p0, k), a0), vfma(wl, ld_f32(p0, k + 16), b0)
+        a1, b1 = vfma(wk, ld_f32(p1, k), a1), vfma(wl, ld_f32(p1, k + 16), b1)
+        a2, b2 = vfma(wk, ld_f32(p2, k), a2), vfma(wl, ld_f32(p2, k + 16), b2)
+        a3, b3 = vfma(wk, ld_f32(p3, k), a3), vfma(wl, ld_f32(p3, k + 16), b3)
+    if m + 16 <= n:
+        wk = ld_f32(pw, m)
+        a0, a1, a2, a3 = vfma(wk, ld_f32(p0, m), a0), vfma(wk, ld_f32(p1, m), a1), \
+            vfma(wk, ld_f32(p2, m), a2), vfma(wk, ld_f32(p3, m), a3)
+        m += 16
+    return (hsum(vadd(a0, b0)) + _tail(w, x0, m, n), hsum(vadd(a1, b1)) + _tail(w, x1, m, n),
+            hsum(vadd(a2, b2)) + _tail(w, x2, m, n), hsum(vadd(a3, b3)) + _tail(w, x3, m, n))
 
 
 # -- parallel kernels ---------------------------------------------------------------------------
