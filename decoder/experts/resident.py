@@ -26,6 +26,7 @@ from ...common.layout import ExpertPart, ModelLayout
 from .source import ExpertBackend
 from .stats import ResidentStats
 from ..kernels.cpu.ffn import Bias, ExpertTable, QMatrix, expert_table, swiglu_rows
+from ..kernels.cpu.routing import group_by_expert, scatter_add, weigh
 
 Mats = tuple  # (gate, up, down) QMatrix, or (gate, up, down, Bias) for experts with biases (qkernels.Bias)
 _WEIGHTS = ("gate", "up", "down", "gate_up")
@@ -100,14 +101,8 @@ class Routed:
 
     @classmethod
     def of(cls, ids: np.ndarray) -> "Routed":
-        """From ids [N, k]: one stable sort for the whole layer."""
-        flat = ids.reshape(-1)  # [N*k]
-        picks = np.argsort(flat, kind="stable")  # [R] grouped by expert, token order kept
-        counts = np.bincount(flat)  # [max id + 1]
-        experts = np.flatnonzero(counts)  # [U]
-        row_ptr = np.zeros(experts.size + 1, np.int64)
-        np.cumsum(counts[experts], out=row_ptr[1:])
-        return cls(experts, row_ptr, picks // ids.shape[1], picks)
+        """From ids [N, k]: one stable sort for the whole layer (compiled: `routing`)."""
+        return cls(*group_by_expert(np.ascontiguousarray(ids, np.int64)))
 
     def only(self, keep: Sequence[int]) -> "Routed":
         """The same routing for the experts `keep` only (those of one arrival batch)."""
@@ -146,7 +141,7 @@ def run_experts(x: np.ndarray, r: Routed, weights: np.ndarray, table: ExpertTabl
     float32). Each expert's output is the same bits whichever experts share the call, so
     arrival batches do not matter."""
     ys = swiglu_rows(x, table, r.row_ptr, r.rows, act)  # [R, d]
-    ys *= weights[r.picks][:, None]  # [R, d]
+    weigh(ys, weights, r.picks)  # ys[i] *= weights[picks[i]]
     return ExpertRows(r, ys)
 
 
@@ -165,16 +160,22 @@ def combine_rows(n: int, d: int, outputs: Sequence[ExpertRows]) -> np.ndarray:
         order = np.argsort(expert_of, kind="stable")  # [R] expert-major, each expert's rows ascending
         rows = np.concatenate([o.routed.rows for o in outputs])[order]
         ys = np.concatenate([o.ys for o in outputs])[order]
-    np.add.at(out, rows, ys)  # in order: out[rows[i]] += ys[i]
+    scatter_add(out, rows, ys)  # in order: out[rows[i]] += ys[i]
     return out
 
 
 def cpu_inputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray, Routed]:
     """What the CPU kernels take of a layer call: x [N, d] and the weights [N*k] as float32
     arrays, and the routing grouped by expert."""
-    xs = x.to(torch.float32).contiguous().numpy()  # [N, d]
-    w = weights.to(torch.float32).contiguous().numpy().reshape(-1)  # [N*k]
-    return xs, w, Routed.of(ids.numpy())
+    return _f32(x), _f32(weights).reshape(-1), Routed.of(ids.numpy())  # [N, d], [N*k]
+
+
+def _f32(t: torch.Tensor) -> np.ndarray:
+    """`t` as a C-contiguous float32 array (no conversion calls when it already is one: a decode
+    step's tensors are, and each call costs microseconds, per layer)."""
+    if t.dtype != torch.float32 or not t.is_contiguous():
+        t = t.to(torch.float32).contiguous()
+    return t.numpy()
 
 
 class QuantResidentExperts(ExpertBackend):
