@@ -127,6 +127,7 @@ def _run_once() -> None:
     _, _, rows, picks = routing.group_by_expert(np.zeros((1, 1), np.int64))
     routing.weigh(x, np.ones(1, np.float32), picks)
     routing.scatter_add(np.zeros((1, d), np.float32), rows, x)
+    routing.rows_within(rows, 1)
 
 
 def main(argv: list[str] | None = None) -> int:

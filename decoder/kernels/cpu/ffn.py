@@ -45,7 +45,7 @@ import threading
 import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
 import numba
@@ -57,6 +57,7 @@ from gguf import GGMLQuantizationType as Q
 from ....common.arch import EXPERT_ACTS
 from ...experts.source import activate
 from .rows import ACT_SWIGLU, ACT_SWIGLU_OAI, NATIVE, dequant_kernel, down_kernel, gate_up_kernel
+from .routing import rows_within
 from .rows_int import INT_TYPES
 from .simd.integer import dot_path
 
@@ -229,6 +230,7 @@ class ExpertTable:
     bias_gu: np.ndarray = field(default=None)  # [E, 2, ff] float32 gate/up biases (zeros when none)
     bias_d: np.ndarray = field(default=None)  # [E, d] float32 down biases
     has_bias: bool = False
+    all_native: bool = False  # native.all(), kept: a decode call would otherwise pay a numpy call for it
 
     def take(self, idx: np.ndarray) -> "ExpertTable":
         """The experts `idx` [U] (indices into this table) as a table of their own: a layer's
@@ -236,8 +238,10 @@ class ExpertTable:
         bias_gu, bias_d = self.bias_gu, self.bias_d
         if self.has_bias:
             bias_gu, bias_d = _readonly(bias_gu[idx]), _readonly(bias_d[idx])  # [U, 2, ff], [U, d]
+        native = self.native[idx]  # [U]
         return ExpertTable(self.bases, self.offsets[idx], self.qtypes[idx], tuple(self.mats[i] for i in idx.tolist()),
-                           self.native[idx], self.d, self.ff, bias_gu, bias_d, self.has_bias)
+                           native, self.d, self.ff, bias_gu, bias_d, self.has_bias,
+                           self.all_native or bool(native.all()))
 
 
 def view_offset(base: np.ndarray, view: np.ndarray | QMatrix) -> int:
@@ -288,7 +292,8 @@ def expert_table(base: np.ndarray | Sequence[np.ndarray], experts: Sequence[Mats
         bias_gu = _readonly(np.stack([np.stack(b[:2]) for b in biases]).astype(np.float32))  # [E, 2, ff]
         bias_d = _readonly(np.stack([b[2] for b in biases]).astype(np.float32))  # [E, d]
     return ExpertTable(tuple(_readonly(b) for b in bases), np.array(offsets, np.int64), np.array(qtypes, np.int64),
-                       tuple(tuple(m) for m in experts), np.array(native), int(d), int(ff), bias_gu, bias_d, has_bias)
+                       tuple(tuple(m) for m in experts), np.array(native), int(d), int(ff), bias_gu, bias_d, has_bias,
+                       all(native))
 
 
 class TableRows:
@@ -311,13 +316,15 @@ class TableRows:
             bias_d = np.zeros((n, one.d), np.float32) if one.has_bias else one.bias_d
             t = self._table = ExpertTable(one.bases, np.zeros((n, 3), np.int64), np.zeros((n, 3), np.int64),
                                           [one.mats[0]] * n, np.zeros(n, bool), one.d, one.ff, bias_gu, bias_d,
-                                          one.has_bias)
+                                          one.has_bias, True)  # (all_native: of the rows set, which take picks from)
         elif (one.d, one.ff, one.has_bias) != (t.d, t.ff, t.has_bias):
             raise ValueError(f"experts of one table must share d, ff and biases: d={t.d}, ff={t.ff}, "
                              f"biases {t.has_bias}; row {i} has d={one.d}, ff={one.ff}, biases {one.has_bias}")
         t.offsets[i], t.qtypes[i], t.native[i], t.mats[i] = one.offsets[0], one.qtypes[0], one.native[0], one.mats[0]
         if t.has_bias:
             t.bias_gu[i], t.bias_d[i] = one.bias_gu[0], one.bias_d[0]
+        if t.all_native and not one.all_native:
+            self._table = replace(t, all_native=False)
         self.held[i] = key
 
     def take(self, idx: np.ndarray) -> ExpertTable:
@@ -359,9 +366,11 @@ def swiglu_rows(x: np.ndarray, table: ExpertTable, row_ptr: np.ndarray, rows: np
     n_exp = len(table.mats)
     if row_ptr.shape != (n_exp + 1,) or row_ptr[0] != 0 or row_ptr[-1] != rows.size:
         raise ValueError(f"row_ptr must be [{n_exp + 1}] from 0 to {rows.size}, got {row_ptr.tolist()}")
-    if rows.size and (rows.min() < 0 or rows.max() >= x.shape[0]):
+    if not rows_within(rows, x.shape[0]):
         raise ValueError(f"row indices must lie in [0, {x.shape[0]})")
     code = act_code(act)
+    if table.all_native and rows.size < DENSE_MIN_ROWS:  # (so is every expert's count: decode)
+        return _run_fused(x, table, row_ptr, rows, code)  # [R, d]
     counts = np.diff(row_ptr)  # [E]
     fused = table.native & (counts < DENSE_MIN_ROWS)  # [E]
     if fused.all():
@@ -385,12 +394,13 @@ def _run_fused(x: np.ndarray, table: ExpertTable, row_ptr: np.ndarray, row_idx: 
     y = np.empty((n_rows, table.d), np.float32)  # [R, d]
     if n_rows:
         (gbase, ubase, dbase), offs, qts = table.bases, table.offsets, table.qtypes
-        used = int(np.count_nonzero(np.diff(row_ptr)))  # experts with rows
-        threads = _threads_for(used * table.mats[0][0].nbytes)
+        threads = _threads_for(len(table.mats) * table.mats[0][0].nbytes)  # (experts without rows are rare)
         h = np.empty((n_rows, table.ff), np.float32)  # [R, ff]
-        _gate_up(gbase, ubase, offs, qts, _readonly(x), row_ptr, row_idx, table.ff, table.d, h, threads,
-                 table.bias_gu, table.has_bias, act)
-        _down(dbase, offs, qts, _readonly(h), row_ptr, table.d, table.ff, y, threads, table.bias_d, table.has_bias)
+        with _pool(threads):
+            gate_up_kernel(gbase, ubase, offs, qts, _readonly(x), row_ptr, row_idx, table.ff, table.d, h, threads,
+                           table.bias_gu, table.has_bias, act, _INT8[0])
+            down_kernel(dbase, offs, qts, _readonly(h), row_ptr, table.d, table.ff, y, threads, table.bias_d,
+                        table.has_bias, _INT8[0])
     return y
 
 

@@ -56,3 +56,12 @@ def scatter_add(out, rows, ys):
         r = rows[i]
         for j in range(ys.shape[1]):
             out[r, j] += ys[i, j]
+
+
+@njit(**_JIT)
+def rows_within(rows, n):
+    """Whether every index of rows lies in [0, n) (the kernels index activations unchecked)."""
+    for i in range(rows.size):
+        if rows[i] < 0 or rows[i] >= n:
+            return False
+    return True
