@@ -321,7 +321,7 @@ def test_table_rows_set_one_at_a_time() -> None:
     idx = [np.array([0, 5]), np.arange(3), np.array([4])]
     pick = np.array([4, 1, 2])
     t = qk.TableRows(base, len(experts))
-    with pytest.raises(ValueError, match=r"rows \[4, 1, 2\] were never set"):
+    with pytest.raises(ValueError, match="no row was set"):
         t.take(pick)
     for i in reversed(range(len(experts))):
         t.set(i, 100 + i, experts[i])

@@ -239,9 +239,14 @@ class ExpertTable:
         if self.has_bias:
             bias_gu, bias_d = _readonly(bias_gu[idx]), _readonly(bias_d[idx])  # [U, 2, ff], [U, d]
         native = self.native[idx]  # [U]
-        return ExpertTable(self.bases, self.offsets[idx], self.qtypes[idx], tuple(self.mats[i] for i in idx.tolist()),
-                           native, self.d, self.ff, bias_gu, bias_d, self.has_bias,
-                           self.all_native or bool(native.all()))
+        # (filled in directly: a frozen dataclass's __init__ sets each field through
+        # object.__setattr__, which costs more than the three array picks, once per layer call)
+        t = object.__new__(ExpertTable)
+        t.__dict__.update(bases=self.bases, offsets=self.offsets[idx], qtypes=self.qtypes[idx],
+                          mats=tuple(map(self.mats.__getitem__, idx.tolist())), native=native, d=self.d,
+                          ff=self.ff, bias_gu=bias_gu, bias_d=bias_d, has_bias=self.has_bias,
+                          all_native=self.all_native or bool(native.all()))
+        return t
 
 
 def view_offset(base: np.ndarray, view: np.ndarray | QMatrix) -> int:
@@ -328,9 +333,10 @@ class TableRows:
         self.held[i] = key
 
     def take(self, idx: np.ndarray) -> ExpertTable:
-        """The rows `idx` [U] (each set) as a table of their own."""
-        if self._table is None or (self.held[idx] < 0).any():
-            raise ValueError(f"rows {[int(i) for i in idx if self.held[i] < 0]} were never set")
+        """The rows `idx` [U] as a table of their own: each must have been set (the caller
+        checks `held`; a row never set would describe the base's first bytes)."""
+        if self._table is None:
+            raise ValueError("no row was set")
         return self._table.take(idx)
 
 
