@@ -113,7 +113,7 @@ def _run_once() -> None:
     import numpy as np
 
     from .kernels.cpu import ffn as cpu
-    from .kernels.cpu import routing
+    from .kernels.cpu import moe
 
     q8_0, d = 8, 32  # ggml type Q8_0: a block of 32 values in 34 bytes
     part = d * 34
@@ -124,10 +124,10 @@ def _run_once() -> None:
     cpu.swiglu_expert(x, gate, up, down)
     cpu.linear(x, gate)
     cpu.dequantize(gate)
-    _, _, rows, picks = routing.group_by_expert(np.zeros((1, 1), np.int64))
-    routing.weigh(x, np.ones(1, np.float32), picks)
-    routing.scatter_add(np.zeros((1, d), np.float32), rows, x)
-    routing.rows_within(rows, 1)
+    _, _, rows, picks = moe.group_by_expert(np.zeros((1, 1), np.int64))
+    moe.weigh(x, np.ones(1, np.float32), picks)
+    moe.scatter_add(np.zeros((1, d), np.float32), rows, x)
+    cpu.rows_within(rows, 1)
 
 
 def main(argv: list[str] | None = None) -> int:

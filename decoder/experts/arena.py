@@ -20,10 +20,10 @@ A decoder on CPU keeps no expert memory of its own. For each layer, `ArenaExpert
    computed again from a lease; the step's hits go to the daemon's decayed LFU in one `touch`
    message at the next step, never waited on;
 6. computes the experts whose leases have arrived (one kernel call per batch of arrivals),
-   straight from the read-only arena slots (`resident.run_experts`, zero copies), and
+   straight from the read-only arena slots (`moe.run_experts`, zero copies), and
    releases those leases at once: the slots stay in the daemon's host tier (decayed LFU,
    shared by every decoder) until evicted;
-7. sums the outputs in ascending expert order (`resident.combine_rows`): bit-identical to
+7. sums the outputs in ascending expert order (`moe.combine_rows`): bit-identical to
    `QuantResidentExperts` on the same file, however the experts came.
 
 A daemon restart voids every lease of the lost connection (the client reconnects and sends
@@ -59,9 +59,10 @@ from ...common.arena import ArenaView
 from ...common.client import IodClient, IodUnavailable, Lease, LeaseVoided
 from ...common.layout import ModelLayout
 from ..kernels.cpu.ffn import TableRows
+from ..kernels.cpu.moe import ExpertRows, Routed, combine_rows, cpu_inputs, run_experts
 from .ahead import AheadPrefetches
 from .leases import LeasePipeline, Owed
-from .resident import ExpertRows, Routed, combine_rows, cpu_inputs, expert_mats, run_experts
+from .resident import expert_mats
 from .source import ExpertBackend, Predictions
 from .stats import ArenaCounters, ArenaStats
 

@@ -7,16 +7,16 @@ no dequantized copy of an expert exists, so resident mode costs the file's exper
 the page cache, shared with every process mapping the file) and a streamed decoder holds no
 expert memory of its own.
 
-Both sources group a layer's routing by expert once (`Routed`), compute experts with
-`run_experts` (one kernel call for a layer's experts, or for those that arrived together) and
-sum with `combine_rows` in ascending expert order, so they are bit-identical.
+Both sources compute a layer call through `kernels.cpu.moe` (its routing grouped once, one kernel
+call for a layer's experts or for those that arrived together, outputs summed in ascending expert
+order), so they are bit-identical.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -25,8 +25,8 @@ from gguf import GGMLQuantizationType
 from ...common.layout import ExpertPart, ModelLayout
 from .source import ExpertBackend
 from .stats import ResidentStats
-from ..kernels.cpu.ffn import Bias, ExpertTable, QMatrix, expert_table, swiglu_rows
-from ..kernels.cpu.routing import group_by_expert, scatter_add, weigh
+from ..kernels.cpu.ffn import Bias, ExpertTable, QMatrix, expert_table
+from ..kernels.cpu.moe import combine_rows, cpu_inputs, run_experts
 
 Mats = tuple  # (gate, up, down) QMatrix, or (gate, up, down, Bias) for experts with biases (qkernels.Bias)
 _WEIGHTS = ("gate", "up", "down", "gate_up")
@@ -84,98 +84,6 @@ def _bias(biases: dict[str, np.ndarray], names: list[str]) -> Bias:
     if missing:
         raise ValueError(f"expert has biases but no {', '.join(sorted(missing))} bias (has {names})")
     return biases["gate"], biases["up"], biases["down"]
-
-
-@dataclass(frozen=True)
-class Routed:
-    """A layer call's routing grouped by expert, as the CPU kernels take it: no per-expert objects.
-
-    experts [U] ascending; pair i of expert experts[j] (i in row_ptr[j] .. row_ptr[j + 1]) is
-    token row rows[i] (ascending within an expert) and routing slot picks[i] of ids.reshape(-1).
-    """
-
-    experts: np.ndarray  # [U] int64
-    row_ptr: np.ndarray  # [U + 1] int64
-    rows: np.ndarray  # [R] int64
-    picks: np.ndarray  # [R] int64
-
-    @classmethod
-    def of(cls, ids: np.ndarray) -> "Routed":
-        """From ids [N, k]: one stable sort for the whole layer (compiled: `routing`)."""
-        return cls(*group_by_expert(np.ascontiguousarray(ids, np.int64)))
-
-    def only(self, keep: Sequence[int]) -> "Routed":
-        """The same routing for the experts `keep` only (those of one arrival batch)."""
-        return self if len(keep) == self.experts.size else self.select(keep)[0]
-
-    def select(self, keep: Sequence[int]) -> tuple["Routed", np.ndarray]:
-        """`only(keep)` and the mask [R] of the pairs it kept."""
-        sel = np.isin(self.experts, np.asarray(keep, np.int64))  # [U]
-        counts = np.diff(self.row_ptr)  # [U]
-        pairs = np.repeat(sel, counts)  # [R]
-        row_ptr = np.zeros(int(sel.sum()) + 1, np.int64)
-        np.cumsum(counts[sel], out=row_ptr[1:])
-        return Routed(self.experts[sel], row_ptr, self.rows[pairs], self.picks[pairs]), pairs
-
-
-@dataclass(frozen=True)
-class ExpertRows:
-    """Weighted outputs of a layer call's experts: ys[i] = weight x y of pair i of `routed`."""
-
-    routed: Routed
-    ys: np.ndarray  # [R, d] float32
-
-    def without(self, drop: Sequence[int]) -> "ExpertRows":
-        """These outputs less those of the experts `drop` (computed from a slot that changed)."""
-        if not drop:
-            return self
-        gone = set(drop)
-        routed, pairs = self.routed.select([e for e in self.routed.experts.tolist() if e not in gone])
-        return ExpertRows(routed, self.ys[pairs])
-
-
-def run_experts(x: np.ndarray, r: Routed, weights: np.ndarray, table: ExpertTable,
-                act: str = "swiglu") -> ExpertRows:
-    """The experts of `r` (`table` holds them, in `r.experts`' order) in one kernel call (two
-    parallel regions in all), each output row scaled by its routing weight (weights [N*k]
-    float32). Each expert's output is the same bits whichever experts share the call, so
-    arrival batches do not matter."""
-    ys = swiglu_rows(x, table, r.row_ptr, r.rows, act)  # [R, d]
-    weigh(ys, weights, r.picks)  # ys[i] *= weights[picks[i]]
-    return ExpertRows(r, ys)
-
-
-def combine_rows(n: int, d: int, outputs: Sequence[ExpertRows]) -> np.ndarray:
-    """Sum the weighted outputs into [n, d], per row in ascending expert order whatever batches
-    they came in (resident's one batch and the arena's arrival batches add the same floats in the
-    same order: bit-identical)."""
-    out = np.zeros((n, d), np.float32)  # [n, d]
-    outputs = [o for o in outputs if o.ys.shape[0]]
-    if not outputs:
-        return out
-    if len(outputs) == 1:
-        rows, ys = outputs[0].routed.rows, outputs[0].ys
-    else:
-        expert_of = np.concatenate([np.repeat(o.routed.experts, np.diff(o.routed.row_ptr)) for o in outputs])  # [R]
-        order = np.argsort(expert_of, kind="stable")  # [R] expert-major, each expert's rows ascending
-        rows = np.concatenate([o.routed.rows for o in outputs])[order]
-        ys = np.concatenate([o.ys for o in outputs])[order]
-    scatter_add(out, rows, ys)  # in order: out[rows[i]] += ys[i]
-    return out
-
-
-def cpu_inputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray, Routed]:
-    """What the CPU kernels take of a layer call: x [N, d] and the weights [N*k] as float32
-    arrays, and the routing grouped by expert."""
-    return _f32(x), _f32(weights).reshape(-1), Routed.of(ids.numpy())  # [N, d], [N*k]
-
-
-def _f32(t: torch.Tensor) -> np.ndarray:
-    """`t` as a C-contiguous float32 array (no conversion calls when it already is one: a decode
-    step's tensors are, and each call costs microseconds, per layer)."""
-    if t.dtype != torch.float32 or not t.is_contiguous():
-        t = t.to(torch.float32).contiguous()
-    return t.numpy()
 
 
 class QuantResidentExperts(ExpertBackend):

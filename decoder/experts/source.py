@@ -15,7 +15,7 @@ summed); the bank hands that to its backend, an `ExpertBackend` (this module's A
   for its layer only.
 
 Every backend sums its experts' outputs in ascending expert order (`combine` here, the CPU
-backends' `resident.combine_rows`), whatever order they were computed or arrived in, so
+backends' `kernels.cpu.moe.combine_rows`), whatever order they were computed or arrived in, so
 streamed and resident decoding are bit-identical.
 """
 

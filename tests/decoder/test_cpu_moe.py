@@ -1,11 +1,11 @@
-"""The compiled routing steps around the expert kernels, against numpy doing the same thing."""
+"""A CPU layer call's compiled steps around the expert kernels, against numpy doing the same thing."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from moestream.decoder.experts.resident import ExpertRows, Routed, combine_rows
-from moestream.decoder.kernels.cpu import routing
+from moestream.decoder.kernels.cpu import moe
+from moestream.decoder.kernels.cpu.moe import ExpertRows, Routed, combine_rows
 
 
 def numpy_grouping(ids: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -21,7 +21,7 @@ def numpy_grouping(ids: np.ndarray) -> tuple[np.ndarray, ...]:
 def test_group_by_expert_is_a_stable_sort(n: int, k: int, e: int) -> None:
     rng = np.random.default_rng(n * k)
     ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int64)  # [n, k]
-    got = routing.group_by_expert(ids)
+    got = moe.group_by_expert(ids)
     for g, want in zip(got, numpy_grouping(ids)):
         assert g.dtype == np.int64
         np.testing.assert_array_equal(g, want)
@@ -36,10 +36,10 @@ def test_weigh_and_scatter_add_match_numpy_bit_for_bit() -> None:
     weights, picks = rng.random(60).astype(np.float32), rng.permutation(60)[:40].astype(np.int64)
     want = ys * weights[picks][:, None]
     got = ys.copy()
-    routing.weigh(got, weights, picks)
+    moe.weigh(got, weights, picks)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     out, ref = np.zeros((5, 24), np.float32), np.zeros((5, 24), np.float32)
-    routing.scatter_add(out, rows, got)
+    moe.scatter_add(out, rows, got)
     np.add.at(ref, rows, want)
     np.testing.assert_array_equal(out.view(np.uint32), ref.view(np.uint32))
 
