@@ -84,7 +84,7 @@ class ArenaExperts(ExpertBackend):
         self.prefetches = AheadPrefetches(client, landing="lazy", max_in_flight=max(0, limit), join_late=False)
         self._base: np.ndarray | None = None  # the arena as one array (`_base_of`), re-made after a reconnect
         self._base_arena: ArenaView | None = None
-        self._rows: dict[int, TableRows] = {}  # layer -> its experts' table rows over the arena (`_placed`)
+        self._rows: dict[int, TableRows] = {}  # layer -> its experts' table rows over the arena (`_place`)
         self._n_expert = layout.experts.n_expert
         self._deferred: list[tuple[Predictions, Predictions]] = []  # sent after the next layer's demand
         self._closed = False
