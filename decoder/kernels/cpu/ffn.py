@@ -27,8 +27,8 @@ Paths, picked per expert by its number of rows n:
         into one reused float32 buffer (parallel over rows) and multiplied by torch (BLAS):
         deterministic run to run for a given thread count.
 A call whose matrix is under SERIAL_BYTES runs on the calling thread alone (no pool thread is
-woken). In the fused path, the INT_TYPES (Q8_0 Q4_0 Q2_K Q4_K Q5_K Q6_K IQ2_XXS IQ1_S TQ2_0 TQ1_0;
-rows of a multiple of 256 weights) quantize each activation row to int8 once per call (per 32
+woken). In the fused path, the INT_TYPES (Q8_0 Q4_0 Q2_K Q4_K Q5_K Q6_K IQ2_XXS IQ1_S TQ2_0 TQ1_0
+Q1_0 IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_M Q3_K IQ4_XS IQ4_NL; rows of a multiple of 256 weights) quantize each activation row to int8 once per call (per 32
 values, as llama.cpp's Q8_0) and dot it with the weight codes in integer arithmetic
 (rows_int: VNNI vpdpbusd where the CPU has it, 1.3-3x the float path's speed per core):
 results then match float64 math on the dequantized weights and the *quantized* activations to
