@@ -22,6 +22,8 @@ Weights as unsigned bytes (dpbusd's u8 side), per type, for sub-block j with wei
 vpmaddwd by k instead of by 1 on AVX2):
   Q8_0     q signed                                                     c = d
   Q4_0     nibble n, w = d (n - 8)            : c = d, offset -8 d x sum(a)
+  Q4_1     nibble n, w = d n + m              : c = d, offset m x sum(a)
+  Q5_0/Q5_1  n + 16 x fifth bit, w = d (n - 16) or d n + m: c = d, offset -16 d or m
   Q4_K/Q5_K  n (+16 x fifth bit), w = d sc n - dmin m: c = d sc, offset -dmin m x sum(a)
   Q2_K     sc q (<= 45) and, in a second dot, the mins m as bytes: w = d sc q - dmin m
   Q3_K     q (-4..3) signed, k = sc - 32 (-32..31)                      c = d
@@ -36,6 +38,8 @@ vpmaddwd by k instead of by 1 on AVX2):
   IQ1_S    grid + 1 (0..2), w = dl (g + delta) : c = dl, offset dl (delta - 1) x sum(a)
   IQ1_M    8 (g + delta) (|.| <= 9, delta per 8 weights) signed, k = 2 s + 1   c = d / 8
   TQ2_0, TQ1_0  q in 0..2, w = d (q - 1)       : c = d, offset -d x sum(a)
+  MXFP4    E2M1 doubled (vpshufb, |.| <= 12) signed                     c = 2^(e - 128)
+  NVFP4    E2M1 doubled signed: c per 16 weights (UE4M3 / 2, float: hsum4x8_halves)
 Every unsigned byte stays <= 128 (AVX2's int16 pair sums), every lane sum < 2^24 (exact as float).
 A row's result is, per activation row, sum_j c_j d_a,j (W_j . q_j)_k plus the offsets: the same
 real number as the dequantized weights (gguf-py's) dotted with the dequantized int8 activation,
@@ -61,8 +65,10 @@ _Q2_K = int(Q.Q2_K)
 _IQ2_XXS, _IQ1_S, _TQ2_0, _TQ1_0 = int(Q.IQ2_XXS), int(Q.IQ1_S), int(Q.TQ2_0), int(Q.TQ1_0)
 _Q1_0, _IQ2_XS, _IQ2_S, _IQ3_XXS = int(Q.Q1_0), int(Q.IQ2_XS), int(Q.IQ2_S), int(Q.IQ3_XXS)
 _IQ3_S, _IQ1_M, _Q3_K, _IQ4_XS, _IQ4_NL = int(Q.IQ3_S), int(Q.IQ1_M), int(Q.Q3_K), int(Q.IQ4_XS), int(Q.IQ4_NL)
+_Q4_1, _Q5_0, _Q5_1, _MXFP4, _NVFP4 = int(Q.Q4_1), int(Q.Q5_0), int(Q.Q5_1), int(Q.MXFP4), int(Q.NVFP4)
 INT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ1_S, Q.TQ2_0, Q.TQ1_0, Q.Q1_0,
-             Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_M, Q.Q3_K, Q.IQ4_XS, Q.IQ4_NL)
+             Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_M, Q.Q3_K, Q.IQ4_XS, Q.IQ4_NL,
+             Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.MXFP4, Q.NVFP4)
 # The per-super-block helpers are inlined by LLVM (forceinline: its alwaysinline attribute), not
 # by numba (inline="always"): numba deep-copies a callee's IR into every call site, which cost
 # ~12 s of compile per type kernel (8 dots x 4 rows of copies); compiled once per signature and
@@ -72,6 +78,8 @@ _INL = {**_JIT, "forceinline": True}
 GRID64_IQ1_S_P1 = (GRID_IQ1_S.astype(np.int16) + 1).astype(np.uint8).view(np.uint64)  # [2048]
 # IQ4_NL / IQ4_XS's code book (ggml's kvalues_iq4nl) as int8, twice: vpshufb looks up per 16 bytes
 KV2_IQ4NL = np.tile(np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), np.int8), 2)
+# MXFP4 / NVFP4's E2M1 values doubled (gguf-py's kvalues), twice
+KV2_E2M1 = np.tile(np.array((0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), np.int8), 2)
 _EIGHTH, _QUARTER, _INV127 = np.float32(0.125), np.float32(0.25), np.float32(1.0 / 127.0)
 
 
@@ -80,7 +88,8 @@ def has_int(qtype):
     return (qtype == _Q8_0 or qtype == _Q4_0 or qtype == _Q2_K or qtype == _Q4_K or qtype == _Q5_K or qtype == _Q6_K
             or qtype == _IQ2_XXS or qtype == _IQ1_S or qtype == _TQ2_0 or qtype == _TQ1_0 or qtype == _Q1_0
             or qtype == _IQ2_XS or qtype == _IQ2_S or qtype == _IQ3_XXS or qtype == _IQ3_S or qtype == _IQ1_M
-            or qtype == _Q3_K or qtype == _IQ4_XS or qtype == _IQ4_NL)
+            or qtype == _Q3_K or qtype == _IQ4_XS or qtype == _IQ4_NL or qtype == _Q4_1 or qtype == _Q5_0
+            or qtype == _Q5_1 or qtype == _MXFP4 or qtype == _NVFP4)
 
 
 # -- activations ---------------------------------------------------------------------------------
@@ -545,6 +554,84 @@ def _iq4_nl(p, off, n_in, R, nx):
     return _fin(c0, c1, c2, c3)
 
 
+@njit(**_INL)
+def _q5_0_u(p, o):
+    """A Q5_0 / Q5_1 block's 32 codes: its nibbles at p + o + 4 (nib16's order) with the fifth
+    bits of the u32 at p + o (bit j: element j) on top."""
+    return s.b_or(s.nib16(p, o + 4), s.b_shl(s.b_bits(s.u32_at(p, o)), 4))
+
+
+@njit(**_JIT)
+def _q4_1_q5(p, off, n_in, R, nx, five, has_min):
+    """Q4_1 (20 B / 32: f16 d, f16 m, 16 B of nibbles), Q5_0 (22 B: d, u32 of fifth bits,
+    nibbles) and Q5_1 (24 B: d, m, fifth bits, nibbles): w = d n + m (Q4_1, Q5_1) or
+    d (n - 16) (Q5_0), the offset m (-16 d) x sum(a)."""
+    o = np.int64(off)
+    c0, c1, c2, c3 = _zeros()
+    size = (24 if has_min else 22) if five else 20
+    q = 4 if has_min else 2  # the fifth bits, or (Q4_1) the nibbles
+    for sb in range(n_in // 256):
+        if five:
+            U = (_q5_0_u(p, o + q), _q5_0_u(p, o + q + size), _q5_0_u(p, o + q + 2 * size),
+                 _q5_0_u(p, o + q + 3 * size), _q5_0_u(p, o + q + 4 * size), _q5_0_u(p, o + q + 5 * size),
+                 _q5_0_u(p, o + q + 6 * size), _q5_0_u(p, o + q + 7 * size))
+        else:
+            U = (s.nib16(p, o + 4), s.nib16(p, o + 24), s.nib16(p, o + 44), s.nib16(p, o + 64),
+                 s.nib16(p, o + 84), s.nib16(p, o + 104), s.nib16(p, o + 124), s.nib16(p, o + 144))
+        c = s.f8_of_f16(p, o, size)
+        cm = s.f8_of_f16(p, o + 2, size) if has_min else s.f8_mul(c, s.f8_splat(np.float32(-16.0)))
+        c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += 8 * size
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_JIT)
+def _mxfp4(p, off, n_in, R, nx):
+    """17 B / 32: an E8M0 exponent e, 16 B of E2M1 nibbles (nib16's order): w = 2^(e - 128) x
+    KV2[n] (the doubled E2M1 values, |KV2| <= 12, looked up with vpshufb, dotted signed)."""
+    o, t = np.int64(off), s.ld_b(addr(KV2_E2M1), 0)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        W = (_kv(t, p, o + 1), _kv(t, p, o + 18), _kv(t, p, o + 35), _kv(t, p, o + 52),
+             _kv(t, p, o + 69), _kv(t, p, o + 86), _kv(t, p, o + 103), _kv(t, p, o + 120))
+        U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
+             s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
+        c = blk.e8m0_halves(p, o, 17)
+        c0, c1, c2, c3 = _sb(U, W, _NB, _NK, 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += 136
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_INL)
+def _nv_w(t, p, o, j):
+    """NVFP4 sub-block j (of 256 weights) as signed KV2 codes: the second or first half of
+    block j // 2's 32 code bytes."""
+    return s.b_lut16(t, blk.nib8x2(p, o + 36 * (j // 2) + 4 + 16 * (j % 2)))
+
+
+@njit(**_JIT)
+def _nvfp4(p, off, n_in, R, nx):
+    """36 B / 64: 4 UE4M3 scales (one per 16 weights), 32 B of E2M1 nibbles (8 B per 16 weights:
+    the low nibbles first): w = UE4M3(s) / 2 x KV2[n]. Float scales per 16 weights: summed per
+    16 as Q6_K's (hsum4x8_halves), four blocks per 256."""
+    o, t = np.int64(off), s.ld_b(addr(KV2_E2M1), 0)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        W = (_nv_w(t, p, o, 0), _nv_w(t, p, o, 1), _nv_w(t, p, o, 2), _nv_w(t, p, o, 3),
+             _nv_w(t, p, o, 4), _nv_w(t, p, o, 5), _nv_w(t, p, o, 6), _nv_w(t, p, o, 7))
+        U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
+             s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
+        cA, cB = blk.nvfp4_scales(p, o)
+        e = 256 * sb
+        c0 = _q6_row(0, R, U, W, cA, cB, e, c0)
+        if nx > 1:
+            c1 = _q6_row(1, R, U, W, cA, cB, e, c1)
+            c2 = _q6_row(2, R, U, W, cA, cB, e, c2)
+            c3 = _q6_row(3, R, U, W, cA, cB, e, c3)
+        o += 144
+    return _fin(c0, c1, c2, c3)
+
+
 @njit(**_JIT)
 def int_dots(qtype, p, off, n_in, R, nx):
     """(W . a0, .., W . a3) for the row W of `qtype` (has_int) at address p + off and the
@@ -586,6 +673,16 @@ def int_dots(qtype, p, off, n_in, R, nx):
         return _iq4_xs(p, off, n_in, R, nx)
     if qtype == _IQ4_NL:
         return _iq4_nl(p, off, n_in, R, nx)
+    if qtype == _Q4_1:
+        return _q4_1_q5(p, off, n_in, R, nx, False, True)
+    if qtype == _Q5_0:
+        return _q4_1_q5(p, off, n_in, R, nx, True, False)
+    if qtype == _Q5_1:
+        return _q4_1_q5(p, off, n_in, R, nx, True, True)
+    if qtype == _MXFP4:
+        return _mxfp4(p, off, n_in, R, nx)
+    if qtype == _NVFP4:
+        return _nvfp4(p, off, n_in, R, nx)
     return _tq2_0(p, off, n_in, R, nx)
 
 

@@ -382,3 +382,77 @@ def iq4xs_scales(typingctx, p, off):
         return builder.sitofp(builder.sub(builder.or_(lo, hi), _c(_VI, [32] * 8)), _VF)
 
     return vf8(p, off), codegen
+
+
+@intrinsic
+def e8m0_halves(typingctx, p, off, stride):
+    """The 8 E8M0 exponent bytes at p + off + j * stride as 2^(e - 128) in float32 (ggml's
+    ggml_e8m0_to_fp32_half: e < 2 gives the subnormals 2^-128 and 2^-127)."""
+    if not _ints(p, off, stride):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = ir.Constant(_VI, [0] * 8)
+        for j in range(8):
+            o = builder.add(_i64(builder, args[1]), builder.mul(_i64(builder, args[2]), _c(_I64, j)))
+            v = builder.insert_element(v, builder.zext(_ld_vec(builder, args[0], o, _I8), _I32), _c(_I32, j))
+        sub = builder.shl(_c(_VI, [0x00200000] * 8), v)
+        norm = builder.shl(builder.sub(v, _c(_VI, [1] * 8)), _c(_VI, [23] * 8))
+        bits = builder.select(builder.icmp_unsigned("<", v, _c(_VI, [2] * 8)), sub, norm)
+        return builder.bitcast(bits, _VF)
+
+    return vf8(p, off, stride), codegen
+
+
+def _ue4m3_half(builder, x):
+    """Unsigned E4M3 scale bytes (<8 x i32>, bias 7) halved, as float32 (gguf-py's
+    NVFP4.ue4m3_to_fp32): 0 and 0x7F give 0, the top bit is ignored."""
+    ex = builder.and_(builder.lshr(x, _c(_VI, [3] * 8)), _c(_VI, [15] * 8))
+    man = builder.and_(x, _c(_VI, [7] * 8))
+    norm = builder.bitcast(builder.or_(builder.shl(builder.add(ex, _c(_VI, [119] * 8)), _c(_VI, [23] * 8)),
+                                       builder.shl(man, _c(_VI, [20] * 8))), _VF)
+    sub = builder.fmul(builder.sitofp(man, _VF), _c(_VF, [2.0 ** -10] * 8))  # man x 2^-9, halved: exact
+    v = builder.select(builder.icmp_unsigned("==", ex, _c(_VI, [0] * 8)), sub, norm)
+    zero = builder.or_(builder.icmp_unsigned("==", x, _c(_VI, [0] * 8)), builder.icmp_unsigned("==", x, _c(_VI, [0x7F] * 8)))
+    return builder.select(zero, _c(_VF, [0.0] * 8), v)
+
+
+@intrinsic
+def nvfp4_scales(typingctx, p, off):
+    """The 16 UE4M3 scales (4 per 64-weight block of 36 bytes at p + off) of 256 weights, halved,
+    as two float vectors in hsum4x8_halves' lane order: sub-block j's first 16 weights have scale
+    2 (j % 2) of block j // 2, its last 16 the next one: ([j = 0..3 first, j = 0..3 last],
+    [j = 4..7 first, j = 4..7 last])."""
+    if not _ints(p, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(_I32, 16)
+        v = ir.Constant(v16, ir.Undefined)
+        for b in range(4):
+            w = _ld_u8(builder, args[0], _at(builder, args[1], 36 * b), 4)
+            for i in range(4):
+                v = builder.insert_element(v, builder.extract_element(w, _c(_I32, i)), _c(_I32, 4 * b + i))
+        order = [[4 * (j // 2) + 2 * (j % 2) for j in range(h, h + 4)] + [4 * (j // 2) + 2 * (j % 2) + 1 for j in range(h, h + 4)]
+                 for h in (0, 4)]
+        out = [_ue4m3_half(builder, builder.shuffle_vector(v, v, _c(_VI, o))) for o in order]
+        return context.make_tuple(builder, sig.return_type, out)
+
+    return types.UniTuple(vf8, 2)(p, off), codegen
+
+
+@intrinsic
+def nib8x2(typingctx, p, off):
+    """The 16 bytes at p + off as 32 nibbles in NVFP4's order: the low then the high nibbles of
+    bytes 0-7, then those of bytes 8-15."""
+    if not _ints(p, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        h = ir.VectorType(_I8, 16)
+        c = _ld_vec(builder, args[0], args[1], h)
+        lo, hi = builder.and_(c, _c(h, [15] * 16)), builder.lshr(c, _c(h, [4] * 16))
+        order = list(range(8)) + list(range(16, 24)) + list(range(8, 16)) + list(range(24, 32))
+        return builder.shuffle_vector(lo, hi, _c(ir.VectorType(_I32, 32), order))
+
+    return vb(p, off), codegen
