@@ -536,9 +536,10 @@ def b_mul(typingctx, a, b):
 def dpbusd_k(typingctx, u, s, k):
     """dpbusd(0, u, s) with lane i multiplied by k[i] (k: 8 int32 lanes, or one integer for all):
     the sub-block's integer scales folded into its sums (lanes 0-3 cover bytes 0-15, lanes 4-7
-    bytes 16-31: a scale per 16 weights). On AVX2 the multiply is vpmaddwd's own (the int16
-    pair sums times k instead of times 1); elsewhere a lane multiply. Exact on every path while
-    u <= 128 and |k| < 2^15 (the callers' scales are < 64)."""
+    bytes 16-31: a scale per 16 weights). With AVX2 the multiply is vpmaddwd's own (the int16
+    pair sums times k instead of times 1), VNNI CPUs included (vpdpbusd then vpmulld would be
+    3 uops, not 2); an integer k takes vpdpbusd where there is one; elsewhere a lane multiply.
+    Exact on every path while u <= 128 and |k| < 2^15 (the callers' scales are < 64)."""
     if u != vb or s != vb or not (k == vi8 or isinstance(k, types.Integer)):
         return None
 
@@ -546,7 +547,7 @@ def dpbusd_k(typingctx, u, s, k):
         uu, ss, kk = args
         if k != vi8:
             kk = _splat(builder, builder.trunc(kk, _I32) if kk.type.width > 32 else kk, _VI)
-        if has_vnni():
+        if has_vnni() and k != vi8:
             d = _call(builder, "llvm.x86.avx512.vpdpbusd.256", _VI,
                       [ir.Constant(_VI, [0] * 8), builder.bitcast(uu, _VI), builder.bitcast(ss, _VI)])
             return builder.mul(d, kk)
