@@ -1,11 +1,15 @@
 """The int8-activation CPU kernels (rows_int): activations quantized per 32, integer dots.
 
-References are independent: gguf-py's numpy dequantizer for the weights, float64 math, and
+References are independent: gguf-py's numpy dequantizer for the weights (Q1_0: tests/qref.py's,
+written from ggml's layout), float64 math, and
   - the same int8-quantized activations (q x d, from the kernels' quantizer, itself checked
     against round-to-nearest here): the kernels must agree to float32 summation order,
     TIGHT = 2e-5 x max |reference|;
   - the unquantized float32 activations: int8 rounding of the activations is the only
     difference, LOOSE = 2e-2 x max |reference| (llama.cpp's CPU dots quantize the same way).
+Weights come three ways: random codes with sane scales (authoring's random_blocks, as the
+benchmarks), the encoders' output for float rows of varying scale (authoring's encode), and random
+bytes in every field with random f16 scales (every code, scale and sign bit pattern).
 Every test sets the int8 path on itself (the suite's conftest keeps the float path for the
 model-level comparisons with transformers) and restores the setting after.
 """
@@ -17,12 +21,19 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gq
 from numba import njit
+from numba import types as nbt
+from numba.extending import intrinsic
 
+from gguf import GGML_QUANT_SIZES
+from moestream.authoring.quantize import ENCODABLE, encode
+from moestream.authoring.quantize_iq import set_d
 from moestream.decoder.bench.kernels import random_matrix
 from moestream.decoder.kernels.cpu import ffn as qk
 from moestream.decoder.kernels.cpu.simd import integer as si
 from moestream.decoder.kernels.cpu.rows_int import INT_TYPES, quantize_acts
 from moestream.decoder.kernels.cpu.simd.vectors import addr
+
+import qref
 
 TIGHT, LOOSE = 2e-5, 2e-2
 D, FF = 512, 256
@@ -40,8 +51,45 @@ def matrix(qtype: Q, n_out: int, n_in: int, seed: int) -> qk.QMatrix:
     return qk.QMatrix(random_matrix(qtype, n_out, n_in, np.random.default_rng(seed)), int(qtype), n_out, n_in)
 
 
+def encoded(qtype: Q, n_out: int, n_in: int, seed: int) -> qk.QMatrix:
+    """Float rows whose 32-weight blocks differ in scale (so the sub-block scales do), encoded."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n_out, n_in)) * np.exp(rng.uniform(-2.0, 2.0, (n_out, n_in // 32))).repeat(32, -1)
+    return qk.QMatrix(encode((0.02 * w).astype(np.float32), qtype).reshape(-1), int(qtype), n_out, n_in)
+
+
+# f16 fields (byte offsets in a block) set to random moderate values in random_bytes; IQ1_M's d
+# is spread over four nibbles (set_d), MXFP4's scale is an exponent byte, NVFP4's are UE4M3 bytes
+F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q2_K: (80, 82),
+              Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
+              Q.TQ1_0: (52,), Q.TQ2_0: (64,), Q.Q1_0: (0,), Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ2_S: (0,),
+              Q.IQ3_XXS: (0,), Q.IQ3_S: (0,), Q.IQ1_S: (0,), Q.IQ1_M: (), Q.MXFP4: (), Q.NVFP4: ()}
+
+
+def random_bytes(qtype: Q, n_out: int, n_in: int, seed: int) -> qk.QMatrix:
+    """Random bytes in every field; f16 scales random with |d| in 2^-14 .. 2^-8, either sign."""
+    rng = np.random.default_rng(seed)
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(n_out * n_in // block, type_size), dtype=np.uint8)
+
+    def scales() -> np.ndarray:
+        return (rng.choice([-1.0, 1.0], len(blocks)) * np.exp2(rng.uniform(-14, -8, len(blocks)))).astype(np.float16)
+
+    for off in F16_FIELDS[qtype]:
+        blocks[:, off:off + 2] = scales().view(np.uint8).reshape(-1, 2)
+    if qtype == Q.IQ1_M:
+        for i, d in enumerate(scales()):
+            set_d(blocks[i:i + 1], qtype, float(d))
+    if qtype == Q.MXFP4:
+        blocks[:, 0] = rng.integers(114, 122, len(blocks))  # 2^(e - 128): 2^-14 .. 2^-7
+    return qk.QMatrix(blocks.reshape(-1), int(qtype), n_out, n_in)
+
+
+MATRICES = {"random": matrix, "encoded": encoded, "bytes": random_bytes}
+
+
 def weights64(m: qk.QMatrix) -> np.ndarray:
-    return gq.dequantize(m.data, Q(m.qtype)).reshape(m.n_out, m.n_in).astype(np.float64)  # [n_out, n_in]
+    return qref.dequantize(m.data, Q(m.qtype)).reshape(m.n_out, m.n_in).astype(np.float64)  # [n_out, n_in]
 
 
 def dequant_acts(x: np.ndarray) -> np.ndarray:
@@ -94,6 +142,20 @@ def test_linear_matches_float64_references(qtype: Q, n: int) -> None:
 
 
 @pytest.mark.parametrize("qtype", INT_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("source", ["encoded", "bytes"])
+def test_encoded_and_random_byte_weights(qtype: Q, source: str) -> None:
+    """The encoders' blocks and random bytes (every scale and sign pattern), 4 rows at once."""
+    if source == "encoded" and qtype not in ENCODABLE:
+        pytest.skip(f"authoring has no {qtype.name} encoder")
+    m = MATRICES[source](qtype, 64, D, seed=100 + int(qtype))
+    x = activations(4, D, seed=11)  # [4, D]
+    got = qk.linear(x, m)  # [4, 64]
+    w = weights64(m)
+    assert_within(got, dequant_acts(x) @ w.T, TIGHT, f"{qtype.name} ({source}) vs int8-activation reference")
+    assert_within(got, x.astype(np.float64) @ w.T, LOOSE, f"{qtype.name} ({source}) vs float reference")
+
+
+@pytest.mark.parametrize("qtype", INT_TYPES, ids=lambda q: q.name)
 def test_expert_matches_float64_references(qtype: Q) -> None:
     """gate/up against the int8 reference (tight), the whole expert against the float one."""
     gate, up, down = matrix(qtype, FF, D, 1), matrix(qtype, FF, D, 2), matrix(qtype, D, FF, 3)
@@ -113,10 +175,16 @@ def test_expert_matches_float64_references(qtype: Q) -> None:
 
 
 # -- determinism --------------------------------------------------------------------------------
-def test_rows_threads_and_batches_do_not_change_bits() -> None:
+# Every int type in some group, each group with a float-path type (F16) beside it in the call.
+BIT_GROUPS = [[Q.Q4_K, Q.IQ2_XXS, Q.Q8_0, Q.IQ1_S, Q.Q6_K], [Q.Q1_0, Q.Q4_0, Q.Q2_K, Q.Q5_K, Q.TQ2_0, Q.TQ1_0]]
+_REST = [t for t in INT_TYPES if all(t not in g for g in BIT_GROUPS)]
+BIT_GROUPS = [g + [Q.F16] for g in BIT_GROUPS + [_REST[i:i + 5] for i in range(0, len(_REST), 5)]]
+
+
+@pytest.mark.parametrize("types", BIT_GROUPS, ids=lambda ts: "-".join(t.name for t in ts))
+def test_rows_threads_and_batches_do_not_change_bits(types: list[Q]) -> None:
     """A token's result is the same bits alone, in a group of 4 or of 2-3, in any order, on 1 or
     more threads, and beside other experts of other types in one call."""
-    types = [Q.Q4_K, Q.IQ2_XXS, Q.Q8_0, Q.IQ1_S, Q.Q6_K]  # Q6_K: a float-path type in the same call
     experts = [(matrix(t, FF, D, 10 + i), matrix(t, FF, D, 20 + i), matrix(t, D, FF, 30 + i))
                for i, t in enumerate(types)]
     base = np.concatenate([m.data for e in experts for m in e])
@@ -125,7 +193,8 @@ def test_rows_threads_and_batches_do_not_change_bits() -> None:
             for m, end in zip([m for e in experts for m in e], ends)]
     pool = [tuple(mats[i:i + 3]) for i in range(0, len(mats), 3)]
     x = activations(9, D, seed=3)  # [9, D]
-    idx = [np.array([4]), np.arange(7), np.array([8, 2, 5]), np.array([1, 0]), np.arange(9)]
+    rows = [np.array([4]), np.arange(7), np.array([8, 2, 5]), np.array([1, 0]), np.arange(9), np.array([6, 3, 0, 7, 1])]
+    idx = [rows[e % len(rows)] for e in range(len(pool))]
     got = qk.swiglu_experts(x, qk.expert_table(base, pool), idx)
     for e, r, y in zip(pool, idx, got):
         alone = np.concatenate([qk.swiglu_expert(x[[t]], *e) for t in r])
@@ -151,10 +220,30 @@ def test_switch_selects_the_float_path() -> None:
 
 
 # -- the integer dot on every instruction path ----------------------------------------------------
+@intrinsic
+def _i8_ld(typingctx, p):
+    """The 8 int32 at address p (test input for dpbusd_k's multipliers)."""
+    def codegen(context, builder, sig, args):
+        return builder.load(builder.inttoptr(args[0], si._VI.as_pointer()), align=4)
+
+    return si.vi8(p), codegen
+
+
+@intrinsic
+def _st_b(typingctx, p, off, v):
+    """Store the 32 bytes v at address p + off (test output)."""
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], builder.inttoptr(builder.add(args[0], args[1]), si._VB.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return nbt.none(p, off, v), codegen
+
+
 @pytest.mark.parametrize("features", [None, {"avx2"}, set()], ids=["host", "avx2", "generic"])
 def test_dpbusd_on_each_path(monkeypatch, features) -> None:
     """vpdpbusd, AVX2's vpmaddubsw + vpmaddwd, and plain IR give the same exact sums (unsigned
-    bytes <= 128, as the kernels keep them); the function is compiled afresh for each path."""
+    bytes <= 128, as the kernels keep them), also with per-lane scales (dpbusd_k); the 16-entry
+    lookup (vpshufb or per byte) and the bit expansion agree; each compiled afresh per path."""
     if features is not None:
         if "avx2" in features and not si.has_avx2():
             pytest.skip("the host has no AVX2")
@@ -176,6 +265,30 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
         out = np.zeros(1, np.float32)
         lanes(u, a, out)
         assert out[0] == float(np.dot(u.astype(np.int64), a.astype(np.int64)))
+
+    @njit(cache=False)
+    def scaled(u, a, k, out):  # dpbusd_k: lane i (4 bytes) times k[i]
+        v = si.dpbusd_k(si.ld_b(addr(u), 0), si.ld_b(addr(a), 0), _i8_ld(addr(k)))
+        out[0] = si.f8_hsum(si.f8_of_i(v))
+
+    @njit(cache=False)
+    def bytes_of(t, i, bits, out):  # b_lut16, b_bits
+        _st_b(addr(out), 0, si.b_lut16(si.ld_b(addr(t), 0), si.ld_b(addr(i), 0)))
+        _st_b(addr(out), 32, si.b_bits(bits))
+
+    for _ in range(20):
+        u = rng.integers(0, 129, 32).astype(np.uint8)
+        a = rng.integers(-127, 128, 32).astype(np.int8)
+        k = rng.integers(-32, 64, 8).astype(np.int32)
+        out = np.zeros(1, np.float32)
+        scaled(u, a, k, out)
+        assert out[0] == float((u.astype(np.int64) * a * np.repeat(k, 4)).sum())
+        t, i = np.tile(rng.integers(-128, 128, 16), 2).astype(np.int8), rng.integers(0, 16, 32).astype(np.uint8)
+        bits = int(rng.integers(0, 1 << 32))
+        got = np.zeros(64, np.int8)
+        bytes_of(t, i, bits, got)
+        np.testing.assert_array_equal(got[:32], t[i])
+        np.testing.assert_array_equal(got[32:], (bits >> np.arange(32)) & 1)
 
 
 

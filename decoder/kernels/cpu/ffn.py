@@ -27,10 +27,12 @@ Paths, picked per expert by its number of rows n:
         into one reused float32 buffer (parallel over rows) and multiplied by torch (BLAS):
         deterministic run to run for a given thread count.
 A call whose matrix is under SERIAL_BYTES runs on the calling thread alone (no pool thread is
-woken). In the fused path, the INT_TYPES (Q8_0 Q4_0 Q2_K Q4_K Q5_K Q6_K IQ2_XXS IQ1_S TQ2_0 TQ1_0;
-rows of a multiple of 256 weights) quantize each activation row to int8 once per call (per 32
-values, as llama.cpp's Q8_0) and dot it with the weight codes in integer arithmetic
-(rows_int: VNNI vpdpbusd where the CPU has it, 1.3-3x the float path's speed per core):
+woken). In the fused path, the INT_TYPES (Q8_0 Q4_0 Q2_K Q4_K Q5_K Q6_K IQ2_XXS IQ1_S TQ2_0 TQ1_0
+Q1_0 IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_M Q3_K IQ4_XS IQ4_NL Q4_1 Q5_0 Q5_1 MXFP4 NVFP4: every type
+with a native kernel but F32 F16 BF16; rows of a multiple of 256 weights) quantize each
+activation row to int8 once per call (per 32 values, as llama.cpp's Q8_0) and dot it with the
+weight codes in integer arithmetic (rows_int: VNNI vpdpbusd where the CPU has it, AVX2
+vpmaddubsw otherwise; 1.1-4x the float path's speed per core):
 results then match float64 math on the dequantized weights and the *quantized* activations to
 ~1e-6 of the output's scale, and the unquantized ones to ~1e-2 (llama.cpp's level), still
 deterministic. `set_int8_activations(False)` / MOESTREAM_CPU_EXACT=1 keep float32 activations

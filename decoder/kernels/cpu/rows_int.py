@@ -16,16 +16,32 @@ Blocks of 32, not llama.cpp's 256-wide Q8_K: the 8 block scales of a super-block
 load, as cheap as Q8_K's one scale with integer sub-scale multiplies, and an outlier only
 coarsens its own 32 activations.
 
-Weights as unsigned bytes (dpbusd's u8 side), per type, for sub-block j with weight scale c_j:
-  Q8_0     |q| with the activation's signs flipped where q < 0 (psignb)      c = d
+Weights as unsigned bytes (dpbusd's u8 side), per type, for sub-block j with weight scale c_j;
+"signed" = their magnitudes, with the activation bytes' signs flipped where the weight is < 0
+(psignb); "k" = integer scales per 16 weights, multiplied into the dot's int32 lanes (dpbusd_k:
+vpmaddwd by k instead of by 1 on AVX2):
+  Q8_0     q signed                                                     c = d
   Q4_0     nibble n, w = d (n - 8)            : c = d, offset -8 d x sum(a)
+  Q4_1     nibble n, w = d n + m              : c = d, offset m x sum(a)
+  Q5_0/Q5_1  n + 16 x fifth bit, w = d (n - 16) or d n + m: c = d, offset -16 d or m
   Q4_K/Q5_K  n (+16 x fifth bit), w = d sc n - dmin m: c = d sc, offset -dmin m x sum(a)
   Q2_K     sc q (<= 45) and, in a second dot, the mins m as bytes: w = d sc q - dmin m
-  Q6_K     |q - 32| with the activation's signs flipped where q < 32: c per 16 weights
-  IQ2_XXS  grid bytes (<= 43), signs applied to the activation bytes        c = d (0.5 + s) / 4
+  Q3_K     q (-4..3) signed, k = sc - 32 (-32..31)                      c = d
+  Q6_K     q - 32 signed: c per 16 weights (float: hsum4x8_halves)
+  Q1_0     bits b (0/1), w = d (2 b - 1)      : c = 2 d, offset -d x sum(a)
+  IQ4_NL   KV[n] (vpshufb, |KV| <= 127) signed                          c = d
+  IQ4_XS   KV[n] signed                                                 c = d (sc - 32)
+  IQ2_XXS  grid bytes (<= 43), signs applied to the activation bytes    c = d (0.5 + s) / 4
+  IQ2_XS, IQ2_S  grid bytes (<= 43), signs on the activations, k = 2 s + 1     c = d / 8
+  IQ3_XXS  grid bytes (<= 62), signs on the activations                 c = d (0.5 + s) / 2
+  IQ3_S    grid bytes (odd, <= 15), signs on the activations            c = d (1 + 2 s)
   IQ1_S    grid + 1 (0..2), w = dl (g + delta) : c = dl, offset dl (delta - 1) x sum(a)
+  IQ1_M    8 (g + delta) (|.| <= 9, delta per 8 weights) signed, k = 2 s + 1   c = d / 8
   TQ2_0, TQ1_0  q in 0..2, w = d (q - 1)       : c = d, offset -d x sum(a)
-A row's result is, per activation row, sum_j c_j d_a,j (W_j . q_j) plus the offsets: the same
+  MXFP4    E2M1 doubled (vpshufb, |.| <= 12) signed                     c = 2^(e - 128)
+  NVFP4    E2M1 doubled signed: c per 16 weights (UE4M3 / 2, float: hsum4x8_halves)
+Every unsigned byte stays <= 128 (AVX2's int16 pair sums), every lane sum < 2^24 (exact as float).
+A row's result is, per activation row, sum_j c_j d_a,j (W_j . q_j)_k plus the offsets: the same
 real number as the dequantized weights (gguf-py's) dotted with the dequantized int8 activation,
 up to float32 rounding of the scales and the sums (8 lanes, a fixed tree at the end). Every
 activation row runs the same operations whether alone or one of four, so a token's result
@@ -41,13 +57,18 @@ from numba import njit
 from .simd import blocks as blk
 from .simd import integer as s
 from .rows_base import _JIT
-from .rows_iq import GRID64_IQ2_XXS, GRID_IQ1_S
+from .rows_iq import GRID32_IQ3_S, GRID32_IQ3_XXS, GRID64_IQ1, GRID64_IQ2_S, GRID64_IQ2_XS, GRID64_IQ2_XXS, GRID_IQ1_S
 from .simd.vectors import addr, f16_at
 
 _Q8_0, _Q4_0, _Q4_K, _Q5_K, _Q6_K = int(Q.Q8_0), int(Q.Q4_0), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
 _Q2_K = int(Q.Q2_K)
 _IQ2_XXS, _IQ1_S, _TQ2_0, _TQ1_0 = int(Q.IQ2_XXS), int(Q.IQ1_S), int(Q.TQ2_0), int(Q.TQ1_0)
-INT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ1_S, Q.TQ2_0, Q.TQ1_0)
+_Q1_0, _IQ2_XS, _IQ2_S, _IQ3_XXS = int(Q.Q1_0), int(Q.IQ2_XS), int(Q.IQ2_S), int(Q.IQ3_XXS)
+_IQ3_S, _IQ1_M, _Q3_K, _IQ4_XS, _IQ4_NL = int(Q.IQ3_S), int(Q.IQ1_M), int(Q.Q3_K), int(Q.IQ4_XS), int(Q.IQ4_NL)
+_Q4_1, _Q5_0, _Q5_1, _MXFP4, _NVFP4 = int(Q.Q4_1), int(Q.Q5_0), int(Q.Q5_1), int(Q.MXFP4), int(Q.NVFP4)
+INT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ1_S, Q.TQ2_0, Q.TQ1_0, Q.Q1_0,
+             Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_M, Q.Q3_K, Q.IQ4_XS, Q.IQ4_NL,
+             Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.MXFP4, Q.NVFP4)
 # The per-super-block helpers are inlined by LLVM (forceinline: its alwaysinline attribute), not
 # by numba (inline="always"): numba deep-copies a callee's IR into every call site, which cost
 # ~12 s of compile per type kernel (8 dots x 4 rows of copies); compiled once per signature and
@@ -55,13 +76,20 @@ INT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ1_S,
 _INL = {**_JIT, "forceinline": True}
 # IQ1_S's code book {-1, 0, 1} plus one, as unsigned bytes: 8 per index, one uint64 per group
 GRID64_IQ1_S_P1 = (GRID_IQ1_S.astype(np.int16) + 1).astype(np.uint8).view(np.uint64)  # [2048]
-_EIGHTH, _INV127 = np.float32(0.125), np.float32(1.0 / 127.0)
+# IQ4_NL / IQ4_XS's code book (ggml's kvalues_iq4nl) as int8, twice: vpshufb looks up per 16 bytes
+KV2_IQ4NL = np.tile(np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), np.int8), 2)
+# MXFP4 / NVFP4's E2M1 values doubled (gguf-py's kvalues), twice
+KV2_E2M1 = np.tile(np.array((0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), np.int8), 2)
+_EIGHTH, _QUARTER, _INV127 = np.float32(0.125), np.float32(0.25), np.float32(1.0 / 127.0)
 
 
 @njit(**_JIT)
 def has_int(qtype):
     return (qtype == _Q8_0 or qtype == _Q4_0 or qtype == _Q2_K or qtype == _Q4_K or qtype == _Q5_K or qtype == _Q6_K
-            or qtype == _IQ2_XXS or qtype == _IQ1_S or qtype == _TQ2_0 or qtype == _TQ1_0)
+            or qtype == _IQ2_XXS or qtype == _IQ1_S or qtype == _TQ2_0 or qtype == _TQ1_0 or qtype == _Q1_0
+            or qtype == _IQ2_XS or qtype == _IQ2_S or qtype == _IQ3_XXS or qtype == _IQ3_S or qtype == _IQ1_M
+            or qtype == _Q3_K or qtype == _IQ4_XS or qtype == _IQ4_NL or qtype == _Q4_1 or qtype == _Q5_0
+            or qtype == _Q5_1 or qtype == _MXFP4 or qtype == _NVFP4)
 
 
 # -- activations ---------------------------------------------------------------------------------
@@ -96,22 +124,25 @@ def quantize_acts(x):
 # R = (q addresses of rows 0-3, d addresses 0-3, ds addresses 0-3); e = the super-block's element.
 # The activation bytes are used as they are (mode 0), with the signs of the int8 weights W
 # (mode 1: U holds their magnitudes), or negated where the sub-block's bits B are set (mode 2).
+# K: per sub-block integer multipliers of its lanes (dpbusd_k: lanes 0-3 = its first 16 weights,
+# 4-7 the last 16), for the types with a scale per 16 weights; _NK (all 1) for the others.
 @njit(**_INL)
-def _dp(U, W, B, a, e, j, mode):
+def _dp(U, W, B, K, a, e, j, mode):
     x = s.ld_b(a, e + 32 * j)
     if mode == 1:
         x = s.b_sign(x, W[j])
     elif mode == 2:
-        x = s.b_neg_where(x, B[j])
-    return s.dpbusd(s.i8_zero(), U[j], x)
+        x = s.b_sign(x, s.b_signs(B[j]))  # (+-1 bytes once per sub-block, one psignb per row)
+    return s.dpbusd_k(U[j], x, K[j])
 
 
 @njit(**_INL)
-def _sb_row(i, R, U, W, B, mode, c, cm, has_m, e, acc):
+def _sb_row(i, R, U, W, B, K, mode, c, cm, has_m, e, acc):
     a = R[i]
-    isum = s.hsum8x8((_dp(U, W, B, a, e, 0, mode), _dp(U, W, B, a, e, 1, mode), _dp(U, W, B, a, e, 2, mode),
-                      _dp(U, W, B, a, e, 3, mode), _dp(U, W, B, a, e, 4, mode), _dp(U, W, B, a, e, 5, mode),
-                      _dp(U, W, B, a, e, 6, mode), _dp(U, W, B, a, e, 7, mode)))
+    isum = s.hsum8x8((_dp(U, W, B, K, a, e, 0, mode), _dp(U, W, B, K, a, e, 1, mode),
+                      _dp(U, W, B, K, a, e, 2, mode), _dp(U, W, B, K, a, e, 3, mode),
+                      _dp(U, W, B, K, a, e, 4, mode), _dp(U, W, B, K, a, e, 5, mode),
+                      _dp(U, W, B, K, a, e, 6, mode), _dp(U, W, B, K, a, e, 7, mode)))
     acc = s.f8_fma(s.f8_mul(s.f8_of_i(isum), s.f8_ld(R[4 + i], (e >> 5) * 4)), c, acc)
     if has_m:
         acc = s.f8_fma(s.f8_ld(R[8 + i], (e >> 5) * 4), cm, acc)
@@ -119,13 +150,14 @@ def _sb_row(i, R, U, W, B, mode, c, cm, has_m, e, acc):
 
 
 @njit(**_INL)
-def _sb(U, W, B, mode, c, cm, has_m, e, nx, R, c0, c1, c2, c3):
-    """c_i += sum_j (U_j . a_i[e + 32j:]) c_j d_a,j + cm_j d_a,j sum(a_i[e + 32j:]) (has_m)."""
-    c0 = _sb_row(0, R, U, W, B, mode, c, cm, has_m, e, c0)
+def _sb(U, W, B, K, mode, c, cm, has_m, e, nx, R, c0, c1, c2, c3):
+    """c_i += sum_j (U_j . a_i[e + 32j:])_K c_j d_a,j + cm_j d_a,j sum(a_i[e + 32j:]) (has_m), the
+    dot's two 16-byte halves times K_j's lanes."""
+    c0 = _sb_row(0, R, U, W, B, K, mode, c, cm, has_m, e, c0)
     if nx > 1:
-        c1 = _sb_row(1, R, U, W, B, mode, c, cm, has_m, e, c1)
-        c2 = _sb_row(2, R, U, W, B, mode, c, cm, has_m, e, c2)
-        c3 = _sb_row(3, R, U, W, B, mode, c, cm, has_m, e, c3)
+        c1 = _sb_row(1, R, U, W, B, K, mode, c, cm, has_m, e, c1)
+        c2 = _sb_row(2, R, U, W, B, K, mode, c, cm, has_m, e, c2)
+        c3 = _sb_row(3, R, U, W, B, K, mode, c, cm, has_m, e, c3)
     return c0, c1, c2, c3
 
 
@@ -140,6 +172,7 @@ def _zeros():
 
 
 _NB = (np.int64(0),) * 8  # no sign bits
+_NK = (np.int64(1),) * 8  # no per-16 scales
 
 
 # -- types ---------------------------------------------------------------------------------------
@@ -154,7 +187,7 @@ def _q8_0(p, off, n_in, R, nx):
         U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
              s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
         c = s.f8_of_f16(p, o, 34)
-        c0, c1, c2, c3 = _sb(U, W, _NB, 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sb(U, W, _NB, _NK, 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 272
     return _fin(c0, c1, c2, c3)
 
@@ -169,7 +202,7 @@ def _q4_0(p, off, n_in, R, nx):
              s.nib16(p, o + 74), s.nib16(p, o + 92), s.nib16(p, o + 110), s.nib16(p, o + 128))
         c = s.f8_of_f16(p, o, 18)
         cm = s.f8_mul(c, s.f8_splat(np.float32(-8.0)))
-        c0, c1, c2, c3 = _sb(U, U, _NB, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 144
     return _fin(c0, c1, c2, c3)
 
@@ -211,7 +244,7 @@ def _q45_k(p, off, n_in, R, nx, five):
         sc, mn = _k4_scales(p, o + 4)
         c = s.f8_mul(s.f8_of_u8x8(sc), s.f8_splat(f16_at(p, o)))
         cm = s.f8_mul(s.f8_of_u8x8(mn), s.f8_splat(-f16_at(p, o + 2)))
-        c0, c1, c2, c3 = _sb(U, U, _NB, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
         o += size
     return _fin(c0, c1, c2, c3)
 
@@ -228,8 +261,8 @@ def _q6_w(p, ql, h, g):
 @njit(**_INL)
 def _q6_half(W, U, a, e, j):
     """hsum4x8_halves of sub-blocks j .. j + 3 (signed weights W, magnitudes U) against a[e:]."""
-    return s.hsum4x8_halves((_dp(U, W, _NB, a, e, j, 1), _dp(U, W, _NB, a, e, j + 1, 1),
-                             _dp(U, W, _NB, a, e, j + 2, 1), _dp(U, W, _NB, a, e, j + 3, 1)))
+    return s.hsum4x8_halves((_dp(U, W, _NB, _NK, a, e, j, 1), _dp(U, W, _NB, _NK, a, e, j + 1, 1),
+                             _dp(U, W, _NB, _NK, a, e, j + 2, 1), _dp(U, W, _NB, _NK, a, e, j + 3, 1)))
 
 
 @njit(**_INL)
@@ -281,9 +314,9 @@ def _q2_k(p, off, n_in, R, nx):
              s.b_mul(s.b_and(b, 3), S[4]), s.b_mul(s.b_and(s.b_shr(b, 2), 3), S[5]),
              s.b_mul(s.b_and(s.b_shr(b, 4), 3), S[6]), s.b_mul(s.b_shr(b, 6), S[7]))
         e = 256 * sb
-        c0, c1, c2, c3 = _sb(U, U, _NB, 0, s.f8_splat(f16_at(p, o + 80)), s.f8_zero(), False, e, nx, R,
+        c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, s.f8_splat(f16_at(p, o + 80)), s.f8_zero(), False, e, nx, R,
                              c0, c1, c2, c3)
-        c0, c1, c2, c3 = _sb(M, M, _NB, 0, s.f8_splat(-f16_at(p, o + 82)), s.f8_zero(), False, e, nx, R,
+        c0, c1, c2, c3 = _sb(M, M, _NB, _NK, 0, s.f8_splat(-f16_at(p, o + 82)), s.f8_zero(), False, e, nx, R,
                              c0, c1, c2, c3)
         o += 84
     return _fin(c0, c1, c2, c3)
@@ -302,7 +335,7 @@ def _iq2_xxs(p, off, n_in, R, nx):
         B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
              s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
         c = s.f8_mul(k, s.f8_splat(f16_at(p, o) * _EIGHTH))
-        c0, c1, c2, c3 = _sb(U, U, B, 2, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sb(U, U, B, _NK, 2, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 66
     return _fin(c0, c1, c2, c3)
 
@@ -319,7 +352,7 @@ def _iq1_s(p, off, n_in, R, nx):
         d = f16_at(p, o)
         c = s.f8_mul(k, s.f8_splat(d))
         cm = s.f8_mul(m, s.f8_splat(-(d * _EIGHTH)))
-        c0, c1, c2, c3 = _sb(U, U, _NB, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 50
     return _fin(c0, c1, c2, c3)
 
@@ -335,7 +368,7 @@ def _tq2_0(p, off, n_in, R, nx):
         U = (s.b_and(a, 3), s.b_and(s.b_shr(a, 2), 3), s.b_and(s.b_shr(a, 4), 3), s.b_shr(a, 6),
              s.b_and(b, 3), s.b_and(s.b_shr(b, 2), 3), s.b_and(s.b_shr(b, 4), 3), s.b_shr(b, 6))
         d = f16_at(p, o + 64)
-        c0, c1, c2, c3 = _sb(U, U, _NB, 0, s.f8_splat(d), s.f8_splat(-d), True, 256 * sb, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, s.f8_splat(d), s.f8_splat(-d), True, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 66
     return _fin(c0, c1, c2, c3)
 
@@ -347,9 +380,255 @@ def _tq1_0(p, off, n_in, R, nx):
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
         d = f16_at(p, o + 52)
-        c0, c1, c2, c3 = _sb(blk.tq1_codes(p, o), blk.tq1_codes(p, o), _NB, 0, s.f8_splat(d), s.f8_splat(-d), True,
+        c0, c1, c2, c3 = _sb(blk.tq1_codes(p, o), blk.tq1_codes(p, o), _NB, _NK, 0, s.f8_splat(d), s.f8_splat(-d), True,
                              256 * sb, nx, R, c0, c1, c2, c3)
         o += 54
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_JIT)
+def _q1_0(p, off, n_in, R, nx):
+    """18 B / 128: f16 d, 16 B of bits (weight j: bit j % 8 of byte j // 8): w = d (2 b - 1),
+    dotted as 2 d (b . a) - d sum(a); two blocks per 256 weights."""
+    o = np.int64(off)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        U = (s.b_bits(s.u32_at(p, o + 2)), s.b_bits(s.u32_at(p, o + 6)), s.b_bits(s.u32_at(p, o + 10)),
+             s.b_bits(s.u32_at(p, o + 14)), s.b_bits(s.u32_at(p, o + 20)), s.b_bits(s.u32_at(p, o + 24)),
+             s.b_bits(s.u32_at(p, o + 28)), s.b_bits(s.u32_at(p, o + 32)))
+        cm = s.f8_halves(-f16_at(p, o), -f16_at(p, o + 18))
+        c = s.f8_mul(cm, s.f8_splat(np.float32(-2.0)))
+        c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += 36
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_JIT)
+def _iq2_xs(p, off, n_in, R, nx):
+    """74 B / 256: f16 d, u16 qs[32] (per group of 8 a 9-bit grid index and a 7-bit ksigns
+    index), scales[8] (a nibble per 16 weights): w = d (0.5 + s) / 4 x grid x sign, dotted as
+    d / 8 x ((2 s + 1) per 16 x grid . signed a): the scales are dpbusd_k's lane multipliers."""
+    o, grid = np.int64(off), addr(GRID64_IQ2_XS)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        U, sg, K = blk.iq2xs_prep(p, o, grid)
+        B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
+             s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
+        c = s.f8_splat(f16_at(p, o) * _EIGHTH)
+        c0, c1, c2, c3 = _sb(U, U, B, K, 2, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += 74
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_JIT)
+def _iq2_s(p, off, n_in, R, nx):
+    """82 B / 256: f16 d, qs[32] and 2 bits of qh[8] per group: a 10-bit grid index, signs[32]
+    (8 sign bits per group), scales[8] as IQ2_XS's: w = d (0.5 + s) / 4 x grid x sign."""
+    o, grid = np.int64(off), addr(GRID64_IQ2_S)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        U, sg, K = blk.iq2s_prep(p, o, grid)
+        B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
+             s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
+        c = s.f8_splat(f16_at(p, o) * _EIGHTH)
+        c0, c1, c2, c3 = _sb(U, U, B, K, 2, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += 82
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_JIT)
+def _iq3_xxs(p, off, n_in, R, nx):
+    """98 B / 256: f16 d, qs[64] (an index into a grid of 4 bytes per 4 weights), u32 aux[8]
+    (4 x 7-bit ksigns indices, a 4-bit scale): w = d (0.5 + s) / 2 x grid x sign
+    = d / 4 x (2 s + 1) x grid x sign."""
+    o, grid = np.int64(off), addr(GRID32_IQ3_XXS)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        U, sg, k = blk.iq3xxs_prep(p, o, grid)
+        B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
+             s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
+        c = s.f8_mul(k, s.f8_splat(f16_at(p, o) * _QUARTER))
+        c0, c1, c2, c3 = _sb(U, U, B, _NK, 2, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += 98
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_JIT)
+def _iq3_s(p, off, n_in, R, nx):
+    """110 B / 256: f16 d, qs[64] with a bit of qh[8] each (9-bit indices into a grid of 4
+    bytes), signs[32], scales[4] (a nibble per sub-block): w = d (1 + 2 s) x grid x sign."""
+    o, grid = np.int64(off), addr(GRID32_IQ3_S)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        U, sg, k = blk.iq3s_prep(p, o, grid)
+        B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
+             s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
+        c = s.f8_mul(k, s.f8_splat(f16_at(p, o)))
+        c0, c1, c2, c3 = _sb(U, U, B, _NK, 2, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += 110
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_JIT)
+def _iq1_m(p, off, n_in, R, nx):
+    """56 B / 256: qs[32], qh[16] (per group of 8: 3 more index bits, the sign of its delta),
+    u16 sc[4] (3-bit scales per 16 weights, d in their top nibbles): w = d (2 s + 1)
+    (grid + delta), delta = +-1/8 per group, dotted as d / 8 x ((2 s + 1) per 16 x
+    8 (grid + delta) . a) with the signed codes 8 grid +- 1 (GRID64_IQ1; magnitudes <= 9)."""
+    o, grid = np.int64(off), addr(GRID64_IQ1)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        W, K, d = blk.iq1m_prep(p, o, grid)
+        U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
+             s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
+        c = s.f8_splat(d * _EIGHTH)
+        c0, c1, c2, c3 = _sb(U, W, _NB, K, 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += 56
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_INL)
+def _q3_w(p, o, hm, j):
+    """Q3_K sub-block j's codes as signed bytes: bits 2 (j % 4).. of qs[32 (j // 4) + l], less 4
+    where bit j of hmask[l] (hm) is clear: -4..3."""
+    q = s.b_and(s.b_shr(s.ld_b(p, o + 32 + 32 * (j // 4)), 2 * (j % 4)), 3)
+    return s.b_sub(s.b_or(q, s.b_shl(s.b_and(s.b_shr(hm, j), 1), 2)), 4)
+
+
+@njit(**_JIT)
+def _q3_k(p, off, n_in, R, nx):
+    """110 B / 256: hmask[32], qs[64] (2-bit codes as Q2_K's), 12 bytes of 6-bit scales (one per
+    16 weights), f16 d: w = d (sc - 32) q, q = code - 4 (hmask bit clear) or code. The signed
+    codes meet the activation's signs (psignb) and the scales are dpbusd_k's multipliers."""
+    o = np.int64(off)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        hm = s.ld_b(p, o)
+        W = (_q3_w(p, o, hm, 0), _q3_w(p, o, hm, 1), _q3_w(p, o, hm, 2), _q3_w(p, o, hm, 3),
+             _q3_w(p, o, hm, 4), _q3_w(p, o, hm, 5), _q3_w(p, o, hm, 6), _q3_w(p, o, hm, 7))
+        U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
+             s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
+        c = s.f8_splat(f16_at(p, o + 108))
+        c0, c1, c2, c3 = _sb(U, W, _NB, blk.q3k_scales(p, o + 96), 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += 110
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_INL)
+def _kv(t, p, o):
+    """The IQ4 code book's values of the 32 nibbles at p + o (nib16's order), as signed bytes."""
+    return s.b_lut16(t, s.nib16(p, o))
+
+
+@njit(**_JIT)
+def _iq4_xs(p, off, n_in, R, nx):
+    """136 B / 256: f16 d, u16 scales_h, scales_l[4] (6-bit scales, one per sub-block), qs[128]
+    (16 B per sub-block as Q4_0's): w = d (sc - 32) KV[q], KV (|KV| <= 127) looked up 32 codes
+    at a time (vpshufb) and dotted signed (psignb)."""
+    o, t = np.int64(off), s.ld_b(addr(KV2_IQ4NL), 0)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        W = (_kv(t, p, o + 8), _kv(t, p, o + 24), _kv(t, p, o + 40), _kv(t, p, o + 56),
+             _kv(t, p, o + 72), _kv(t, p, o + 88), _kv(t, p, o + 104), _kv(t, p, o + 120))
+        U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
+             s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
+        c = s.f8_mul(blk.iq4xs_scales(p, o + 2), s.f8_splat(f16_at(p, o)))
+        c0, c1, c2, c3 = _sb(U, W, _NB, _NK, 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += 136
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_JIT)
+def _iq4_nl(p, off, n_in, R, nx):
+    """18 B / 32: f16 d, 16 B of nibbles as Q4_0's: w = d KV[q]."""
+    o, t = np.int64(off), s.ld_b(addr(KV2_IQ4NL), 0)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        W = (_kv(t, p, o + 2), _kv(t, p, o + 20), _kv(t, p, o + 38), _kv(t, p, o + 56),
+             _kv(t, p, o + 74), _kv(t, p, o + 92), _kv(t, p, o + 110), _kv(t, p, o + 128))
+        U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
+             s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
+        c = s.f8_of_f16(p, o, 18)
+        c0, c1, c2, c3 = _sb(U, W, _NB, _NK, 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += 144
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_INL)
+def _q5_0_u(p, o):
+    """A Q5_0 / Q5_1 block's 32 codes: its nibbles at p + o + 4 (nib16's order) with the fifth
+    bits of the u32 at p + o (bit j: element j) on top."""
+    return s.b_or(s.nib16(p, o + 4), s.b_shl(s.b_bits(s.u32_at(p, o)), 4))
+
+
+@njit(**_JIT)
+def _q4_1_q5(p, off, n_in, R, nx, five, has_min):
+    """Q4_1 (20 B / 32: f16 d, f16 m, 16 B of nibbles), Q5_0 (22 B: d, u32 of fifth bits,
+    nibbles) and Q5_1 (24 B: d, m, fifth bits, nibbles): w = d n + m (Q4_1, Q5_1) or
+    d (n - 16) (Q5_0), the offset m (-16 d) x sum(a)."""
+    o = np.int64(off)
+    c0, c1, c2, c3 = _zeros()
+    size = (24 if has_min else 22) if five else 20
+    q = 4 if has_min else 2  # the fifth bits, or (Q4_1) the nibbles
+    for sb in range(n_in // 256):
+        if five:
+            U = (_q5_0_u(p, o + q), _q5_0_u(p, o + q + size), _q5_0_u(p, o + q + 2 * size),
+                 _q5_0_u(p, o + q + 3 * size), _q5_0_u(p, o + q + 4 * size), _q5_0_u(p, o + q + 5 * size),
+                 _q5_0_u(p, o + q + 6 * size), _q5_0_u(p, o + q + 7 * size))
+        else:
+            U = (s.nib16(p, o + 4), s.nib16(p, o + 24), s.nib16(p, o + 44), s.nib16(p, o + 64),
+                 s.nib16(p, o + 84), s.nib16(p, o + 104), s.nib16(p, o + 124), s.nib16(p, o + 144))
+        c = s.f8_of_f16(p, o, size)
+        cm = s.f8_of_f16(p, o + 2, size) if has_min else s.f8_mul(c, s.f8_splat(np.float32(-16.0)))
+        c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += 8 * size
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_JIT)
+def _mxfp4(p, off, n_in, R, nx):
+    """17 B / 32: an E8M0 exponent e, 16 B of E2M1 nibbles (nib16's order): w = 2^(e - 128) x
+    KV2[n] (the doubled E2M1 values, |KV2| <= 12, looked up with vpshufb, dotted signed)."""
+    o, t = np.int64(off), s.ld_b(addr(KV2_E2M1), 0)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        W = (_kv(t, p, o + 1), _kv(t, p, o + 18), _kv(t, p, o + 35), _kv(t, p, o + 52),
+             _kv(t, p, o + 69), _kv(t, p, o + 86), _kv(t, p, o + 103), _kv(t, p, o + 120))
+        U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
+             s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
+        c = blk.e8m0_halves(p, o, 17)
+        c0, c1, c2, c3 = _sb(U, W, _NB, _NK, 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        o += 136
+    return _fin(c0, c1, c2, c3)
+
+
+@njit(**_INL)
+def _nv_w(t, p, o, j):
+    """NVFP4 sub-block j (of 256 weights) as signed KV2 codes: the second or first half of
+    block j // 2's 32 code bytes."""
+    return s.b_lut16(t, blk.nib8x2(p, o + 36 * (j // 2) + 4 + 16 * (j % 2)))
+
+
+@njit(**_JIT)
+def _nvfp4(p, off, n_in, R, nx):
+    """36 B / 64: 4 UE4M3 scales (one per 16 weights), 32 B of E2M1 nibbles (8 B per 16 weights:
+    the low nibbles first): w = UE4M3(s) / 2 x KV2[n]. Float scales per 16 weights: summed per
+    16 as Q6_K's (hsum4x8_halves), four blocks per 256."""
+    o, t = np.int64(off), s.ld_b(addr(KV2_E2M1), 0)
+    c0, c1, c2, c3 = _zeros()
+    for sb in range(n_in // 256):
+        W = (_nv_w(t, p, o, 0), _nv_w(t, p, o, 1), _nv_w(t, p, o, 2), _nv_w(t, p, o, 3),
+             _nv_w(t, p, o, 4), _nv_w(t, p, o, 5), _nv_w(t, p, o, 6), _nv_w(t, p, o, 7))
+        U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
+             s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
+        cA, cB = blk.nvfp4_scales(p, o)
+        e = 256 * sb
+        c0 = _q6_row(0, R, U, W, cA, cB, e, c0)
+        if nx > 1:
+            c1 = _q6_row(1, R, U, W, cA, cB, e, c1)
+            c2 = _q6_row(2, R, U, W, cA, cB, e, c2)
+            c3 = _q6_row(3, R, U, W, cA, cB, e, c3)
+        o += 144
     return _fin(c0, c1, c2, c3)
 
 
@@ -376,6 +655,34 @@ def int_dots(qtype, p, off, n_in, R, nx):
         return _iq1_s(p, off, n_in, R, nx)
     if qtype == _TQ1_0:
         return _tq1_0(p, off, n_in, R, nx)
+    if qtype == _Q1_0:
+        return _q1_0(p, off, n_in, R, nx)
+    if qtype == _IQ2_XS:
+        return _iq2_xs(p, off, n_in, R, nx)
+    if qtype == _IQ2_S:
+        return _iq2_s(p, off, n_in, R, nx)
+    if qtype == _IQ3_XXS:
+        return _iq3_xxs(p, off, n_in, R, nx)
+    if qtype == _IQ3_S:
+        return _iq3_s(p, off, n_in, R, nx)
+    if qtype == _IQ1_M:
+        return _iq1_m(p, off, n_in, R, nx)
+    if qtype == _Q3_K:
+        return _q3_k(p, off, n_in, R, nx)
+    if qtype == _IQ4_XS:
+        return _iq4_xs(p, off, n_in, R, nx)
+    if qtype == _IQ4_NL:
+        return _iq4_nl(p, off, n_in, R, nx)
+    if qtype == _Q4_1:
+        return _q4_1_q5(p, off, n_in, R, nx, False, True)
+    if qtype == _Q5_0:
+        return _q4_1_q5(p, off, n_in, R, nx, True, False)
+    if qtype == _Q5_1:
+        return _q4_1_q5(p, off, n_in, R, nx, True, True)
+    if qtype == _MXFP4:
+        return _mxfp4(p, off, n_in, R, nx)
+    if qtype == _NVFP4:
+        return _nvfp4(p, off, n_in, R, nx)
     return _tq2_0(p, off, n_in, R, nx)
 
 

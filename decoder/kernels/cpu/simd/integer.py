@@ -12,6 +12,8 @@ runs a 512-bit operation as two 256-bit halves anyway.
                                  keep weight bytes <= 128, so 2 x 128 x 127 fits)
   anything else                  plain widening IR (exact, slower)
 so nothing needs a compiler at install time, and a CPU without the instruction never sees it.
+`dpbusd_k` also multiplies each int32 lane by an integer (the types with a scale per 16 weights):
+vpmaddwd by those scales instead of by 1 on AVX2, a lane multiply after vpdpbusd with VNNI.
 numba's on-disk cache is keyed by CPU name and features, so a cache moved between machines
 recompiles. Every operation is exact integer arithmetic or one IEEE float operation in a fixed
 order: results do not depend on the path taken.
@@ -166,21 +168,6 @@ def _bin_b(op: str):
 
 
 b_and, b_or, b_shr, b_shl, b_add, b_sub = (intrinsic(_bin_b(op)) for op in ("and_", "or_", "lshr", "shl", "add", "sub"))
-
-
-@intrinsic
-def b_neg_where(typingctx, a, bits):
-    """a with byte k negated where bit k of the 32-bit integer `bits` is set (sign masks)."""
-    if a != vb or not isinstance(bits, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        m = args[1]
-        m = builder.trunc(m, _I32) if m.type.width > 32 else builder.zext(m, _I32) if m.type.width < 32 else m
-        mask = builder.bitcast(m, _V1)
-        return builder.select(mask, builder.sub(ir.Constant(_VB, [0] * 32), args[0]), args[0])
-
-    return vb(a, bits), codegen
 
 
 @intrinsic
@@ -542,3 +529,101 @@ def b_mul(typingctx, a, b):
         return builder.mul(args[0], args[1])
 
     return vb(a, b), codegen
+
+
+# -- per-16 integer scales, bit masks, 16-entry tables ----------------------------------------------
+@intrinsic
+def dpbusd_k(typingctx, u, s, k):
+    """dpbusd(0, u, s) with lane i multiplied by k[i] (k: 8 int32 lanes, or one integer for all):
+    the sub-block's integer scales folded into its sums (lanes 0-3 cover bytes 0-15, lanes 4-7
+    bytes 16-31: a scale per 16 weights). With AVX2 the multiply is vpmaddwd's own (the int16
+    pair sums times k instead of times 1), VNNI CPUs included (vpdpbusd then vpmulld would be
+    3 uops, not 2); an integer k takes vpdpbusd where there is one; elsewhere a lane multiply.
+    Exact on every path while u <= 128 and |k| < 2^15 (the callers' scales are < 64)."""
+    if u != vb or s != vb or not (k == vi8 or isinstance(k, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        uu, ss, kk = args
+        if k != vi8:
+            kk = _splat(builder, builder.trunc(kk, _I32) if kk.type.width > 32 else kk, _VI)
+        if has_vnni() and k != vi8:
+            d = _call(builder, "llvm.x86.avx512.vpdpbusd.256", _VI,
+                      [ir.Constant(_VI, [0] * 8), builder.bitcast(uu, _VI), builder.bitcast(ss, _VI)])
+            return builder.mul(d, kk)
+        if has_avx2():
+            pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _VW, [uu, ss])
+            k16 = builder.or_(builder.and_(kk, ir.Constant(_VI, [0xFFFF] * 8)),
+                              builder.shl(kk, ir.Constant(_VI, [16] * 8)))  # k in both int16 halves
+            return _call(builder, "llvm.x86.avx2.pmadd.wd", _VI, [pairs, builder.bitcast(k16, _VW)])
+        wide = ir.VectorType(_I32, 32)
+        prod = builder.mul(builder.zext(uu, wide), builder.sext(ss, wide))
+        out = ir.Constant(_VI, [0] * 8)
+        for q in range(4):
+            out = builder.add(out, builder.shuffle_vector(prod, prod, ir.Constant(_VI, list(range(q, 32, 4)))))
+        return builder.mul(out, kk)
+
+    return vi8(u, s, k), codegen
+
+
+@intrinsic
+def b_bits(typingctx, bits):
+    """The 32 bits of an integer as bytes 0 / 1 (byte k = bit k)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        m = args[0]
+        m = builder.trunc(m, _I32) if m.type.width > 32 else builder.zext(m, _I32) if m.type.width < 32 else m
+        return builder.zext(builder.bitcast(m, _V1), _VB)
+
+    return vb(bits), codegen
+
+
+@intrinsic
+def b_signs(typingctx, bits):
+    """Bytes -1 where bit k of the 32-bit integer `bits` is set, else +1 (b_sign's sign operand)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        m = args[0]
+        m = builder.trunc(m, _I32) if m.type.width > 32 else builder.zext(m, _I32) if m.type.width < 32 else m
+        return builder.or_(builder.sext(builder.bitcast(m, _V1), _VB), ir.Constant(_VB, [1] * 32))
+
+    return vb(bits), codegen
+
+
+@intrinsic
+def b_lut16(typingctx, table, idx):
+    """table[idx] bytewise for idx bytes 0..15, `table` holding its 16 entries in both 16-byte
+    halves (vpshufb looks up within each half)."""
+    if table != vb or idx != vb:
+        return None
+
+    def codegen(context, builder, sig, args):
+        t, i = args
+        if has_avx2():
+            return _call(builder, "llvm.x86.avx2.pshuf.b", _VB, [t, i])
+        out = ir.Constant(_VB, ir.Undefined)
+        for k in range(32):
+            j = builder.and_(builder.extract_element(i, ir.Constant(_I32, k)), ir.Constant(_I8, 15))
+            j = builder.add(builder.zext(j, _I32), ir.Constant(_I32, 16 * (k // 16)))
+            out = builder.insert_element(out, builder.extract_element(t, j), ir.Constant(_I32, k))
+        return out
+
+    return vb(table, idx), codegen
+
+
+@intrinsic
+def f8_halves(typingctx, lo, hi):
+    """lo in lanes 0-3, hi in lanes 4-7 (float32)."""
+    if not isinstance(lo, types.Float) or not isinstance(hi, types.Float):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a, b = (x if x.type == _F32 else builder.fptrunc(x, _F32) for x in args)
+        return builder.shuffle_vector(_splat(builder, a, _VF), _splat(builder, b, _VF),
+                                      ir.Constant(_VI, [0, 1, 2, 3, 12, 13, 14, 15]))
+
+    return vf8(lo, hi), codegen
