@@ -40,7 +40,7 @@ from . import rows_iq as _iq
 from . import rows_q as rq
 from .rows_base import _JIT, _JIT_EXACT, _U, _as_f32, _e2m1x2, _f16, _fi, _i8, _opaque
 from .rows_dot import fused_dots, has_fused
-from .rows_int import act_rows, has_int, int_dots, quantize_acts
+from .rows_int import act_rows, has_int, int_dots, int_rows1, quantize_acts
 from .simd.vectors import addr, hsum, ld_f32
 from .simd.vectors import add as vadd
 from .simd.vectors import fma as vfma
@@ -429,6 +429,19 @@ def _row_dots(q, data, off, n_in, x, row_idx, r0, r1, res, wbuf, acts, use_int):
         res[k - r0] = dot(wbuf, x[row_idx[k]], n_in)
 
 
+@njit(inline="always", **_JIT)
+def _one_row_int(row_ptr, e, qa, qb, n_in, use_int):
+    """Expert e has one activation row and its matrices qa, qb take the int8 dots: its span of
+    weight rows goes to int_rows1 in one call per matrix."""
+    return use_int and row_ptr[e + 1] - row_ptr[e] == 1 and has_int(qa) and has_int(qb) and n_in % 256 == 0
+
+
+@njit(inline="always", **_JIT)
+def _row_acts(acts, i):
+    """R (rows_int) with activation row i of the quantized `acts` in every place."""
+    return act_rows(acts[0], acts[1], acts[2], i, i, i, i)
+
+
 @njit(**_JIT)
 def _acts(x, qts, c0, c1, row_ptr, use_int):
     """x's rows quantized to int8 (quantize_acts) when use_int and some expert with rows has an
@@ -479,13 +492,24 @@ def _gate_up_span(w, n_workers, gdata, udata, offs, qts, x, row_ptr, row_idx, ff
     total = _total_cost(row_ptr, ff)
     lo, hi = total * np.int64(w) // n_workers, total * (np.int64(w) + 1) // n_workers
     wbuf = np.empty(max(d, 16), np.float32)  # [d] a decoded row (types without a fused dot)
-    rg = np.empty(_max_rows(row_ptr), np.float32)  # [n_e] gate rows' dots with the expert's rows
-    ru = np.empty_like(rg)  # [n_e] up's
+    rg = np.empty(max(_max_rows(row_ptr), ff), np.float32)  # [n_e] gate rows' dots with the expert's rows
+    ru = np.empty_like(rg)  # [n_e] up's; or [j1 - j0] a one-row expert's span of rows
     start = 0
     for e in range(offs.shape[0]):
         j0, j1, start_next = _span(row_ptr, e, ff, start, lo, hi)
         gq, uq, go, uo = qts[e, 0], qts[e, 1], offs[e, 0], offs[e, 1]
         gb, ub = row_bytes(gq, d), row_bytes(uq, d)
+        r0 = row_ptr[e]
+        if j1 > j0 and _one_row_int(row_ptr, e, gq, uq, d, use_int):  # a decode step's expert: whole spans
+            R = _row_acts(acts, row_idx[r0])
+            int_rows1(gq, addr(gdata), go + j0 * gb, gb, j1 - j0, d, R, rg)
+            int_rows1(uq, addr(udata), uo + j0 * ub, ub, j1 - j0, d, R, ru)
+            for j in range(j0, j1):
+                bg = bias[e, 0, j] if has_bias else np.float32(0.0)
+                bu = bias[e, 1, j] if has_bias else np.float32(0.0)
+                h[r0, j] = _act(rg[j - j0] + bg, ru[j - j0] + bu, act)
+            start = start_next
+            continue
         ahead = max(1, _PREFETCH_BYTES // (gb + ub))
         for j in range(j0, min(j1, j0 + ahead)):  # the span's first rows
             prefetch_row(gdata, go + j * gb, gb)
@@ -523,13 +547,20 @@ def _down_span(w, n_workers, ddata, offs, qts, h, row_ptr, n_out, n_in, y, bias,
     total = _total_cost(row_ptr, n_out)
     lo, hi = total * np.int64(w) // n_workers, total * (np.int64(w) + 1) // n_workers
     wbuf = np.empty(max(n_in, 16), np.float32)  # [n_in] a decoded row (types without a fused dot)
-    res = np.empty(_max_rows(row_ptr), np.float32)  # [n_e]
+    res = np.empty(max(_max_rows(row_ptr), n_out), np.float32)  # [n_e], or a one-row expert's span
     ident = np.arange(h.shape[0])  # h's rows are the experts' rows in order
     start = 0
     for e in range(offs.shape[0]):
         j0, j1, start_next = _span(row_ptr, e, n_out, start, lo, hi)
         q, o = qts[e, 2], offs[e, 2]
         b = row_bytes(q, n_in)
+        r0 = row_ptr[e]
+        if j1 > j0 and _one_row_int(row_ptr, e, q, q, n_in, use_int):  # a decode step's expert: one call
+            int_rows1(q, addr(ddata), o + j0 * b, b, j1 - j0, n_in, _row_acts(acts, r0), res)
+            for j in range(j0, j1):
+                y[r0, j] = res[j - j0] + (bias[e, j] if has_bias else np.float32(0.0))
+            start = start_next
+            continue
         ahead = max(1, _PREFETCH_BYTES // b)
         for j in range(j0, min(j1, j0 + ahead)):
             prefetch_row(ddata, o + j * b, b)

@@ -291,6 +291,27 @@ def f8_hsum(typingctx, a):
     return types.float32(a), codegen
 
 
+@intrinsic
+def prefetch_lines(typingctx, p, off, nbytes):
+    """Ask for the cache lines of the nbytes at address p + off (llvm.prefetch: read, keep in all
+    levels): each weight row is a short stream, and the next is not asked for until this one is
+    dotted, so the hardware prefetcher alone leaves the dots waiting on memory."""
+    if not _ints(p, off, nbytes):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i8p = _I8.as_pointer()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+                                            "llvm.prefetch.p0i8")
+        start, size = _i64(builder, args[1]), _i64(builder, args[2])
+        with cgutils.for_range_slice(builder, ir.Constant(_I64, 0), size, ir.Constant(_I64, 64), intp=_I64) as (c, _):
+            q = builder.bitcast(_ptr(builder, args[0], builder.add(start, c), _I8), i8p)
+            builder.call(fn, [q, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(p, off, nbytes), codegen
+
+
 # -- scalars at addresses ---------------------------------------------------------------------------
 def _ld_scalar(llty, nbty, signed: bool):
     def typer(typingctx, p, off):
