@@ -128,6 +128,25 @@ def _run_once() -> None:
     moe.weigh(x, np.ones(1, np.float32), picks)
     moe.scatter_add(np.zeros((1, d), np.float32), rows, x)
     cpu.rows_within(rows, 1)
+    _run_step_kernels(x)
+
+
+def _run_step_kernels(x) -> None:
+    """The compiled steps of a CPU forward pass around the matrices (kernels/cpu/attention.py,
+    the routing), with the argument types the model passes: one token of one 32-wide head."""
+    import numpy as np
+
+    from .kernels.cpu import attention as att
+    from .kernels.cpu import moe
+
+    att.rms_norm_rows(x, x[0], 1e-6)
+    qkv, rope = np.ones((1, 96), np.float32), np.ones((1, 32), np.float32)  # [B, 3 hd], [B, hd]
+    kv = np.zeros((1, 1, 1, 32), np.float32)  # [B, Hkv, C, hd]
+    valid = np.ones((1, 1), np.bool_)
+    for run in (att._decode_attention, att._decode_attention_par):
+        run(qkv, 1, 1, 32, x[0], x[0], att.QK_HEAD, 1e-6, rope, rope, att.ROPE_NEOX, kv, kv.copy(), valid, 0,
+            np.empty((1, 32), np.float32))
+    moe.route(x[:, :8].copy(), 2, moe.ROUTE_SOFTMAX, True)
 
 
 def main(argv: list[str] | None = None) -> int:

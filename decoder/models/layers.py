@@ -11,9 +11,10 @@ a pad key. Pad rows skip the MoE block entirely, so they never fetch an expert.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -35,9 +36,20 @@ def embed(tokens: torch.Tensor, w: "torch.Tensor | QuantWeight", dtype: torch.dt
     return w.rows(tokens, dtype) if isinstance(w, QuantWeight) else F.embedding(tokens, w)
 
 
+def _cpu_f32(*ts: torch.Tensor) -> bool:
+    """All on the CPU as float32: the compiled CPU steps (`kernels.cpu.attention`) apply."""
+    return all(t.dtype == torch.float32 and t.is_cpu for t in ts)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in float32 (as llama.cpp and HF do)."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:  # one op, the same bits (checked here)
+    if _cpu_f32(x, weight) and weight.dim() == 1 and not x.requires_grad:  # a torch op costs ~10x more
+        from ..kernels.cpu.attention import rms_norm_rows
+
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [N, n] (reshape: ~3 us)
+        out = rms_norm_rows(rows.contiguous().numpy(), weight.contiguous().numpy(), eps)
+        return torch.from_numpy(out) if x.dim() == 2 else torch.from_numpy(out).reshape(x.shape)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:  # one op
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -100,6 +112,7 @@ class KVCache:
     valid: torch.Tensor  # [B, capacity] bool: a real token (not padding) sits there
     next_pos: torch.Tensor  # [B] int64: rope position of each sequence's next real token
     length: int = 0  # cache entries filled (same for every sequence)
+    _arrays: dict = field(default_factory=dict, repr=False, compare=False)  # layer -> numpy views (CPU)
 
     @classmethod
     def empty(cls, n_layer: int, batch: int, n_kv: int, head_dim: int, capacity: int,
@@ -115,6 +128,14 @@ class KVCache:
     @property
     def capacity(self) -> int:
         return self.valid.shape[1]
+
+    def arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Layer's k, v [B, Hkv, C, hd] and valid [B, C] as numpy views of the same memory (CPU
+        tensors, updated in place, never replaced): made once, not on every decode step."""
+        got = self._arrays.get(layer)
+        if got is None:
+            got = self._arrays[layer] = (self.k[layer].numpy(), self.v[layer].numpy(), self.valid.numpy())
+        return got
 
     def advance(self, valid: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Reserve T entries for tokens with mask `valid` [B, T]; return their positions [B, T] and start."""
@@ -199,6 +220,7 @@ class StepAttn:
     cos: torch.Tensor  # [B, T, hd]
     sin: torch.Tensor  # [B, T, hd]
     mask: torch.Tensor  # [B, 1, rep*T, S] bool, rows repeated for the query heads folded per kv head
+    rope_rows: tuple[np.ndarray, np.ndarray] | None = None  # a CPU decode step's (cos, sin) [B, rope_dim] arrays
 
 
 def step_attn(a: AttnShape, cache: KVCache, positions: torch.Tensor, start: int) -> StepAttn:
@@ -209,7 +231,8 @@ def step_attn(a: AttnShape, cache: KVCache, positions: torch.Tensor, start: int)
     rep = a.n_head // a.n_head_kv
     if rep > 1:  # query rows of one kv head: rep heads x T tokens, head-major (see `attention`)
         mask = mask.repeat(1, 1, rep, 1)  # [B, 1, rep*T, S]
-    return StepAttn(start, T, cos, sin, mask)
+    rows = (cos[:, 0].contiguous().numpy(), sin[:, 0].contiguous().numpy()) if T == 1 and _cpu_f32(cos) else None
+    return StepAttn(start, T, cos, sin, mask, rows)
 
 
 def attention(x: torch.Tensor, w: Weights, a: AttnShape, layer: int, cache: KVCache, st: StepAttn) -> torch.Tensor:
@@ -218,6 +241,8 @@ def attention(x: torch.Tensor, w: Weights, a: AttnShape, layer: int, cache: KVCa
     GQA without copying K/V: the `rep` query heads that share a kv head are folded into its
     query rows ([B, Hkv, rep*T, hd]), so every query attends to its kv head's keys as they are.
     """
+    if st.rope_rows is not None and _cpu_f32(x):  # a CPU decode step: one compiled call after the projections
+        return _proj(_decode_attention(x, w, a, layer, cache, st), w, "attn_output")  # [B, d]
     B, T, start = x.shape[0] // st.T, st.T, st.start
     q, k, v = _qkv(x, w, a, B, T)
     q, k = apply_rope(q, st.cos, st.sin, a.rope), apply_rope(k, st.cos, st.sin, a.rope)  # [B, H(kv), T, hd]
@@ -233,6 +258,34 @@ def attention(x: torch.Tensor, w: Weights, a: AttnShape, layer: int, cache: KVCa
     return _proj(out, w, "attn_output")  # [N, d]
 
 
+def _qkv_rows(x: torch.Tensor, w: Weights) -> torch.Tensor:
+    """The q, k and v projections side by side [N, (H + 2 Hkv) hd]: one stacked weight's output
+    as it comes, when there are no biases to add."""
+    wq = w["attn_q"]
+    group = wq.group if isinstance(wq, QuantWeight) else None
+    if group is not None and group is getattr(w["attn_k"], "group", None) is getattr(w["attn_v"], "group", None) \
+            and not any(f"attn_{p}.bias" in w for p in "qkv"):
+        return group.linear(x)
+    return torch.cat(_qkv_proj(x, w), dim=-1)
+
+
+def _decode_attention(x: torch.Tensor, w: Weights, a: AttnShape, layer: int, cache: KVCache,
+                      st: StepAttn) -> torch.Tensor:
+    """`attention` of one token per sequence (x [B, d]) before the output projection: [B, H*hd]."""
+    from ..kernels.cpu.attention import QK_NORM, ROPE, decode_attention
+
+    qkv = _qkv_rows(x, w).contiguous().numpy()  # [B, (H + 2 Hkv) hd]
+    mode = QK_NORM[a.qk_norm]
+    qn, kn = (w["attn_q_norm"].numpy(), w["attn_k_norm"].numpy()) if mode else (_NO_NORM, _NO_NORM)
+    (cos, sin), (kc, vc, valid) = st.rope_rows, cache.arrays(layer)  # [B, rope_dim] x2; numpy views
+    out = decode_attention(qkv, a.n_head, a.n_head_kv, a.head_dim, qn, kn, mode, a.eps, cos, sin, ROPE[a.rope],
+                           kc, vc, valid, st.start)
+    return torch.from_numpy(out)  # [B, H*hd]
+
+
+_NO_NORM = np.zeros(1, np.float32)
+
+
 # -- MoE -----------------------------------------------------------------------------------
 def route_softmax(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over all experts then top-k: weights [N, k] (in logits' dtype) and expert ids [N, k].
@@ -240,6 +293,8 @@ def route_softmax(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tup
     With `norm_topk_prob` the k weights are renormalized (equal to a softmax over the top-k
     logits: Mixtral, Qwen3-MoE); without, they stay shares of all experts (Qwen2-MoE, OLMoE).
     """
+    if _cpu_f32(logits):
+        return _route_cpu(logits, top_k, "softmax", norm_topk_prob)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, E]
     weights, ids = torch.topk(probs, top_k, dim=-1)  # [N, k], [N, k]
     if norm_topk_prob:
@@ -250,6 +305,8 @@ def route_softmax(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tup
 def route_topk_softmax(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of the logits, then a softmax over those k (gpt-oss; `norm_topk_prob` is moot: the
     weights always sum to 1): weights [N, k] (in logits' dtype) and expert ids [N, k]."""
+    if _cpu_f32(logits):
+        return _route_cpu(logits, top_k, "topk_softmax", norm_topk_prob)
     top, ids = torch.topk(logits, top_k, dim=-1)  # [N, k], [N, k]
     return torch.softmax(top, dim=-1, dtype=torch.float32).to(logits.dtype), ids
 
@@ -257,11 +314,22 @@ def route_topk_softmax(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -
 def route_topk_sigmoid(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of the logits, each weighted by its own sigmoid (Llama 4; not renormalized):
     weights [N, k] (in logits' dtype) and expert ids [N, k]."""
+    if _cpu_f32(logits):
+        return _route_cpu(logits, top_k, "topk_sigmoid", norm_topk_prob)
     top, ids = torch.topk(logits, top_k, dim=-1)  # [N, k], [N, k]
     weights = torch.sigmoid(top.float())  # [N, k]
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), ids
+
+
+def _route_cpu(logits: torch.Tensor, top_k: int, kind: str, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing function `kind` in one compiled loop (`kernels.cpu.moe.route_rows`): the same
+    choice and weights as the torch ops, up to float32 rounding."""
+    from ..kernels.cpu.moe import ROUTE_KINDS, route
+
+    weights, ids = route(logits.contiguous().numpy(), top_k, ROUTE_KINDS[kind], norm)  # [N, k], [N, k]
+    return torch.from_numpy(weights), torch.from_numpy(ids)
 
 
 Router = Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]

@@ -65,6 +65,62 @@ def scatter_add(out, rows, ys):
             out[r, j] += ys[i, j]
 
 
+ROUTE_SOFTMAX, ROUTE_TOPK_SOFTMAX, ROUTE_TOPK_SIGMOID = 0, 1, 2
+ROUTE_KINDS = {"softmax": ROUTE_SOFTMAX, "topk_softmax": ROUTE_TOPK_SOFTMAX, "topk_sigmoid": ROUTE_TOPK_SIGMOID}
+
+
+@njit(**_JIT)
+def _top_k(row, k, ids):
+    """ids[:k] = the indices of row's k largest values, largest first (ties: the lower index)."""
+    taken = np.zeros(row.size, np.bool_)
+    for j in range(k):
+        best = -1
+        for e in range(row.size):
+            if not taken[e] and (best < 0 or row[e] > row[best]):
+                best = e
+        ids[j] = best
+        taken[best] = True
+
+
+@njit(**_JIT)
+def route_rows(logits, k, kind, norm, weights, ids):
+    """A router's choice for each row of logits [N, E] float32: ids [N, k] int64 (largest
+    first) and weights [N, k] float32, as `models.layers`' routing function `kind` computes
+    them (ROUTE_*: softmax over all then top-k, renormalized with `norm`; top-k then a softmax
+    over those k; top-k each weighted by its sigmoid, renormalized with `norm`)."""
+    for r in range(logits.shape[0]):
+        row = logits[r]
+        _top_k(row, k, ids[r])
+        if kind == ROUTE_TOPK_SIGMOID:
+            for j in range(k):
+                weights[r, j] = np.float32(1.0) / (np.float32(1.0) + np.exp(-row[ids[r, j]]))
+        else:
+            top = row[ids[r, 0]]  # the largest logit, of the k and of all
+            total = np.float32(0.0)
+            if kind == ROUTE_SOFTMAX:
+                for e in range(row.size):
+                    total += np.exp(row[e] - top)
+            for j in range(k):
+                weights[r, j] = np.exp(row[ids[r, j]] - top)
+                if kind == ROUTE_TOPK_SOFTMAX:
+                    total += weights[r, j]
+            for j in range(k):
+                weights[r, j] /= total
+        if norm and kind != ROUTE_TOPK_SOFTMAX:
+            total = np.float32(0.0)
+            for j in range(k):
+                total += weights[r, j]
+            for j in range(k):
+                weights[r, j] /= total
+
+
+def route(logits: np.ndarray, k: int, kind: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
+    """`route_rows` into new arrays: (weights [N, k] float32, ids [N, k] int64)."""
+    weights, ids = np.empty((logits.shape[0], k), np.float32), np.empty((logits.shape[0], k), np.int64)
+    route_rows(logits, k, kind, norm, weights, ids)
+    return weights, ids
+
+
 @dataclass(frozen=True)
 class Routed:
     """A layer call's routing grouped by expert, as the CPU kernels take it: no per-expert objects.

@@ -164,7 +164,7 @@ class Model(MoETransformer):
         if rep > 1:  # rows of one kv head: rep heads x T tokens, head-major (as layers.step_attn)
             mask = mask.repeat(1, 1, rep, 1)  # [B, 1, rep*T, S]
             swa = swa.repeat(1, 1, rep, 1) if swa is not None else None
-        return GptOssStep(start, T, cos.to(self.dtype), sin.to(self.dtype), mask, swa)
+        return GptOssStep(start, T, cos.to(self.dtype), sin.to(self.dtype), mask, swa_mask=swa)
 
     def attend(self, layer: int, x: torch.Tensor, cache: KVCache, st: StepAttn) -> torch.Tensor:
         """Biased GQA with sinks (and the sliding window on even layers): rows x [N, d] -> [N, d]."""

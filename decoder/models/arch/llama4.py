@@ -115,8 +115,8 @@ class Model(MoETransformer):
         cos, sin = self._rope(positions, self.hparams.rope_base)
         cos_swa, sin_swa = self._rope(positions, self.base_swa)
         temp = torch.log(torch.floor((positions.float() + 1.0) / TEMP_FLOOR) + 1.0) * TEMP_SCALE + 1.0  # [B, T]
-        return Llama4Step(start, T, cos, sin, mask.repeat(1, 1, rep, 1), chunk_mask, cos_swa, sin_swa,
-                          temp[:, None, :, None])
+        return Llama4Step(start, T, cos, sin, mask.repeat(1, 1, rep, 1), chunk_mask=chunk_mask, cos_swa=cos_swa,
+                          sin_swa=sin_swa, temp=temp[:, None, :, None])
 
     def attend(self, layer: int, x: torch.Tensor, cache: KVCache, st: StepAttn) -> torch.Tensor:
         w, a = self.layers[layer], self.attn
