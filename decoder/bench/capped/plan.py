@@ -96,7 +96,7 @@ class Plan:
 
     def env(self) -> dict[str, str]:
         """Both sides' environment: the same threads, and none of the decoder package's own
-        defaults (its OMP_WAIT_POLICY would slow llama.cpp's OpenMP threads; moestream's
+        defaults (its GOMP_SPINCOUNT is not llama.cpp's default; moestream's
         processes set it again themselves)."""
         from ... import OWN_DEFAULTS
 

@@ -64,8 +64,8 @@ from .simd.integer import dot_path
 
 # numba's 'omp' threading layer first, also when TBB is installed: 'workqueue' threads sleep on
 # a condition variable and took ~0.2 ms per launch here (2x slower experts), and a layer of torch
-# ops then experts ran 40 % slower with it than with 'omp'. The decoder package sets libgomp's
-# OMP_WAIT_POLICY=PASSIVE (no spinning beside a busy process; see decoder/__init__.py). Takes
+# ops then experts ran 40 % slower with it than with 'omp'. The decoder package bounds libgomp's
+# spinning between regions (GOMP_SPINCOUNT; see decoder/__init__.py). Takes
 # effect when numba starts its pool (first parallel kernel); a NUMBA_THREADING_LAYER_PRIORITY or
 # NUMBA_THREADING_LAYER set by the user still wins.
 _PRIORITY = "omp tbb workqueue"
