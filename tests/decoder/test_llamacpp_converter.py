@@ -14,8 +14,7 @@ else (the tensors and metadata are the converter's own).
 
 from __future__ import annotations
 
-import concurrent.futures
-
+import json
 import os
 import subprocess
 import sys
@@ -84,15 +83,25 @@ CASES = {
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), "llama4", ()),
 }
 
-WRAPPER = '''import runpy, sys
-root = sys.argv.pop(1)
+# Runs the converter for every job given as JSON [(tokenizer.ggml.pre or "-", its argv), ...] in one
+# process: its imports (torch, transformers: ~10 s) are paid once, not once per architecture.
+WRAPPER = '''import json, runpy, sys, traceback
+root, jobs = sys.argv[1], json.loads(sys.argv[2])
 sys.path[:0] = [root, root + "/gguf-py"]
 import conversion.base as base
-pre = sys.argv.pop(1)
-if pre != "-":
-    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
-sys.argv[0] = root + "/convert_hf_to_gguf.py"
-runpy.run_path(sys.argv[0], run_name="__main__")
+get_pre = base.TextModel.get_vocab_base_pre
+failed = 0
+for pre, argv in jobs:
+    base.TextModel.get_vocab_base_pre = get_pre if pre == "-" else (lambda self, tokenizer, pre=pre: pre)
+    sys.argv = [root + "/convert_hf_to_gguf.py", *argv]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        failed += e.code not in (None, 0)
+    except Exception:
+        traceback.print_exc()
+        failed += 1
+sys.exit(1 if failed else 0)
 '''
 
 
@@ -103,12 +112,7 @@ def converter(tmp_path_factory) -> Path:
     if given:
         return Path(given)
     where = tmp_path_factory.mktemp("llama-cpp")
-    try:  # well inside the test timeout: a slow index skips this, it does not fail the run
-        got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                              "-d", str(where), SDIST], capture_output=True, text=True, timeout=180)
-        why = got.stderr.strip()[-200:] if got.returncode else ""
-    except subprocess.TimeoutExpired:
-        why = "download took over 180 s"
+    why = _fetch_sdist(where)
     archives = list(where.glob("*.tar.gz"))
     if why or not archives:
         pytest.skip(f"llama.cpp's converter not available ({SDIST} not downloadable: {why})")
@@ -118,6 +122,35 @@ def converter(tmp_path_factory) -> Path:
         tar.extractall(where, members=keep, filter="data")
     archives[0].unlink()
     return next(where.glob("*/vendor/llama.cpp"))
+
+
+def _fetch_sdist(where: Path) -> str:
+    """Download the sdist into `where`; "" or why not. The index's JSON page first (PEP 691: the
+    file's URL and sha256), since `pip download` of an sdist builds the package's metadata in an
+    isolated environment first (~50 s); pip itself where that page cannot be had."""
+    import hashlib
+    import urllib.request
+
+    name, version = SDIST.split("==")
+    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    want = f"{name.replace('-', '_')}-{version}.tar.gz"
+    try:
+        req = urllib.request.Request(f"{index}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            f = next(f for f in json.load(r)["files"] if f["filename"] == want)
+        with urllib.request.urlopen(f["url"], timeout=120) as r:
+            data = r.read()
+        if hashlib.sha256(data).hexdigest() == f["hashes"]["sha256"]:
+            (where / want).write_bytes(data)
+            return ""
+    except Exception:  # an index without the JSON page, no network: pip decides
+        pass
+    try:  # well inside the test timeout: a slow index skips this, it does not fail the run
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                              "-d", str(where), SDIST], capture_output=True, text=True, timeout=180)
+        return got.stderr.strip()[-200:] if got.returncode else ""
+    except subprocess.TimeoutExpired:
+        return "download took over 180 s"
 
 
 def _corpus() -> str:
@@ -200,16 +233,13 @@ def converted(converter, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         out[arch] = (root / arch, root / f"{arch}.gguf")
         _checkpoint(arch, out[arch][0])
 
-    def convert(arch: str) -> subprocess.CompletedProcess:
-        (_, _, _, pre, flags), (hf_dir, gguf) = CASES[arch], out[arch]
-        return subprocess.run([sys.executable, str(root / "convert.py"), str(converter), pre or "-", str(hf_dir),
-                               "--outfile", str(gguf), "--outtype", "f32", *flags], capture_output=True, text=True,
-                              timeout=300)
-
-    # two at a time: each is mostly the converter's imports (torch, transformers) in a process of its own
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        for arch, run in zip(CASES, pool.map(convert, CASES)):
-            assert run.returncode == 0, f"{arch}: the converter failed:\n{run.stderr[-2000:]}"
+    jobs = [(CASES[arch][3] or "-", [str(hf), "--outfile", str(gguf), "--outtype", "f32", *CASES[arch][4]])
+            for arch, (hf, gguf) in out.items()]
+    run = subprocess.run([sys.executable, str(root / "convert.py"), str(converter), json.dumps(jobs)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"the converter failed:\n{run.stderr[-3000:]}"
+    missing = [arch for arch, (_, gguf) in out.items() if not gguf.is_file()]
+    assert not missing, f"the converter wrote no file for {missing}:\n{run.stderr[-3000:]}"
     return out
 
 
