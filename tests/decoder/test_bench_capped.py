@@ -167,6 +167,21 @@ def test_the_bound_takes_the_uncapped_compute_rate_when_measured():
     assert "uncapped, warm" in report.format_report(r)
 
 
+def test_uncapped_alone_runs_no_cap_and_measures_no_disk(tiny_model):
+    args = bc.build_parser().parse_args(["--model", str(tiny_model), "--uncapped"])
+    assert bc.check_args(args)[1] == []
+    args = bc.build_parser().parse_args(["--model", str(tiny_model)])
+    assert [text for text, _ in bc.check_args(args)[1]] == ["50%"]
+    r = _result(with_llamacpp=True)
+    del r["bandwidth"]
+    r["caps"] = []
+    r["uncapped"] = {"moestream": {"decode_tok_s": 8.0, "prefill_s": 0.25, "runs": [{"decode_tok_s": 7.5}]},
+                     "llamacpp": {"decode_tok_s": 10.0, "prefill_s": 0.15, "runs": [{"decode_tok_s": 9.5}]},
+                     "ratio": 0.8}
+    text = report.format_report(r)
+    assert "bandwidth" not in text and "moestream runs: 7.50; prefill 0.250 s" in text and "llama.cpp runs: 9.50" in text
+
+
 def test_report_without_llamacpp_has_one_column():
     text = report.format_report(_result(with_llamacpp=False))
     assert "llama.cpp" not in text.split("cap 50%")[1] and "moestream" in text

@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--model", required=True, help="GGUF MoE file")
     a("--memory", action="append", dest="caps", metavar="CAP",
-      help="memory cap: a share of the model file (50%%) or a size (1.5GiB); repeat for several caps (default 50%%)")
+      help="memory cap: a share of the model file (50%%) or a size (1.5GiB); repeat for several caps (default 50%%, "
+      "none with --uncapped: then only the uncapped comparison runs)")
     a("--llamacpp", action="store_true", help="run llama.cpp (llama-cpp-python) under the same caps, interleaved")
     a("--uncapped", action="store_true", help="add a warm, uncapped phase: moestream --resident beside llama.cpp")
     a("-n", "--tokens", type=int, default=64, help="tokens generated per run (default 64)")
@@ -180,7 +181,7 @@ def check_args(args: argparse.Namespace) -> tuple[Any, list[tuple[str, int]], in
     args.sampling = sampling_for(args.routing, args.sampling)
     args.prefetch = prefetch_for(args.routing, args.prefetch)
     layout = ModelLayout(args.model)
-    caps = [(text, parse_cap(text, layout.file_size)) for text in (args.caps or ["50%"])]
+    caps = [(text, parse_cap(text, layout.file_size)) for text in (args.caps or ([] if args.uncapped else ["50%"]))]
     for text, cap in caps:
         if cap <= layout.dense_bytes:
             raise UsageError(f"cap {text} = {fmt_bytes(cap)} is smaller than the model's dense weights alone "
@@ -337,10 +338,11 @@ def measure(args: argparse.Namespace, layout: Any, caps: list[tuple[str, int]], 
     splits = {text: split_budget(cap, warm["decoder_bytes"], warm["daemon_bytes"], headroom,
                                  ex.slot_bytes(plan.direct), min_slots, ex.n_blobs, text)
               for text, cap in caps}
-    cold()
-    out["bandwidth"] = disk_bandwidth(layout, args.seed)
-    cold()
-    out["bandwidth_demand"] = disk_bandwidth(layout, args.seed + 1, 64 << 20, shape_of(layout).demand_depth)
+    if caps:  # (the disk matters to the capped runs only)
+        cold()
+        out["bandwidth"] = disk_bandwidth(layout, args.seed)
+        cold()
+        out["bandwidth_demand"] = disk_bandwidth(layout, args.seed + 1, 64 << 20, shape_of(layout).demand_depth)
     if args.uncapped:
         out["uncapped"] = uncapped_phase(plan, layout, args)
     runs = capped_runs(plan, layout, parent, splits, caps, args, cold, notes)

@@ -120,10 +120,11 @@ def _header(r: dict[str, Any]) -> list[str]:
     if not r.get("capped", True):
         lines.append("no cap (--no-cap): --memory sizes moestream's arena only; llama.cpp's page cache takes what the "
                      "machine has")
-    bw = r["bandwidth"]
-    lines.append(f"disk: {r['disk'] or 'no block device (per-process /proc/PID/io counters)'}; bandwidth "
-                 f"{bw['bytes_per_s'] / 1e9:.2f} GB/s (cold preads of {fmt_bytes(bw['bytes'])} of random experts, "
-                 f"{bw['depth']} in flight)")
+    bw = r.get("bandwidth")
+    if bw:
+        lines.append(f"disk: {r['disk'] or 'no block device (per-process /proc/PID/io counters)'}; bandwidth "
+                     f"{bw['bytes_per_s'] / 1e9:.2f} GB/s (cold preads of {fmt_bytes(bw['bytes'])} of random experts, "
+                     f"{bw['depth']} in flight)")
     lines.append(f"memory measured in the uncapped warm-up: decoder {fmt_bytes(w['decoder_bytes'])}, daemon "
                  f"{fmt_bytes(w['daemon_bytes'])} (peak RssAnon + last RssFile, arena excluded; peak RssAnon + RssFile "
                  f"{fmt_bytes(w.get('decoder_peak_bytes'))} and {fmt_bytes(w.get('daemon_peak_bytes'))})")
@@ -135,7 +136,13 @@ def _uncapped_lines(u: dict[str, Any]) -> list[str]:
     row = f"uncapped, warm (moestream --resident): moestream {_num(ms.get('decode_tok_s'), '.2f')} tok/s"
     if ll is not None:
         row += f", llama.cpp {_num(ll.get('decode_tok_s'), '.2f')} tok/s, ratio {_num(u.get('ratio'), '.2f')}"
-    return [row]
+    lines = [row]
+    for name, side in (("moestream", ms), ("llama.cpp", ll)):
+        runs = [run.get("decode_tok_s") for run in (side or {}).get("runs", [])]
+        if runs:
+            lines.append(f"  {name} runs: " + ", ".join(_num(v, ".2f") for v in runs)
+                         + f"; prefill {_num(side.get('prefill_s'), '.3f')} s")
+    return lines
 
 
 def cap_table(cap: dict[str, Any], r: dict[str, Any]) -> list[str]:
