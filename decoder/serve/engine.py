@@ -64,6 +64,7 @@ class Engine:
         self.inbox: queue.SimpleQueue[Sequence | None] = queue.SimpleQueue()
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
+        self._traffic: dict[str, float] | None = None  # the bank's counters after the last step (engine thread)
         self.failure: str | None = None  # set when the engine can no longer run (the source is gone)
         self._stop = False
         self._start_error: BaseException | None = None  # what failed while building the parts
@@ -235,10 +236,13 @@ class Engine:
         dev = p.model.device
         steps = [(torch.tensor([toks], dtype=torch.int64, device=dev), s.cache) for s, toks in batch]  # [1, T_i]
         client = p.bank.client
-        before_used, before = p.observer.bytes, expert_counters(p.bank.stats(), getattr(client, "bytes_received", None))
+        before_used = p.observer.bytes
+        # From the last step's counters, not fresh ones: a prefetch that lands between two steps
+        # (asked for by the first, or cancelled and fetched anew) is the next step's, never nobody's.
+        before = self._traffic or expert_counters(p.bank.stats(), getattr(client, "bytes_received", None))
         p.bank.begin_step()  # the engine owns the step: sequences joined and left before it
         logits = p.model.forward_many(steps, p.observer)  # [S, V]
-        after = expert_counters(p.bank.stats(), getattr(client, "bytes_received", None))
+        after = self._traffic = expert_counters(p.bank.stats(), getattr(client, "bytes_received", None))
         deltas = {k: max(0.0, after[k] - before[k]) / len(batch) for k in after}
         used = p.observer.bytes - before_used
         for s, _ in batch:
