@@ -80,7 +80,12 @@ GRID64_IQ1_S_P1 = (GRID_IQ1_S.astype(np.int16) + 1).astype(np.uint8).view(np.uin
 KV2_IQ4NL = np.tile(np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), np.int8), 2)
 # MXFP4 / NVFP4's E2M1 values doubled (gguf-py's kvalues), twice
 KV2_E2M1 = np.tile(np.array((0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), np.int8), 2)
-PREFETCH_BYTES = 8192  # how far ahead of the row being dotted a span's rows are prefetched
+# Each super-block step asks for the lines PREFETCH_BYTES past the bytes it reads: a steady stream
+# a few lines at a time. Asking for a whole row ahead as each row starts was slower, the more so
+# the farther and the wider the rows (Intel VM, 2 threads, `bench kernels`, Q8_0 of the bound:
+# 1024-wide rows 0.46 a row 8 KB ahead, 0.73 a row 2 KB ahead, 0.72 per step 2 KB ahead; 4096-wide
+# 0.61 a row ahead, 0.78 per step).
+PREFETCH_BYTES = 2048
 _EIGHTH, _QUARTER, _INV127 = np.float32(0.125), np.float32(0.25), np.float32(1.0 / 127.0)
 
 
@@ -183,6 +188,7 @@ def _q8_0(p, off, n_in, R, nx):
     o = np.int64(off)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 272)
         W = (s.ld_b(p, o + 2), s.ld_b(p, o + 36), s.ld_b(p, o + 70), s.ld_b(p, o + 104),
              s.ld_b(p, o + 138), s.ld_b(p, o + 172), s.ld_b(p, o + 206), s.ld_b(p, o + 240))
         U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
@@ -199,6 +205,7 @@ def _q4_0(p, off, n_in, R, nx):
     o = np.int64(off)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 144)
         U = (s.nib16(p, o + 2), s.nib16(p, o + 20), s.nib16(p, o + 38), s.nib16(p, o + 56),
              s.nib16(p, o + 74), s.nib16(p, o + 92), s.nib16(p, o + 110), s.nib16(p, o + 128))
         c = s.f8_of_f16(p, o, 18)
@@ -233,6 +240,7 @@ def _q45_k(p, off, n_in, R, nx, five):
     c0, c1, c2, c3 = _zeros()
     size = 176 if five else 144
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, size)
         q = o + 48 if five else o + 16
         k0, k1, k2, k3 = s.ld_b(p, q), s.ld_b(p, q + 32), s.ld_b(p, q + 64), s.ld_b(p, q + 96)
         if five:
@@ -281,6 +289,7 @@ def _q6_k(p, off, n_in, R, nx):
     o = np.int64(off)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 210)
         h0, h1 = s.ld_b(p, o + 128), s.ld_b(p, o + 160)
         W = (_q6_w(p, o, h0, 0), _q6_w(p, o, h0, 1), _q6_w(p, o, h0, 2), _q6_w(p, o, h0, 3),
              _q6_w(p, o + 64, h1, 0), _q6_w(p, o + 64, h1, 1), _q6_w(p, o + 64, h1, 2), _q6_w(p, o + 64, h1, 3))
@@ -308,6 +317,7 @@ def _q2_k(p, off, n_in, R, nx):
     o = np.int64(off)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 84)
         S, M = blk.q2k_scales(p, o)
         a, b = s.ld_b(p, o + 16), s.ld_b(p, o + 48)
         U = (s.b_mul(s.b_and(a, 3), S[0]), s.b_mul(s.b_and(s.b_shr(a, 2), 3), S[1]),
@@ -332,6 +342,7 @@ def _iq2_xxs(p, off, n_in, R, nx):
     o, grid = np.int64(off), addr(GRID64_IQ2_XXS)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 66)
         U, sg, k = blk.iq2xxs_prep(p, o, grid)
         B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
              s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
@@ -349,6 +360,7 @@ def _iq1_s(p, off, n_in, R, nx):
     o, grid = np.int64(off), addr(GRID64_IQ1_S_P1)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 50)
         U, k, m = blk.iq1s_prep(p, o, grid)
         d = f16_at(p, o)
         c = s.f8_mul(k, s.f8_splat(d))
@@ -365,6 +377,7 @@ def _tq2_0(p, off, n_in, R, nx):
     o = np.int64(off)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 66)
         a, b = s.ld_b(p, o), s.ld_b(p, o + 32)
         U = (s.b_and(a, 3), s.b_and(s.b_shr(a, 2), 3), s.b_and(s.b_shr(a, 4), 3), s.b_shr(a, 6),
              s.b_and(b, 3), s.b_and(s.b_shr(b, 2), 3), s.b_and(s.b_shr(b, 4), 3), s.b_shr(b, 6))
@@ -380,6 +393,7 @@ def _tq1_0(p, off, n_in, R, nx):
     o = np.int64(off)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 54)
         d = f16_at(p, o + 52)
         c0, c1, c2, c3 = _sb(blk.tq1_codes(p, o), blk.tq1_codes(p, o), _NB, _NK, 0, s.f8_splat(d), s.f8_splat(-d), True,
                              256 * sb, nx, R, c0, c1, c2, c3)
@@ -394,6 +408,7 @@ def _q1_0(p, off, n_in, R, nx):
     o = np.int64(off)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 36)
         U = (s.b_bits(s.u32_at(p, o + 2)), s.b_bits(s.u32_at(p, o + 6)), s.b_bits(s.u32_at(p, o + 10)),
              s.b_bits(s.u32_at(p, o + 14)), s.b_bits(s.u32_at(p, o + 20)), s.b_bits(s.u32_at(p, o + 24)),
              s.b_bits(s.u32_at(p, o + 28)), s.b_bits(s.u32_at(p, o + 32)))
@@ -412,6 +427,7 @@ def _iq2_xs(p, off, n_in, R, nx):
     o, grid = np.int64(off), addr(GRID64_IQ2_XS)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 74)
         U, sg, K = blk.iq2xs_prep(p, o, grid)
         B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
              s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
@@ -428,6 +444,7 @@ def _iq2_s(p, off, n_in, R, nx):
     o, grid = np.int64(off), addr(GRID64_IQ2_S)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 82)
         U, sg, K = blk.iq2s_prep(p, o, grid)
         B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
              s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
@@ -445,6 +462,7 @@ def _iq3_xxs(p, off, n_in, R, nx):
     o, grid = np.int64(off), addr(GRID32_IQ3_XXS)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 98)
         U, sg, k = blk.iq3xxs_prep(p, o, grid)
         B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
              s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
@@ -461,6 +479,7 @@ def _iq3_s(p, off, n_in, R, nx):
     o, grid = np.int64(off), addr(GRID32_IQ3_S)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 110)
         U, sg, k = blk.iq3s_prep(p, o, grid)
         B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
              s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
@@ -479,6 +498,7 @@ def _iq1_m(p, off, n_in, R, nx):
     o, grid = np.int64(off), addr(GRID64_IQ1)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 56)
         W, K, d = blk.iq1m_prep(p, o, grid)
         U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
              s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
@@ -504,6 +524,7 @@ def _q3_k(p, off, n_in, R, nx):
     o = np.int64(off)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 110)
         hm = s.ld_b(p, o)
         W = (_q3_w(p, o, hm, 0), _q3_w(p, o, hm, 1), _q3_w(p, o, hm, 2), _q3_w(p, o, hm, 3),
              _q3_w(p, o, hm, 4), _q3_w(p, o, hm, 5), _q3_w(p, o, hm, 6), _q3_w(p, o, hm, 7))
@@ -529,6 +550,7 @@ def _iq4_xs(p, off, n_in, R, nx):
     o, t = np.int64(off), s.ld_b(addr(KV2_IQ4NL), 0)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 136)
         W = (_kv(t, p, o + 8), _kv(t, p, o + 24), _kv(t, p, o + 40), _kv(t, p, o + 56),
              _kv(t, p, o + 72), _kv(t, p, o + 88), _kv(t, p, o + 104), _kv(t, p, o + 120))
         U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
@@ -545,6 +567,7 @@ def _iq4_nl(p, off, n_in, R, nx):
     o, t = np.int64(off), s.ld_b(addr(KV2_IQ4NL), 0)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 144)
         W = (_kv(t, p, o + 2), _kv(t, p, o + 20), _kv(t, p, o + 38), _kv(t, p, o + 56),
              _kv(t, p, o + 74), _kv(t, p, o + 92), _kv(t, p, o + 110), _kv(t, p, o + 128))
         U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
@@ -572,6 +595,7 @@ def _q4_1_q5(p, off, n_in, R, nx, five, has_min):
     size = (24 if has_min else 22) if five else 20
     q = 4 if has_min else 2  # the fifth bits, or (Q4_1) the nibbles
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 8 * size)
         if five:
             U = (_q5_0_u(p, o + q), _q5_0_u(p, o + q + size), _q5_0_u(p, o + q + 2 * size),
                  _q5_0_u(p, o + q + 3 * size), _q5_0_u(p, o + q + 4 * size), _q5_0_u(p, o + q + 5 * size),
@@ -593,6 +617,7 @@ def _mxfp4(p, off, n_in, R, nx):
     o, t = np.int64(off), s.ld_b(addr(KV2_E2M1), 0)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 136)
         W = (_kv(t, p, o + 1), _kv(t, p, o + 18), _kv(t, p, o + 35), _kv(t, p, o + 52),
              _kv(t, p, o + 69), _kv(t, p, o + 86), _kv(t, p, o + 103), _kv(t, p, o + 120))
         U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
@@ -618,6 +643,7 @@ def _nvfp4(p, off, n_in, R, nx):
     o, t = np.int64(off), s.ld_b(addr(KV2_E2M1), 0)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 144)
         W = (_nv_w(t, p, o, 0), _nv_w(t, p, o, 1), _nv_w(t, p, o, 2), _nv_w(t, p, o, 3),
              _nv_w(t, p, o, 4), _nv_w(t, p, o, 5), _nv_w(t, p, o, 6), _nv_w(t, p, o, 7))
         U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
@@ -647,11 +673,8 @@ def int_rows1(qtype, p, off, rb, n, n_in, R, out):
     activation row 0 of R: a decode step's matrix span in one call. The type's code is inlined
     here with one activation row as a constant, so it keeps no other rows' accumulators, and the
     dispatch on the type is a predicted branch, not a call per row (2.7x int_dots' rate per row
-    on 1024-wide Q8_0 rows). The row PREFETCH_BYTES ahead is asked for as each row starts."""
-    ahead = max(1, PREFETCH_BYTES // rb)
+    on 1024-wide Q8_0 rows)."""
     for i in range(n):
-        if i + ahead < n:
-            s.prefetch_lines(p, off + (i + ahead) * rb, rb)
         out[i] = _int_dot(qtype, p, off + i * rb, n_in, R, 1)[0]
 
 
