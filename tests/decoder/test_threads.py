@@ -87,3 +87,39 @@ def test_stacked_qkv_is_the_same_bits_as_three_calls() -> None:
         assert torch.equal(a, t) and torch.equal(a, w.linear(x))  # the views still compute alone too
     mixed = [ws[0], QuantWeight(random_matrix(Q.Q4_0, 64, 128, rng), int(Q.Q4_0), 64, 128)]
     assert stack_rows(mixed) is None
+
+
+def test_adapted_steps_give_the_logits_of_fixed_counts(tiny_model) -> None:
+    """A decode step under the tuner (numba's and torch's counts switched between 2 and 1) gives
+    the same logits, bit for bit, as steps on one fixed thread: the model's forward on the CPU
+    kernels, torch's embedding and glue included."""
+    import torch
+    from moestream.common.layout import ModelLayout
+    from moestream.decoder.experts.bank import ExpertBank
+    from moestream.decoder.experts.source import ResidentExperts
+    from moestream.decoder.generation.loop import generate
+    from moestream.decoder.kernels.cpu import threads
+    from moestream.decoder.models import load_model
+
+    layout = ModelLayout(tiny_model)
+    model = load_model(layout, keep_quantized=True).with_bank(ExpertBank(ResidentExperts(layout)))
+    prompts = [[5, 17, 200, 33, 41, 9], [77, 3, 450]]
+    saved = (threads.tuner(), numba.get_num_threads(), torch.get_num_threads())
+    try:
+        numba.set_num_threads(1)
+        torch.set_num_threads(1)
+        threads.set_tuner(None)
+        fixed = generate(model, prompts, 8, keep_logits=True)
+        numba.set_num_threads(2)
+        torch.set_num_threads(2)
+        tuner = ThreadTuner(2, explore=2)
+        threads.set_tuner(tuner)
+        adapted = generate(model, prompts, 8, keep_logits=True)
+        assert set(tuner.avg) == {1, 2} and torch.get_num_threads() == 2  # both ran; torch's count restored
+    finally:
+        threads.set_tuner(saved[0])
+        numba.set_num_threads(saved[1])
+        torch.set_num_threads(saved[2])
+    assert adapted.tokens == fixed.tokens
+    for a, f in zip(adapted.logits, fixed.logits):
+        assert torch.equal(a.view(torch.int32), f.view(torch.int32))

@@ -5,9 +5,11 @@ busy process, a parallel region waits for whichever of its threads was deschedul
 slice, ~ms, per region, several regions per layer), and one thread was measured 10x faster than
 two. So `ThreadTuner` times each decode step, keeps an average per candidate count (all cores,
 half of them, one) and runs the fastest, trying another candidate every `explore` steps so it
-follows a neighbour that comes or goes. Only numba's count (the expert and dense kernels) is
-changed: their results are the same bits for any count, so adapting never changes the output;
-torch's stays as set.
+follows a neighbour that comes or goes. numba's count (the expert, dense and attention kernels:
+the same bits for any count) follows the pick, and torch's too for the step's duration only: its
+few ops left in a CPU decode step (embedding, sampling) reduce within one thread, and its idle
+OpenMP threads, spinning beside a busy neighbour, cost 0.69 -> 0.91-0.94 of the best fixed count
+(Intel VM, `bench decode --neighbour`). Prefill, outside the step, keeps torch's count as set.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from contextlib import contextmanager
 
 import numba
+import torch
 
 _ALPHA = 0.3  # weight of a new step time in a candidate's average
 _MARGIN = 0.08  # how much faster a smaller count must be to be kept (step times vary with routing)
@@ -48,14 +51,17 @@ class ThreadTuner:
 
     @contextmanager
     def step(self):
-        """One decode step on the picked count (numba's, for this thread), timed."""
+        """One decode step on the picked count (numba's for this thread, torch's until it ends), timed."""
         n = self.pick()
         numba.set_num_threads(n)
+        before = torch.get_num_threads()
+        torch.set_num_threads(min(n, before))
         t0 = time.perf_counter()
         try:
             yield n
         finally:
             self.record(n, time.perf_counter() - t0)
+            torch.set_num_threads(before)
 
 
 _tuner: ThreadTuner | None = None
