@@ -122,7 +122,8 @@ def iq2xxs_prep(typingctx, p, off, table):
         v16 = ir.VectorType(_I32, 16)
         words = _ld_vec(builder, args[0], builder.add(_i64(builder, args[1]), _c(_I64, 2)), v16)
         aux = builder.shuffle_vector(words, words, _c(_VI, list(range(1, 16, 2))))
-        U = _gather_grid(builder, args[2], [_u(builder, args[0], args[1], 2 + 8 * j + l) for j in range(8) for l in range(4)])
+        U = _gather_grid(builder, args[2], [_u(builder, args[0], args[1], 2 + 8 * j + l)
+                                            for j in range(8) for l in range(4)])
         signs = _aux_signs(builder, aux)
         k = builder.or_(builder.shl(builder.lshr(aux, _c(_VI, [28] * 8)), _c(_VI, [1] * 8)), _c(_VI, [1] * 8))
         tup = context.make_tuple(builder, sig.return_type[0], U)
@@ -142,9 +143,9 @@ def iq1s_prep(typingctx, p, off, table):
     def codegen(context, builder, sig, args):
         o = _i64(builder, args[1])
         qh = builder.zext(_ld_vec(builder, args[0], builder.add(o, _c(_I64, 34)), ir.VectorType(_I16, 8)), _VI)
-        U = _gather_grid(builder, args[2], [builder.or_(_u(builder, args[0], o, 2 + k),
-                                                        _hi_bits(builder, args[0], o, 34 + 2 * (k // 4), 3 * (k % 4), 7, _I16))
-                                            for k in range(32)])
+        U = _gather_grid(builder, args[2], [
+            builder.or_(_u(builder, args[0], o, 2 + k), _hi_bits(builder, args[0], o, 34 + 2 * (k // 4), 3 * (k % 4), 7,
+                                                                 _I16)) for k in range(32)])
         k = builder.or_(builder.shl(builder.and_(builder.lshr(qh, _c(_VI, [12] * 8)), _c(_VI, [7] * 8)),
                                     _c(_VI, [1] * 8)), _c(_VI, [1] * 8))
         neg = builder.icmp_unsigned("!=", builder.and_(qh, _c(_VI, [0x8000] * 8)), _c(_VI, [0] * 8))
@@ -257,9 +258,9 @@ def iq2s_prep(typingctx, p, off, table):
         return None
 
     def codegen(context, builder, sig, args):
-        U = _gather_grid(builder, args[2], [builder.or_(_u(builder, args[0], args[1], 2 + k),
-                                                        _hi_bits(builder, args[0], args[1], 66 + k // 4, 2 * (k % 4), 3))
-                                            for k in range(32)])
+        U = _gather_grid(builder, args[2], [
+            builder.or_(_u(builder, args[0], args[1], 2 + k),
+                        _hi_bits(builder, args[0], args[1], 66 + k // 4, 2 * (k % 4), 3)) for k in range(32)])
         signs = _ld_vec(builder, args[0], _at(builder, args[1], 34), _VI)
         K = _nib_scales(builder, _ld_u8(builder, args[0], _at(builder, args[1], 74), 8))
         ty = sig.return_type
@@ -321,9 +322,9 @@ def iq1m_prep(typingctx, p, off, table):
         return None
 
     def codegen(context, builder, sig, args):
-        W = _gather_grid(builder, args[2], [builder.or_(_u(builder, args[0], args[1], k),  # bit 11: -delta
-                                                        _hi_bits(builder, args[0], args[1], 32 + k // 2, 4 * (k % 2), 15))
-                                            for k in range(32)])
+        W = _gather_grid(builder, args[2], [  # bit 11: -delta
+            builder.or_(_u(builder, args[0], args[1], k),
+                        _hi_bits(builder, args[0], args[1], 32 + k // 2, 4 * (k % 2), 15)) for k in range(32)])
         sc = builder.zext(_ld_vec(builder, args[0], _at(builder, args[1], 48), ir.VectorType(_I16, 4)),
                           ir.VectorType(_I32, 4))
         s8 = builder.shuffle_vector(sc, sc, _c(_VI, [j // 2 for j in range(8)]))
