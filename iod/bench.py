@@ -95,8 +95,9 @@ def phase(name: str, nbytes: int, seconds: float, disk: int | None = None, **ext
 
 
 # -- raw limits -----------------------------------------------------------------------------
-def raw_cold_preadv(layout: ModelLayout, keys: list[Key], depth: int, direct: bool) -> dict:
-    """The same ranges through a plain preadv pool at `depth`, into a scratch ring (data discarded)."""
+def raw_cold_preadv(layout: ModelLayout, keys: list[Key], depth: int, direct: bool, backend: str = "threads") -> dict:
+    """The same ranges through a plain preadv pool at `depth` (or another reader `backend`: "auto"
+    is the daemon's own choice), into a scratch ring (data discarded)."""
     ex = layout.experts
     slot = ex.slot_bytes(direct)
     ring_slots = max(1, min(len(keys), 2 * depth))
@@ -111,7 +112,8 @@ def raw_cold_preadv(layout: ModelLayout, keys: list[Key], depth: int, direct: bo
             if not left[0]:
                 done.set()
 
-    with open_reader([str(f.path) for f in layout.files], backend="threads", depth=depth, direct=direct) as reader:
+    with open_reader([str(f.path) for f in layout.files], backend=backend, depth=depth, direct=direct) as reader:
+        tool = f"{'preadv' if reader.name == 'threads' else 'io_uring'} x{depth}"
         io0, t0 = proc_read_bytes(), time.perf_counter()
         for i, k in enumerate(keys):  # slots reused round-robin: overlapping writes of discarded data are fine
             ops, _ = plan_reads(ex.parts(*k), memoryview(ring)[(i % ring_slots) * slot : (i % ring_slots + 1) * slot], direct=direct)
@@ -123,7 +125,7 @@ def raw_cold_preadv(layout: ModelLayout, keys: list[Key], depth: int, direct: bo
     ring.close()
     if errors:
         raise RuntimeError(f"raw preadv failed: {errors[0]}")
-    return phase("cold raw", _useful(layout, keys), seconds, disk, tool=f"preadv x{depth}", read_bytes=read)
+    return phase("cold raw", _useful(layout, keys), seconds, disk, tool=tool, read_bytes=read)
 
 
 def raw_cold_fio(layout: ModelLayout, keys: list[Key], depth: int, direct: bool, fio: str) -> dict:

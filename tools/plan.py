@@ -9,15 +9,21 @@ The arithmetic (one decoded token, CPU decoder computing from the daemon's arena
 | arena slots            | (memory - decoder - daemon - headroom) // slot bytes, at most every expert    |
 | decoder, daemon        | the dense weights + DECODER_BASE_BYTES; DAEMON_BASE_BYTES (measured defaults) |
 | cached share f         | slots / (MoE layers x experts)                                                |
-| hit rate h(f)          | an LRU of that many slots replayed on --trace, else the --curve's points,     |
+| hit rate h(f)          | the daemon's own policy (decayed LFU, `common.policy`) of that many slots     |
+|                        | replayed on --trace, else the --curve's points (published LRU hit rates),     |
 |                        | linear between (0, 0), the points and (1, 1)                                  |
 | missed bytes / token   | (1 - h) x MoE layers x top-k x mean expert bytes                              |
 | I/O s / token          | missed bytes / the disk's bandwidth for random expert reads as deep as one    |
 |                        | layer's demand fetch (top-k experts x their parts in flight): --probe         |
-|                        | measures it (a few seconds of cold reads), else --bandwidth (stated)          |
-| compute s / token      | active expert + dense bytes per token / --compute-rate (stated default), or   |
-|                        | 1 / --compute-tok-s (a measured resident rate)                                |
-| tok/s                  | 1 / (compute + I/O): the prefetch's overlap is not counted (a floor)          |
+|                        | measures it (a few seconds of cold reads through the daemon's own reader:     |
+|                        | io_uring, O_DIRECT), else --bandwidth (stated)                                |
+| compute s / token      | 1 / --compute-tok-s (a measured resident rate), or --probe's: one token       |
+|                        | through the CPU kernels on top-k experts of one layer x MoE layers,           |
+|                        | the dense bytes at the same rate, LAYER_GLUE_S per layer (stated); else       |
+|                        | active bytes / --compute-rate (stated)                                        |
+| tok/s                  | 1 / (compute + I/O): nothing overlapped (a floor; forced routing runs so)     |
+| prefetched tok/s       | 1 / max(compute, I/O): the decoder's prefetch hides reads behind compute      |
+|                        | (measured runs that prefetch land within ~20 % of it, see docs/BENCHMARKS.md) |
 | cold fill              | the arena's bytes / the bandwidth at depth 32 (the daemon's batched reads)    |
 | least memory           | decoder + daemon + headroom + max(4, top-k) slots                             |
 """
@@ -39,7 +45,13 @@ DAEMON_BASE_BYTES = 64 << 20  # the daemon's own memory beside its arena (measur
 HEADROOM_BYTES = 64 << 20  # kernel, reads in flight
 MIN_SLOTS = 4
 DEFAULT_BANDWIDTH = 1.0e9  # bytes/s of random expert reads, assumed without --probe
-DEFAULT_COMPUTE_RATE = 2.0e9  # bytes/s of quantized weights the CPU kernels get through, assumed
+DEFAULT_COMPUTE_RATE = 8.0e9  # bytes/s of quantized weights the CPU kernels get through, assumed: a 2-core
+# AVX-512 VM decodes 3.2 GiB of 16 x 64 Q8_0 experts, top-8, resident at 28 tok/s (13 GB/s; 0.5-1 of that for
+# the 1-2-bit types, compute-bound)
+LAYER_GLUE_S = 0.4e-3  # a decode step's time per layer beside its expert call and dense bytes, assumed:
+# 2-core VM, 1024-wide qwen3moe top-8, resident 35.8 ms/token = 16 x 1.7-2.0 ms (the probe's layer call)
+# + 3.5 ms (dense bytes at that rate) + ~0.4 ms a layer
+DAEMON_DEPTH = 32  # the daemon's reads in flight (moestream-iod --queue-depth) when it fills the arena
 DEFAULT_CURVE = "qwen3-235b"
 DEFAULT_SIZES = ("25%", "50%", "75%", "100%")
 
@@ -82,6 +94,7 @@ class Forecast:
     io_s: float
     compute_s: float
     tok_s: float
+    tok_s_prefetched: float
     cold_fill_s: float
 
 
@@ -127,16 +140,83 @@ def forecast_slots(s: Shape, memory: int, slots: int, hit_rate: float, bandwidth
     missed = (1.0 - hit_rate) * s.moe_layers * s.top_k * s.expert_bytes
     io = missed / bandwidth
     return Forecast(memory, slots, slots / s.n_blobs, hit_rate, missed, io, compute_s, 1.0 / (compute_s + io),
-                    slots * s.slot_bytes / (fill_bandwidth or bandwidth))
+                    1.0 / max(compute_s, io), slots * s.slot_bytes / (fill_bandwidth or bandwidth))
 
 
 def trace_hit_rate(path: str, expert_bytes: float):
-    """hit_rate_at() from an LRU replay of a routing trace (decode steps; the first warms it)."""
+    """hit_rate_at() from a replay of a routing trace through the daemon's policy (decode steps;
+    the first warms it)."""
     from ..common.traces import load_trace
-    from ..decoder.bench.capped.routing_replay import ideal_lru
+    from ..decoder.bench.capped.routing_replay import arena_policy
 
     steps = load_trace(path)
-    return lambda slots, _f: ideal_lru(steps, slots, expert_bytes).get("hit_rate", 0.0)
+    return lambda slots, _f: arena_policy(steps, slots, expert_bytes).get("hit_rate", 0.0)
+
+
+def probe_bandwidth(layout: Any, seed: int, max_bytes: int, depth: int, direct: bool = True) -> dict[str, Any]:
+    """Cold reads of random experts' exact parts, `depth` in flight, through the daemon's own
+    reader (io_uring where it works, O_DIRECT as `moestream-iod --direct`): what the daemon's
+    misses cost. (A pool of buffered preads measured 0.6-0.7 of it on the development VM's disk.)"""
+    import random
+
+    from ..iod.bench import evict, raw_cold_preadv
+
+    ex = layout.experts
+    keys = [(layer, e) for layer in ex.moe_layers for e in range(ex.n_expert)]
+    random.Random(seed).shuffle(keys)  # decoding touches experts in no file order
+    picked, total = [], 0
+    for key in keys:
+        if total >= max_bytes:
+            break
+        picked.append(key)
+        total += ex.blob_bytes(key[0])
+    evict(layout)
+    try:
+        r = raw_cold_preadv(layout, picked, depth, direct, backend="auto")
+    except OSError:  # O_DIRECT refused (tmpfs, some network file systems): the daemon's buffered reads
+        if not direct:
+            raise
+        direct = False
+        r = raw_cold_preadv(layout, picked, depth, direct, backend="auto")
+    return {"bytes": r["bytes"], "seconds": r["seconds"], "bytes_per_s": r["bytes"] / r["seconds"], "depth": depth,
+            "reader": r["tool"], "direct": direct, "experts": len(picked)}
+
+
+def probe_compute(layout: Any, groups: int = 6) -> dict[str, Any]:
+    """A decode step's compute on this machine, from the file: one token through the CPU kernels
+    on top-k experts of the first MoE layer, x the MoE layers, plus the dense weights' bytes at
+    the experts' rate and LAYER_GLUE_S per layer for the rest of a step (attention, norms,
+    routing, the Python between them). `groups` sets of top-k experts are read in first, then
+    each is timed once, in turn, so the bytes come from memory as an arena's do, not from a
+    cache that one set fits in (the median)."""
+    import statistics
+    import time
+
+    import torch
+
+    from ..decoder.experts.resident import QuantResidentExperts
+    from ..decoder.numba_setup import warm_kernels
+
+    warm_kernels(lambda _text: None)
+    bank = QuantResidentExperts(layout)
+    ex, hp = layout.experts, layout.hparams
+    layer, k = ex.moe_layers[0], hp.n_expert_used
+    x = torch.randn(1, hp.n_embd, generator=torch.Generator().manual_seed(0))  # [1, d]
+    weights = torch.full((1, k), 1.0 / k)  # [1, k]
+    sets = [(torch.arange(k) + g * k).remainder(ex.n_expert).reshape(1, k) for g in range(groups)]  # [1, k] each
+    for ids in sets:
+        bank.mix(layer, x, weights, ids)  # faults the experts in
+    times = []
+    for ids in sets:
+        t0 = time.perf_counter()
+        bank.mix(layer, x, weights, ids)
+        times.append(time.perf_counter() - t0)
+    layer_s = statistics.median(times)
+    rate = k * ex.blob_bytes(layer) / layer_s
+    s = shape_of(layout)
+    glue = hp.n_layer * LAYER_GLUE_S
+    return {"layer_s": layer_s, "bytes_per_s": rate, "glue_s": glue,
+            "compute_s": s.moe_layers * layer_s + s.dense_bytes / rate + glue}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("model", help="GGUF MoE file (the first part of a split model: every part is read)")
     a("--memory", action="append", metavar="SIZE", help="memory for daemon + decoder: a size (8GiB) or a share of "
       f"the model file (50%%); repeatable (default {', '.join(DEFAULT_SIZES).replace('%', '%%')})")
-    a("--probe", action="store_true", help="measure the disk: a few seconds of cold random expert reads, 32 in flight")
+    a("--probe", action="store_true", help="measure the disk (a few seconds of cold random expert reads through the "
+      "daemon's reader) and the compute (the CPU kernels on one layer's experts)")
     a("--bandwidth", type=float, default=DEFAULT_BANDWIDTH, metavar="BYTES/S",
       help=f"the disk's bandwidth for random expert reads without --probe (default {DEFAULT_BANDWIDTH:.0e})")
     g = p.add_mutually_exclusive_group()
@@ -155,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "`authoring.routing_curves`)")
     a("--compute-tok-s", type=float, metavar="TOK/S", help="the decoder's measured resident tok/s (compute only)")
     a("--compute-rate", type=float, default=DEFAULT_COMPUTE_RATE, metavar="BYTES/S",
-      help=f"without --compute-tok-s: weight bytes per second the kernels process (default {DEFAULT_COMPUTE_RATE:.0e})")
+      help=f"without --compute-tok-s or --probe: weight bytes per second the kernels process (default "
+      f"{DEFAULT_COMPUTE_RATE:.0e})")
     a("--json", action="store_true", help="one JSON object")
     return p
 
@@ -168,16 +250,21 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     layout = ModelLayout(args.model)
     s = shape_of(layout)
     if args.probe:
-        from ..decoder.bench.capped.host_counters import disk_bandwidth
-
-        fill = disk_bandwidth(layout, 0)["bytes_per_s"]
-        bw = disk_bandwidth(layout, 1, 64 << 20, s.demand_depth)["bytes_per_s"]
-        bw_basis = f"measured (--probe) with {s.demand_depth} reads in flight; {fill / 1e9:.2f} GB/s with 32"
+        fill = probe_bandwidth(layout, 0, 256 << 20, DAEMON_DEPTH)["bytes_per_s"]
+        demand = probe_bandwidth(layout, 1, 64 << 20, s.demand_depth)
+        bw = demand["bytes_per_s"]
+        bw_basis = (f"measured (--probe: {demand['reader']}{', O_DIRECT' if demand['direct'] else ''}) with "
+                    f"{s.demand_depth} reads in flight; "
+                    f"{fill / 1e9:.2f} GB/s with {DAEMON_DEPTH}")
     else:
         bw = fill = args.bandwidth
         bw_basis = "assumed (--bandwidth; --probe measures it)"
     if args.compute_tok_s:
         compute_s, c_basis = 1.0 / args.compute_tok_s, f"measured ({args.compute_tok_s} tok/s resident)"
+    elif args.probe:
+        c = probe_compute(layout)
+        compute_s = c["compute_s"]
+        c_basis = f"measured (--probe: the CPU kernels on one layer's top-k experts, {c['bytes_per_s'] / 1e9:.1f} GB/s)"
     else:
         compute_s, c_basis = s.active_bytes / args.compute_rate, f"assumed ({args.compute_rate:.2g} B/s of weights)"
     if args.trace:
@@ -211,15 +298,16 @@ def report(r: dict[str, Any]) -> str:
              f"least memory that runs: {format_size(r['least_memory'])} (decoder + daemon + headroom "
              f"{format_size(r['own_bytes'])} + {max(MIN_SLOTS, s['top_k'])} slots)", "",
              f"{'memory':>10} {'slots':>7} {'cached':>7} {'hit':>6} {'MB/token':>9} {'I/O ms':>8} {'tok/s':>7} "
-             f"{'cold fill s':>12}"]
+             f"{'prefetched':>11} {'cold fill s':>12}"]
     for f in r["forecasts"]:
         if f.get("too_small"):
             lines.append(f"{f['memory_text']:>10}   too small: it runs from {format_size(r['least_memory'])}")
             continue
         lines.append(f"{f['memory_text']:>10} {f['slots']:>7} {f['cached']:>7.1%} {f['hit_rate']:>6.2f} "
                      f"{f['missed_bytes_per_token'] / 1e6:>9.2f} {f['io_s'] * 1e3:>8.1f} {f['tok_s']:>7.2f} "
-                     f"{f['cold_fill_s']:>12.1f}")
-    lines.append("tok/s = 1 / (compute + I/O per token): the prefetch's overlap is not counted")
+                     f"{f['tok_s_prefetched']:>11.2f} {f['cold_fill_s']:>12.1f}")
+    lines.append("tok/s = 1 / (compute + I/O per token), nothing overlapped; prefetched = 1 / max(compute, I/O): "
+                 "reads hidden behind compute")
     return "\n".join(lines)
 
 

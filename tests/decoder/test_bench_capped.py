@@ -75,6 +75,17 @@ def test_ideal_lru_takes_a_layer_larger_than_the_arena_in_pieces():
     assert "holds no expert" in rr.ideal_lru(TRACE, 0, expert_bytes=1.0)["error"]
 
 
+def test_the_arena_policy_keeps_a_hot_expert_an_lru_cycles_out():
+    # Two slots, one layer. H is used three times, then every third step between new experts:
+    # an LRU evicts H for the second new one each time; the decayed LFU (hotness ~2.7 against
+    # 1) evicts the new ones instead and hits H every time.
+    trace = [[(0, 9)], [(0, 9)], [(0, 9)], [(0, 1)], [(0, 2)], [(0, 9)], [(0, 3)], [(0, 4)], [(0, 9)]]
+    lru, arena = rr.ideal_lru(trace, 2, expert_bytes=1.0), rr.arena_policy(trace, 2, expert_bytes=1.0)
+    assert (lru["hits"], lru["misses"]) == (2, 6)
+    assert (arena["hits"], arena["misses"]) == (4, 4) and arena["missed_bytes_per_token"] == 4 / 8
+    assert "holds no expert" in rr.arena_policy(trace, 0, expert_bytes=1.0)["error"]
+
+
 def test_routing_spread_over_the_decode_steps():
     s = rr.routing_spread(TRACE, n_layer=2, n_expert=4)
     assert s["mean_distinct"] == 2.0 and s["share"] == 0.5 and s["tokens"] == 3

@@ -43,6 +43,7 @@ def test_forecast_arithmetic_on_a_made_model(make_tiny_model, capsys):
     missed = (1 - f["hit_rate"]) * 2 * 2 * expert  # MoE layers x top-k x expert bytes
     assert f["missed_bytes_per_token"] == pytest.approx(missed)
     assert f["tok_s"] == pytest.approx(1 / (1 / 50 + missed / 1e8))
+    assert f["tok_s_prefetched"] == pytest.approx(1 / max(1 / 50, missed / 1e8))
     assert f["cold_fill_s"] == pytest.approx(slots * s["slot_bytes"] / 1e8)
     assert r["least_memory"] == r["own_bytes"] + 4 * s["slot_bytes"]
 

@@ -1,15 +1,13 @@
 """What the host says about disk reads and memory, for `moestream bench capped`: the page cache
 (drop it, evict one file), the block device's and each process's read counters, a process's own
-memory, a sampler that watches them during a run, and the disk's bandwidth for random experts.
+memory, a sampler that watches them during a run.
 
 Standard library only: the llama.cpp child process reads its counters with these too.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -256,45 +254,3 @@ def disk_figures(block: dict[str, int | None], own: dict[str, int], decode_token
 
 
 # -- the disk's bandwidth --------------------------------------------------------------------
-def disk_bandwidth(layout: Any, seed: int, max_bytes: int = 256 << 20, depth: int = 32) -> dict[str, Any]:
-    """Cold batched preads of random experts' exact ranges, `depth` in flight: bytes/s."""
-    ranges = _random_expert_ranges(layout.experts, seed, max_bytes)
-    fds = []
-    local = threading.local()
-    largest = max(n for _, _, n in ranges)
-
-    def read(r: tuple[int, int, int]) -> int:
-        buf = getattr(local, "buf", None)
-        if buf is None:
-            buf = local.buf = bytearray(largest)
-        return os.preadv(fds[r[0]], [memoryview(buf)[: r[2]]], r[1])
-
-    try:
-        for f in layout.files:  # one descriptor per part of a split model
-            evict_file(f.path)
-            fds.append(os.open(f.path, os.O_RDONLY))
-            os.posix_fadvise(fds[-1], 0, 0, os.POSIX_FADV_RANDOM)  # exact ranges, no readahead
-        with cf.ThreadPoolExecutor(depth) as pool:
-            t0 = time.perf_counter()
-            nbytes = sum(pool.map(read, ranges))
-            seconds = time.perf_counter() - t0
-    finally:
-        for fd in fds:
-            os.close(fd)
-    return {"bytes": nbytes, "seconds": seconds, "bytes_per_s": nbytes / seconds, "ranges": len(ranges),
-            "depth": depth}
-
-
-def _random_expert_ranges(ex: Any, seed: int, max_bytes: int) -> list[tuple[int, int, int]]:
-    """(file, offset, nbytes) of the parts of random experts, until at least `max_bytes` (or all)."""
-    keys = [(layer, e) for layer in ex.moe_layers for e in range(ex.n_expert)]
-    random.Random(seed).shuffle(keys)
-    ranges: list[tuple[int, int, int]] = []
-    total = 0
-    for key in keys:
-        if total >= max_bytes:
-            break
-        parts = [(p.file, p.offset, p.nbytes) for p in ex.parts(*key)]
-        ranges += parts
-        total += sum(n for _, _, n in parts)
-    return ranges

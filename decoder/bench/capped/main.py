@@ -40,9 +40,9 @@ Method
              capped arena holds (its slot count): missed expert bytes per decoded token; the
              prefill's misses warm the cache but are not counted. disk / ideal LRU says how close
              each side's reads come to that cache; the disk bound is the disk's bandwidth (cold
-             batched preads of random experts, 32 in flight, measured once in this run) / ideal
-             LRU missed bytes per token; each side's bound is min(its uncapped tok/s, with
-             --uncapped, and the disk bound).
+             reads of random experts through the daemon's own reader, io_uring and O_DIRECT as the
+             daemon runs, 32 in flight, measured once in this run) / ideal LRU missed bytes per
+             token; each side's bound is min(its uncapped tok/s, with --uncapped, and the disk bound).
   spread     distinct experts per layer over the decode steps. Greedy decoding of a random model
              tends to loop over a few tokens, so the experts touched stay few; if the warm-up's
              spread is under 50 % of the experts (on >= 32 tokens), every run samples instead
@@ -65,9 +65,12 @@ Method
   quiet      --quiet-load L waits (at most --quiet-wait s) before each run for the 1-minute load
              to fall below L; each run records its start load, shown beside every run's tok/s.
   forecast   each cap prints `moestream plan`'s arithmetic for its arena beside the measured tok/s:
-             the warm-up's routing through an LRU of the arena's slots, demand reads at the
-             bandwidth measured with one layer's fetch in flight, compute from --compute-tok-s,
-             --uncapped's resident rate, or plan's assumed rate.
+             the warm-up's routing through the daemon's own policy (decayed LFU) of the arena's
+             slots; compute from --compute-tok-s, --uncapped's resident rate, or `plan --probe`'s
+             measurement of the CPU kernels on this file (one layer's experts, warm). A run that
+             prefetches is set beside plan's "prefetched" figure (reads at the bandwidth with 32 in
+             flight, hidden behind compute: 1 / max), a run without (forced routing) beside its
+             floor (reads as deep as one layer's demand, then compute: 1 / sum).
 
 Caveats: block-device counters see every process on that disk (the report shows the processes'
 own counters beside them); --warm runs under a cap are only meaningful for the arena, since
@@ -93,11 +96,11 @@ from .plan import MIN_ARENA_SLOTS, Plan, Split, UsageError, fmt_bytes, parse_cap
 from .report import SIDES, any_failed, format_report, medians, ratio, summarize
 from .routing import parse_routing, prefetch_for, prepare_trace, sampling_for
 from .cgroup_run import CgroupError, CgroupParent, MemoryCgroup, find_cgroup_parent
-from .host_counters import ReadAhead, wait_quiet, block_device, disk_bandwidth, drop_caches, evict_file, read_ahead_file
+from .host_counters import ReadAhead, wait_quiet, block_device, drop_caches, evict_file, read_ahead_file
 from .llamacpp_peer import run_llamacpp
 from .moestream_run import run_moestream
-from .routing_replay import ideal_lru
-from ....tools.plan import shape_of
+from .routing_replay import arena_policy
+from ....tools.plan import DAEMON_DEPTH, probe_bandwidth, probe_compute, shape_of
 from ....common.traces import load_trace
 
 UNCAPPED_FIGURES = ("decode_tok_s", "prefill_s", "error")
@@ -340,36 +343,52 @@ def measure(args: argparse.Namespace, layout: Any, caps: list[tuple[str, int]], 
               for text, cap in caps}
     if caps:  # (the disk matters to the capped runs only)
         cold()
-        out["bandwidth"] = disk_bandwidth(layout, args.seed)
+        out["bandwidth"] = probe_bandwidth(layout, args.seed, 256 << 20, DAEMON_DEPTH, plan.direct)
         cold()
-        out["bandwidth_demand"] = disk_bandwidth(layout, args.seed + 1, 64 << 20, shape_of(layout).demand_depth)
+        out["bandwidth_demand"] = probe_bandwidth(layout, args.seed + 1, 64 << 20, shape_of(layout).demand_depth,
+                                                  plan.direct)
     if args.uncapped:
         out["uncapped"] = uncapped_phase(plan, layout, args)
+    elif caps and not args.compute_tok_s:
+        out["compute_probe"] = probe_compute(layout)  # (before the runs: the runs start cold anyway)
     runs = capped_runs(plan, layout, parent, splits, caps, args, cold, notes)
     out["caps"] = [summarize(text, splits[text], runs[text], out) for text, _ in caps]
     for cap in out["caps"]:
-        cap["forecast"] = cap_forecast(layout, splits[cap["cap"]], warm, out, args.compute_tok_s)
+        cap["forecast"] = cap_forecast(layout, splits[cap["cap"]], warm, out, args.compute_tok_s, plan.prefetch > 0)
     return out
 
 
 def cap_forecast(layout: Any, split: Split, warm: dict[str, Any], out: dict[str, Any],
-                 given_tok_s: float | None = None) -> dict[str, Any]:
+                 given_tok_s: float | None = None, prefetch: bool = True) -> dict[str, Any]:
     """`moestream plan`'s arithmetic for this cap's arena, from this run's own inputs: the disk
-    bandwidth measured above, the warm-up's routing replayed through an LRU of the arena's slots,
-    and the resident compute rate (--uncapped), else plan's stated default."""
+    bandwidth measured above, the warm-up's routing replayed through the daemon's policy on the
+    arena's slots, and the resident compute rate (--uncapped, --compute-tok-s), else the kernels'
+    rate on this file (`plan --probe`'s)."""
     from ....tools.plan import DEFAULT_COMPUTE_RATE, forecast_slots
 
     s = shape_of(layout)
     resident = given_tok_s or out.get("uncapped", {}).get("moestream", {}).get("decode_tok_s")
-    compute_s = 1.0 / resident if resident else s.active_bytes / DEFAULT_COMPUTE_RATE
-    hit = ideal_lru(load_trace(warm["trace"]), split.slots, s.expert_bytes).get("hit_rate", 0.0)
-    f = forecast_slots(s, split.cap, split.slots, hit, out["bandwidth_demand"]["bytes_per_s"], compute_s)
-    basis = (f"compute: a resident rate of {resident:.2f} tok/s" if resident else
-             f"compute: assumed {DEFAULT_COMPUTE_RATE:.0e} B/s of weights (--uncapped measures it)")
-    return {"tok_s": f.tok_s, "hit_rate": f.hit_rate, "io_s": f.io_s, "compute_s": f.compute_s,
-            "basis": f"LRU hit rate {f.hit_rate:.2f} on the warm-up's routing, demand reads at "
-                     f"{out['bandwidth_demand']['bytes_per_s'] / 1e9:.2f} GB/s ({out['bandwidth_demand']['depth']} in "
-                     f"flight), {basis}"}
+    probe = out.get("compute_probe")
+    if resident:
+        compute_s, basis = 1.0 / resident, f"compute: a resident rate of {resident:.2f} tok/s"
+    elif probe:
+        compute_s = probe["compute_s"]
+        basis = (f"compute: the kernels on this file at {probe['bytes_per_s'] / 1e9:.1f} GB/s + "
+                 f"{probe['glue_s'] * 1e3:.0f} ms of the rest of a step, assumed (--uncapped measures a whole token)")
+    else:
+        compute_s = s.active_bytes / DEFAULT_COMPUTE_RATE
+        basis = f"compute: assumed {DEFAULT_COMPUTE_RATE:.0e} B/s of weights"
+    hit = arena_policy(load_trace(warm["trace"]), split.slots, s.expert_bytes).get("hit_rate", 0.0)
+    # reads as deep as one layer's demand without prefetch; with it, the daemon keeps its queue full
+    bw = out["bandwidth"] if prefetch else out["bandwidth_demand"]
+    f = forecast_slots(s, split.cap, split.slots, hit, bw["bytes_per_s"], compute_s)
+    # a run that prefetches overlaps its reads with compute; forced routing runs without prefetch
+    return {"tok_s": f.tok_s_prefetched if prefetch else f.tok_s, "hit_rate": f.hit_rate, "io_s": f.io_s,
+            "compute_s": f.compute_s,
+            "basis": f"the arena's policy hits {f.hit_rate:.2f} on the warm-up's routing, reads at "
+                     f"{bw['bytes_per_s'] / 1e9:.2f} GB/s ({bw['depth']} in flight; "
+                     f"{'prefetching: max(compute, I/O)' if prefetch else 'compute + I/O'}), "
+                     f"{basis}"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -123,8 +123,9 @@ def _header(r: dict[str, Any]) -> list[str]:
     bw = r.get("bandwidth")
     if bw:
         lines.append(f"disk: {r['disk'] or 'no block device (per-process /proc/PID/io counters)'}; bandwidth "
-                     f"{bw['bytes_per_s'] / 1e9:.2f} GB/s (cold preads of {fmt_bytes(bw['bytes'])} of random experts, "
-                     f"{bw['depth']} in flight)")
+                     f"{bw['bytes_per_s'] / 1e9:.2f} GB/s (cold reads of {fmt_bytes(bw['bytes'])} of random experts "
+                     f"through the daemon's reader: {bw.get('reader', bw['depth'])}"
+                     f"{', O_DIRECT' if bw.get('direct') else ''})")
     lines.append(f"memory measured in the uncapped warm-up: decoder {fmt_bytes(w['decoder_bytes'])}, daemon "
                  f"{fmt_bytes(w['daemon_bytes'])} (peak RssAnon + last RssFile, arena excluded; peak RssAnon + RssFile "
                  f"{fmt_bytes(w.get('decoder_peak_bytes'))} and {fmt_bytes(w.get('daemon_peak_bytes'))})")
