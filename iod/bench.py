@@ -68,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 # -- inputs ---------------------------------------------------------------------------------
 def pick_keys(layout: ModelLayout, n: int | None, seed: int) -> list[Key]:
+    """`n` (default all) experts of the MoE layers (not the dense-FFN ones), in a random order."""
     ex = layout.experts
-    keys = [(layer, e) for layer in range(ex.n_layer) for e in range(ex.n_expert)]
+    keys = [(layer, e) for layer in ex.moe_layers for e in range(ex.n_expert)]
     random.Random(seed).shuffle(keys)  # decoding touches experts in no file order
     return keys[: n or len(keys)]
 

@@ -157,15 +157,11 @@ def probe_bandwidth(layout: Any, seed: int, max_bytes: int, depth: int, direct: 
     """Cold reads of random experts' exact parts, `depth` in flight, through the daemon's own
     reader (io_uring where it works, O_DIRECT as `moestream-iod --direct`): what the daemon's
     misses cost. (A pool of buffered preads measured 0.6-0.7 of it on the development VM's disk.)"""
-    import random
-
-    from ..iod.bench import evict, raw_cold_preadv
+    from ..iod.bench import evict, pick_keys, raw_cold_preadv
 
     ex = layout.experts
-    keys = [(layer, e) for layer in ex.moe_layers for e in range(ex.n_expert)]
-    random.Random(seed).shuffle(keys)  # decoding touches experts in no file order
     picked, total = [], 0
-    for key in keys:
+    for key in pick_keys(layout, None, seed):
         if total >= max_bytes:
             break
         picked.append(key)

@@ -39,6 +39,15 @@ def test_bench_io_tiny_model(tiny_or_split: Path, capsys: pytest.CaptureFixture[
     assert hit["p50_vs_echo"] == pytest.approx(hit["p50_us"] / hit["echo_p50_us"], rel=1e-2)
 
 
+def test_picked_experts_skip_dense_ffn_layers(make_tiny_model) -> None:
+    # deepseek2 with a leading dense layer: layer 0 has no experts to read (parts() refuses it)
+    layout = ModelLayout(make_tiny_model(arch="deepseek2", quant="F32", layers=3, experts=8, top_k=3))
+    assert layout.experts.moe_layers[0] > 0
+    keys = bench.pick_keys(layout, None, 0)
+    assert sorted(keys) == [(layer, e) for layer in layout.experts.moe_layers for e in range(8)]
+    assert sum(p.nbytes for k in keys for p in layout.experts.parts(*k)) == layout.experts.total_bytes
+
+
 def test_raw_preadv_reads_the_ranges(tiny_or_split: Path) -> None:
     tiny_model = tiny_or_split
     layout = ModelLayout(tiny_model)
