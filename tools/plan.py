@@ -153,19 +153,22 @@ def trace_hit_rate(path: str, expert_bytes: float):
     return lambda slots, _f: arena_policy(steps, slots, expert_bytes).get("hit_rate", 0.0)
 
 
-def probe_bandwidth(layout: Any, seed: int, max_bytes: int, depth: int, direct: bool = True) -> dict[str, Any]:
+def probe_bandwidth(layout: Any, seed: int, min_bytes: int, depth: int, direct: bool = True) -> dict[str, Any]:
     """Cold reads of random experts' exact parts, `depth` in flight, through the daemon's own
     reader (io_uring where it works, O_DIRECT as `moestream-iod --direct`): what the daemon's
-    misses cost. (A pool of buffered preads measured 0.6-0.7 of it on the development VM's disk.)"""
+    misses cost. (A pool of buffered preads measured 0.6-0.7 of it on the development VM's disk.)
+    At least `min_bytes` and 4 x `depth` parts: with experts of tens of MB a few would never fill
+    the depth (a 40 GiB file's 20 MB experts read 1.02 GB/s from 64 MiB, the daemon got 1.46)."""
     from ..iod.bench import evict, pick_keys, raw_cold_preadv
 
     ex = layout.experts
-    picked, total = [], 0
+    picked, total, parts = [], 0, 0
     for key in pick_keys(layout, None, seed):
-        if total >= max_bytes:
+        if total >= min_bytes and parts >= 4 * depth:
             break
         picked.append(key)
         total += ex.blob_bytes(key[0])
+        parts += len(ex.parts(*key))
     evict(layout)
     try:
         r = raw_cold_preadv(layout, picked, depth, direct, backend="auto")
