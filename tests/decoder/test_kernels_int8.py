@@ -30,7 +30,7 @@ from moestream.authoring.quantize_iq import set_d
 from moestream.decoder.bench.kernels import random_matrix
 from moestream.decoder.kernels.cpu import ffn as qk
 from moestream.decoder.kernels.cpu.simd import integer as si
-from moestream.decoder.kernels.cpu.rows_int import INT_TYPES, quantize_acts
+from moestream.decoder.kernels.cpu.rows_int import INT_TYPES, WIDE_TYPES, quantize_acts
 from moestream.decoder.kernels.cpu.simd.vectors import addr
 
 import qref
@@ -92,9 +92,10 @@ def weights64(m: qk.QMatrix) -> np.ndarray:
     return qref.dequantize(m.data, Q(m.qtype)).reshape(m.n_out, m.n_in).astype(np.float64)  # [n_out, n_in]
 
 
-def dequant_acts(x: np.ndarray) -> np.ndarray:
-    """x [N, n] float32 as the kernels see it: int8 codes times their block scales, float64."""
-    q, d, _ = quantize_acts(x)
+def dequant_acts(x: np.ndarray, qtype: Q) -> np.ndarray:
+    """x [N, n] float32 as the kernels see it for weights of `qtype`: int8 codes times their block
+    scales (one per 256 for WIDE_TYPES), float64."""
+    q, d, _ = quantize_acts(x, qtype in WIDE_TYPES)
     return q.astype(np.float64) * np.repeat(d.astype(np.float64), 32, axis=1)  # [N, n]
 
 
@@ -115,17 +116,20 @@ def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 
 # -- the activation quantizer -------------------------------------------------------------------
-def test_quantizer_rounds_each_block_to_nearest() -> None:
+@pytest.mark.parametrize("wide", [False, True])
+def test_quantizer_rounds_each_block_to_nearest(wide: bool) -> None:
+    span = 256 if wide else 32  # the elements that share a scale
     x = activations(9, 1024, 1)
-    q, d, ds = quantize_acts(x)
-    xb = x.reshape(9, -1, 32).astype(np.float64)  # [N, blocks, 32]
+    q, d, ds = quantize_acts(x, wide)
+    xb = x.reshape(9, -1, span).astype(np.float64)  # [N, blocks, span]
     amax = np.abs(xb).max(-1)
-    np.testing.assert_allclose(d, amax / 127, rtol=2e-7)  # d = amax / 127 (as a float32 product)
+    np.testing.assert_allclose(d, np.repeat(amax, span // 32, axis=1) / 127, rtol=2e-7)  # amax / 127, per 32
     assert np.abs(q).max() <= 127 and q.dtype == np.int8
-    err = np.abs(q.reshape(xb.shape) * d[..., None].astype(np.float64) - xb)  # [N, blocks, 32]
-    assert (err <= 0.5 * d[..., None] * (1 + 1e-5) + 1e-30).all(), "not rounded to the nearest code"
+    scale = np.repeat(d.astype(np.float64), 32, axis=1).reshape(xb.shape)  # [N, blocks, span]
+    err = np.abs(q.reshape(xb.shape) * scale - xb)
+    assert (err <= 0.5 * scale * (1 + 1e-5) + 1e-30).all(), "not rounded to the nearest code"
     assert (q.reshape(xb.shape)[amax == 0] == 0).all()
-    sums = q.reshape(xb.shape).sum(-1, dtype=np.int64)
+    sums = q.reshape(9, -1, 32).sum(-1, dtype=np.int64)  # [N, n / 32]
     np.testing.assert_allclose(ds, d.astype(np.float64) * sums, rtol=1e-6, atol=0)
 
 
@@ -137,7 +141,7 @@ def test_linear_matches_float64_references(qtype: Q, n: int) -> None:
     x = activations(n, D, seed=n)  # [n, D]
     got = qk.linear(x, m)  # [n, 96]
     w = weights64(m)
-    assert_within(got, dequant_acts(x) @ w.T, TIGHT, f"{qtype.name} vs int8-activation reference")
+    assert_within(got, dequant_acts(x, qtype) @ w.T, TIGHT, f"{qtype.name} vs int8-activation reference")
     assert_within(got, x.astype(np.float64) @ w.T, LOOSE, f"{qtype.name} vs float reference")
 
 
@@ -151,7 +155,7 @@ def test_encoded_and_random_byte_weights(qtype: Q, source: str) -> None:
     x = activations(4, D, seed=11)  # [4, D]
     got = qk.linear(x, m)  # [4, 64]
     w = weights64(m)
-    assert_within(got, dequant_acts(x) @ w.T, TIGHT, f"{qtype.name} ({source}) vs int8-activation reference")
+    assert_within(got, dequant_acts(x, qtype) @ w.T, TIGHT, f"{qtype.name} ({source}) vs int8-activation reference")
     assert_within(got, x.astype(np.float64) @ w.T, LOOSE, f"{qtype.name} ({source}) vs float reference")
 
 
@@ -160,7 +164,7 @@ def test_expert_matches_float64_references(qtype: Q) -> None:
     """gate/up against the int8 reference (tight), the whole expert against the float one."""
     gate, up, down = matrix(qtype, FF, D, 1), matrix(qtype, FF, D, 2), matrix(qtype, D, FF, 3)
     x = activations(5, D, seed=7)  # [5, D]
-    xq = dequant_acts(x)
+    xq = dequant_acts(x, qtype)
     g64, u64 = xq @ weights64(gate).T, xq @ weights64(up).T  # [5, FF]
     h = np.empty((5, FF), np.float32)  # the gate/up kernel's output: act(gate x, up x)
     qts = np.array([[int(qtype)] * 3], np.int64)
@@ -168,7 +172,7 @@ def test_expert_matches_float64_references(qtype: Q) -> None:
                 np.arange(5), FF, D, h, 1, qk._NO_BIAS_GU, False, qk.ACTS["swiglu"])
     assert_within(h, silu_mul(g64, u64), TIGHT, f"{qtype.name} gate/up")
     y = qk.swiglu_expert(x, gate, up, down)  # [5, D]
-    assert_within(y, dequant_acts(h) @ weights64(down).T, TIGHT, f"{qtype.name} down of the kernel's h")
+    assert_within(y, dequant_acts(h, qtype) @ weights64(down).T, TIGHT, f"{qtype.name} down of the kernel's h")
     x64 = x.astype(np.float64)
     ref = silu_mul(x64 @ weights64(gate).T, x64 @ weights64(up).T) @ weights64(down).T  # [5, D]
     assert_within(y, ref, LOOSE, f"{qtype.name} expert vs float reference")

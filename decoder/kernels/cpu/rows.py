@@ -40,7 +40,7 @@ from . import rows_iq as _iq
 from . import rows_q as rq
 from .rows_base import _JIT, _JIT_EXACT, _U, _as_f32, _e2m1x2, _f16, _fi, _i8, _opaque
 from .rows_dot import fused_dots, has_fused
-from .rows_int import act_rows, has_int, int_dots, int_rows1, quantize_acts
+from .rows_int import act_rows, has_int, int_dots, int_rows1, is_wide, quantize_acts
 from .simd.vectors import addr, hsum, ld_f32
 from .simd.vectors import add as vadd
 from .simd.vectors import fma as vfma
@@ -404,7 +404,7 @@ def _row_dots(q, data, off, n_in, x, row_idx, r0, r1, res, wbuf, acts, use_int):
             i1 = row_idx[r + 1] if nx > 1 else i0
             i2 = row_idx[r + 2] if nx > 2 else i0
             i3 = row_idx[r + 3] if nx > 3 else i0
-            d0, d1, d2, d3 = int_dots(q, p, off, n_in, act_rows(acts[0], acts[1], acts[2], i0, i1, i2, i3), nx)
+            d0, d1, d2, d3 = int_dots(q, p, off, n_in, _acts_rows(acts, q, i0, i1, i2, i3), nx)
             _store(res, r - r0, nx, d0, d1, d2, d3)
             r += nx
         return
@@ -437,22 +437,36 @@ def _one_row_int(row_ptr, e, qa, qb, n_in, use_int):
 
 
 @njit(inline="always", **_JIT)
-def _row_acts(acts, i):
-    """R (rows_int) with activation row i of the quantized `acts` in every place."""
-    return act_rows(acts[0], acts[1], acts[2], i, i, i, i)
+def _acts_rows(acts, q, i0, i1, i2, i3):
+    """R (rows_int) for weights of type q: rows i0 .. i3 of the activations (_acts) it takes."""
+    if is_wide(q):
+        return act_rows(acts[3], acts[4], acts[5], True, i0, i1, i2, i3)
+    return act_rows(acts[0], acts[1], acts[2], False, i0, i1, i2, i3)
+
+
+@njit(inline="always", **_JIT)
+def _row_acts(acts, q, i):
+    """R (rows_int) for weights of type q with activation row i of `acts` in every place."""
+    return _acts_rows(acts, q, i, i, i, i)
 
 
 @njit(**_JIT)
 def _acts(x, qts, c0, c1, row_ptr, use_int):
-    """x's rows quantized to int8 (quantize_acts) when use_int and some expert with rows has an
-    int type in columns c0 .. c1 of qts; else empty arrays of the same types."""
-    need = False
+    """x's rows quantized to int8 (quantize_acts), per 32 (q, d, ds) and wide (qw, dw, dsw: for the
+    is_wide types), each when use_int and some expert with rows has an int type of that kind in
+    columns c0 .. c1 of qts; else empty arrays of the same types. Each type takes its own kind
+    whatever else is in the call, so a token's result never depends on the experts beside it."""
+    fine = wide = False
     if use_int and x.shape[1] % 256 == 0:
         for e in range(qts.shape[0]):
             if row_ptr[e + 1] > row_ptr[e]:
                 for c in range(c0, c1 + 1):
-                    need = need or has_int(qts[e, c])
-    return quantize_acts(x if need else x[:0])
+                    if has_int(qts[e, c]):
+                        w = is_wide(qts[e, c])
+                        fine, wide = fine or not w, wide or w
+    q, d, ds = quantize_acts(x if fine else x[:0], False)
+    qw, dw, dsw = quantize_acts(x if wide else x[:0], True)
+    return q, d, ds, qw, dw, dsw
 
 
 @njit(**_JIT)
@@ -501,9 +515,8 @@ def _gate_up_span(w, n_workers, gdata, udata, offs, qts, x, row_ptr, row_idx, ff
         gb, ub = row_bytes(gq, d), row_bytes(uq, d)
         r0 = row_ptr[e]
         if j1 > j0 and _one_row_int(row_ptr, e, gq, uq, d, use_int):  # a decode step's expert: whole spans
-            R = _row_acts(acts, row_idx[r0])
-            int_rows1(gq, addr(gdata), go + j0 * gb, gb, j1 - j0, d, R, rg)
-            int_rows1(uq, addr(udata), uo + j0 * ub, ub, j1 - j0, d, R, ru)
+            int_rows1(gq, addr(gdata), go + j0 * gb, gb, j1 - j0, d, _row_acts(acts, gq, row_idx[r0]), rg)
+            int_rows1(uq, addr(udata), uo + j0 * ub, ub, j1 - j0, d, _row_acts(acts, uq, row_idx[r0]), ru)
             for j in range(j0, j1):
                 bg = bias[e, 0, j] if has_bias else np.float32(0.0)
                 bu = bias[e, 1, j] if has_bias else np.float32(0.0)
@@ -556,7 +569,7 @@ def _down_span(w, n_workers, ddata, offs, qts, h, row_ptr, n_out, n_in, y, bias,
         b = row_bytes(q, n_in)
         r0 = row_ptr[e]
         if j1 > j0 and _one_row_int(row_ptr, e, q, q, n_in, use_int):  # a decode step's expert: one call
-            int_rows1(q, addr(ddata), o + j0 * b, b, j1 - j0, n_in, _row_acts(acts, r0), res)
+            int_rows1(q, addr(ddata), o + j0 * b, b, j1 - j0, n_in, _row_acts(acts, q, r0), res)
             for j in range(j0, j1):
                 y[r0, j] = res[j - j0] + (bias[e, j] if has_bias else np.float32(0.0))
             start = start_next

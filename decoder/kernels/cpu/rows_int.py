@@ -16,6 +16,13 @@ Blocks of 32, not llama.cpp's 256-wide Q8_K: the 8 block scales of a super-block
 load, as cheap as Q8_K's one scale with integer sub-scale multiplies, and an outlier only
 coarsens its own 32 activations.
 
+Wide activations (`quantize_acts(x, wide=True)`, R[12] = 1): one scale per 256, the same in the
+8 entries of d, for the calls whose every int type is in WIDE_TYPES (weights with no scale finer
+than 128: Q1_0, TQ1_0, TQ2_0). Their 8 sub-block dots then add up as integers, two chains of 4
+(one per 128-weight half), scaled once per half: the per-sub-block sums (hsum8x8, about a third
+of a Q1_0 super-block's instructions) go. The activation rounding is llama.cpp's Q8_K's: the
+error per element is at most a 256-block's max |x| / 254 instead of its 32-block's.
+
 Weights as unsigned bytes (dpbusd's u8 side), per type, for sub-block j with weight scale c_j;
 "signed" = their magnitudes, with the activation bytes' signs flipped where the weight is < 0
 (psignb); "k" = integer scales per 16 weights, multiplied into the dot's int32 lanes (dpbusd_k:
@@ -86,6 +93,7 @@ KV2_E2M1 = np.tile(np.array((0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8,
 # 1024-wide rows 0.46 a row 8 KB ahead, 0.73 a row 2 KB ahead, 0.72 per step 2 KB ahead; 4096-wide
 # 0.61 a row ahead, 0.78 per step).
 PREFETCH_BYTES = 2048
+WIDE_TYPES = (Q.Q1_0, Q.TQ1_0, Q.TQ2_0)  # computed with wide activations (above) when a call has no other int type
 _EIGHTH, _QUARTER, _INV127 = np.float32(0.125), np.float32(0.25), np.float32(1.0 / 127.0)
 
 
@@ -98,28 +106,37 @@ def has_int(qtype):
             or qtype == _Q5_1 or qtype == _MXFP4 or qtype == _NVFP4)
 
 
+@njit(**_JIT)
+def is_wide(qtype):
+    return qtype == _Q1_0 or qtype == _TQ1_0 or qtype == _TQ2_0
+
+
 # -- activations ---------------------------------------------------------------------------------
 @njit(**_JIT)
-def quantize_acts(x):
-    """x [N, n] float32 (n % 32 == 0) -> Acts: (q int8 [N, n], d float32 [N, n/32],
-    ds float32 [N, n/32] = d x the sum of q over the block)."""
+def quantize_acts(x, wide=False):
+    """x [N, n] float32 (n % 32 == 0; n % 256 == 0 if wide) -> Acts: (q int8 [N, n], d float32
+    [N, n/32], ds float32 [N, n/32] = d x the sum of q over the block). wide: one scale per 256
+    (d repeats it 8 times)."""
     n_rows, n = x.shape
+    span = 256 if wide else 32
     q = np.empty((n_rows, n), np.int8)
     d = np.empty((n_rows, n // 32), np.float32)
     ds = np.empty((n_rows, n // 32), np.float32)
     for r in range(n_rows):
-        for b in range(n // 32):
+        for b in range(n // span):
             amax = np.float32(0.0)
-            for k in range(32):
-                amax = max(amax, abs(x[r, 32 * b + k]))
+            for k in range(span):
+                amax = max(amax, abs(x[r, span * b + k]))
             db = amax * _INV127  # (a product, not a quotient: fast-math would rewrite that)
             inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-            t = np.int32(0)
-            for k in range(32):
-                v = min(np.int32(127), max(np.int32(-127), np.int32(np.rint(x[r, 32 * b + k] * inv))))
-                q[r, 32 * b + k] = v
-                t += v
-            d[r, b], ds[r, b] = db, db * np.float32(t)
+            for j in range(span // 32):
+                t = np.int32(0)
+                for k in range(span * b + 32 * j, span * b + 32 * j + 32):
+                    v = min(np.int32(127), max(np.int32(-127), np.int32(np.rint(x[r, k] * inv))))
+                    q[r, k] = v
+                    t += v
+                c = span // 32 * b + j
+                d[r, c], ds[r, c] = db, db * np.float32(t)
     return q, d, ds
 
 
@@ -127,7 +144,7 @@ def quantize_acts(x):
 # The 8 sub-blocks' integer dots are summed lane-wise into one vector of 8 sums (hsum8x8), which
 # is scaled by the weights' sub-block scales c and the activations' block scales d_a, and the
 # weight offsets (or mins) cm by the activations' d_a x sum(q): two fmas per 256 weights and row.
-# R = (q addresses of rows 0-3, d addresses 0-3, ds addresses 0-3); e = the super-block's element.
+# R = (q addresses of rows 0-3, d addresses 0-3, ds addresses 0-3, wide); e = the super-block's element.
 # The activation bytes are used as they are (mode 0), with the signs of the int8 weights W
 # (mode 1: U holds their magnitudes), or negated where the sub-block's bits B are set (mode 2).
 # K: per sub-block integer multipliers of its lanes (dpbusd_k: lanes 0-3 = its first 16 weights,
@@ -164,6 +181,38 @@ def _sb(U, W, B, K, mode, c, cm, has_m, e, nx, R, c0, c1, c2, c3):
         c1 = _sb_row(1, R, U, W, B, K, mode, c, cm, has_m, e, c1)
         c2 = _sb_row(2, R, U, W, B, K, mode, c, cm, has_m, e, c2)
         c3 = _sb_row(3, R, U, W, B, K, mode, c, cm, has_m, e, c3)
+    return c0, c1, c2, c3
+
+
+@njit(**_INL)
+def _half(U, a, e, h):
+    """The integer dot of sub-blocks 4h .. 4h + 3 of U with the activation bytes at a + e: one
+    chain of dpbusd (8 lanes of partial sums)."""
+    t = s.dpbusd(s.i8_zero(), U[4 * h], s.ld_b(a, e + 128 * h))
+    t = s.dpbusd(t, U[4 * h + 1], s.ld_b(a, e + 128 * h + 32))
+    t = s.dpbusd(t, U[4 * h + 2], s.ld_b(a, e + 128 * h + 64))
+    return s.dpbusd(t, U[4 * h + 3], s.ld_b(a, e + 128 * h + 96))
+
+
+@njit(**_INL)
+def _sbw_row(i, R, U, c_lo, c_hi, cm, e, acc):
+    """_sb_row for wide activations (R[12]: one scale per 256, so d's 8 lanes are equal): each
+    half's 4 sub-blocks add up as integers; c_lo, c_hi the halves' weight scales, cm per 32."""
+    a = R[i]
+    da = s.f8_ld(R[4 + i], (e >> 5) * 4)  # [8] the same scale
+    t = s.f8_mul(s.f8_of_i(_half(U, a, e, 0)), s.f8_mul(da, c_lo))
+    t = s.f8_fma(s.f8_of_i(_half(U, a, e, 1)), s.f8_mul(da, c_hi), t)
+    t = s.f8_fma(s.f8_ld(R[8 + i], (e >> 5) * 4), cm, t)
+    return s.f8_add(acc, t)  # (one add carried from step to step, not three fmas)
+
+
+@njit(**_INL)
+def _sbw(U, c_lo, c_hi, cm, e, nx, R, c0, c1, c2, c3):
+    c0 = _sbw_row(0, R, U, c_lo, c_hi, cm, e, c0)
+    if nx > 1:
+        c1 = _sbw_row(1, R, U, c_lo, c_hi, cm, e, c1)
+        c2 = _sbw_row(2, R, U, c_lo, c_hi, cm, e, c2)
+        c3 = _sbw_row(3, R, U, c_lo, c_hi, cm, e, c3)
     return c0, c1, c2, c3
 
 
@@ -371,7 +420,7 @@ def _iq1_s(p, off, n_in, R, nx):
 
 
 @njit(**_INL)
-def _tq2_0(p, off, n_in, R, nx):
+def _tq2_0(p, off, n_in, R, nx, wide):
     """66 B / 256: qs[64] of 2-bit codes, f16 d: element 128 j + 32 l + m is bits 2l.. of
     qs[32 j + m]; w = d (q - 1)."""
     o = np.int64(off)
@@ -381,28 +430,34 @@ def _tq2_0(p, off, n_in, R, nx):
         a, b = s.ld_b(p, o), s.ld_b(p, o + 32)
         U = (s.b_and(a, 3), s.b_and(s.b_shr(a, 2), 3), s.b_and(s.b_shr(a, 4), 3), s.b_shr(a, 6),
              s.b_and(b, 3), s.b_and(s.b_shr(b, 2), 3), s.b_and(s.b_shr(b, 4), 3), s.b_shr(b, 6))
-        d = f16_at(p, o + 64)
-        c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, s.f8_splat(d), s.f8_splat(-d), True, 256 * sb, nx, R, c0, c1, c2, c3)
+        c, cm = s.f8_splat(f16_at(p, o + 64)), s.f8_splat(-f16_at(p, o + 64))
+        if wide:
+            c0, c1, c2, c3 = _sbw(U, c, c, cm, 256 * sb, nx, R, c0, c1, c2, c3)
+        else:
+            c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 66
     return _fin(c0, c1, c2, c3)
 
 
 @njit(**_INL)
-def _tq1_0(p, off, n_in, R, nx):
+def _tq1_0(p, off, n_in, R, nx, wide):
     """54 B / 256: qs[48], qh[4] of base-3 codes (tq1_codes), f16 d: w = d (q - 1)."""
     o = np.int64(off)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
         s.prefetch_lines(p, o + PREFETCH_BYTES, 54)
-        d = f16_at(p, o + 52)
-        c0, c1, c2, c3 = _sb(blk.tq1_codes(p, o), blk.tq1_codes(p, o), _NB, _NK, 0, s.f8_splat(d), s.f8_splat(-d), True,
-                             256 * sb, nx, R, c0, c1, c2, c3)
+        U = blk.tq1_codes(p, o)
+        c, cm = s.f8_splat(f16_at(p, o + 52)), s.f8_splat(-f16_at(p, o + 52))
+        if wide:
+            c0, c1, c2, c3 = _sbw(U, c, c, cm, 256 * sb, nx, R, c0, c1, c2, c3)
+        else:
+            c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 54
     return _fin(c0, c1, c2, c3)
 
 
 @njit(**_INL)
-def _q1_0(p, off, n_in, R, nx):
+def _q1_0(p, off, n_in, R, nx, wide):
     """18 B / 128: f16 d, 16 B of bits (weight j: bit j % 8 of byte j // 8): w = d (2 b - 1),
     dotted as 2 d (b . a) - d sum(a); two blocks per 256 weights."""
     o = np.int64(off)
@@ -413,8 +468,12 @@ def _q1_0(p, off, n_in, R, nx):
              s.b_bits(s.u32_at(p, o + 14)), s.b_bits(s.u32_at(p, o + 20)), s.b_bits(s.u32_at(p, o + 24)),
              s.b_bits(s.u32_at(p, o + 28)), s.b_bits(s.u32_at(p, o + 32)))
         cm = s.f8_halves(-f16_at(p, o), -f16_at(p, o + 18))
-        c = s.f8_mul(cm, s.f8_splat(np.float32(-2.0)))
-        c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
+        if wide:
+            c_lo, c_hi = s.f8_splat(np.float32(2.0) * f16_at(p, o)), s.f8_splat(np.float32(2.0) * f16_at(p, o + 18))
+            c0, c1, c2, c3 = _sbw(U, c_lo, c_hi, cm, 256 * sb, nx, R, c0, c1, c2, c3)
+        else:
+            c = s.f8_mul(cm, s.f8_splat(np.float32(-2.0)))
+            c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 36
     return _fin(c0, c1, c2, c3)
 
@@ -697,9 +756,9 @@ def _int_dot(qtype, p, off, n_in, R, nx):
     if qtype == _IQ1_S:
         return _iq1_s(p, off, n_in, R, nx)
     if qtype == _TQ1_0:
-        return _tq1_0(p, off, n_in, R, nx)
+        return _tq1_0(p, off, n_in, R, nx, R[12] != 0)
     if qtype == _Q1_0:
-        return _q1_0(p, off, n_in, R, nx)
+        return _q1_0(p, off, n_in, R, nx, R[12] != 0)
     if qtype == _IQ2_XS:
         return _iq2_xs(p, off, n_in, R, nx)
     if qtype == _IQ2_S:
@@ -726,13 +785,14 @@ def _int_dot(qtype, p, off, n_in, R, nx):
         return _mxfp4(p, off, n_in, R, nx)
     if qtype == _NVFP4:
         return _nvfp4(p, off, n_in, R, nx)
-    return _tq2_0(p, off, n_in, R, nx)
+    return _tq2_0(p, off, n_in, R, nx, R[12] != 0)
 
 
 @njit(**_INL)
-def act_rows(qa, qd, qs, i0, i1, i2, i3):
-    """R for rows i0 .. i3 of the quantized activations (q [N, n], d [N, n/32], ds [N, n/32])."""
+def act_rows(qa, qd, qs, wide, i0, i1, i2, i3):
+    """R for rows i0 .. i3 of the quantized activations (q [N, n], d [N, n/32], ds [N, n/32];
+    quantize_acts(x, wide)): 4 q addresses, 4 d, 4 ds, wide (0 / 1)."""
     a, d, sm = addr(qa), addr(qd), addr(qs)
     n, nd, ns = np.int64(qa.shape[1]), np.int64(qd.shape[1]) * 4, np.int64(qs.shape[1]) * 4
     return (a + i0 * n, a + i1 * n, a + i2 * n, a + i3 * n, d + i0 * nd, d + i1 * nd, d + i2 * nd, d + i3 * nd,
-            sm + i0 * ns, sm + i1 * ns, sm + i2 * ns, sm + i3 * ns)
+            sm + i0 * ns, sm + i1 * ns, sm + i2 * ns, sm + i3 * ns, np.int64(1 if wide else 0))
