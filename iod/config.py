@@ -64,7 +64,7 @@ class IodConfig:
     memory: int | None = None  # the daemon's whole budget in bytes: the arena gets it less the daemon's own use
     backend: str = "auto"
     queue_depth: int = 32
-    direct: bool = False
+    direct: bool | None = None  # O_DIRECT reads; None: automatic (startup.choose_direct)
     # Publish which expert each arena slot holds (common.arena.Directory), so a decoder computes
     # an expert already in the arena without a round trip; off: every use is a fetch and a lease.
     directory: bool = True
@@ -196,7 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--arena-slots", type=int, metavar="N", help="arena size in slots of one expert blob each")
     a("--backend", choices=BACKENDS, help="reader: io_uring, a preadv thread pool, or auto (uring, else threads with a note)")
     a("--queue-depth", type=int, metavar="N", help="reads in flight at the device (default 32)")
-    a("--direct", action=argparse.BooleanOptionalAction, default=None, help="O_DIRECT reads (bypass the page cache)")
+    a("--direct", action=argparse.BooleanOptionalAction, default=None,
+      help="O_DIRECT reads (bypass the page cache; the arena is the cache). Default: automatic, on when the "
+      "page cache could not hold the experts the arena does not (the model's experts exceed the memory "
+      "limit less the arena) and the file system takes O_DIRECT")
     a("--directory", action=argparse.BooleanOptionalAction, default=None,
       help="publish a read-only directory of the arena (which expert each slot holds) so decoders compute experts "
       "already there without a round trip (default on; --no-directory: every use is a fetch and a lease)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import grp
 import logging
 import os
@@ -33,7 +34,7 @@ from .logs import error_line
 from .notify import notify
 from .readers import ReadError, open_reader
 from .server import Server
-from .startup import check_endpoints, check_group, fit_arena, is_socket, open_model
+from .startup import check_endpoints, check_group, choose_direct, fit_arena, is_socket, open_model
 
 log = logging.getLogger("moestream.iod")
 # What the daemon's own memory grows by after it measured itself at start (reader threads, ZeroMQ
@@ -85,8 +86,11 @@ def run(cfg: IodConfig) -> int:
     check_endpoints(cfg)  # before anything is created: a wrong path is a configuration error
     check_group(cfg)
     layout = open_model(cfg.model)
-    slot_bytes = layout.experts.slot_bytes(cfg.direct)
     overhead = own_memory() + OVERHEAD_MARGIN
+    direct, why = choose_direct(cfg, layout, memory_limit(), overhead)
+    cfg = dataclasses.replace(cfg, direct=direct)
+    log.info("reads %s (%s)", "with O_DIRECT" if direct else "through the page cache", why)
+    slot_bytes = layout.experts.slot_bytes(cfg.direct)
     min_slots = max(MIN_BUDGET_SLOTS, layout.hparams.n_expert_used)
     n_slots = resolve_slots(cfg, slot_bytes, layout.experts.n_blobs, overhead_bytes=overhead, min_slots=min_slots)
     n_slots = fit_arena(cfg, n_slots, slot_bytes, overhead, memory_limit(), min(min_slots, n_slots))

@@ -149,3 +149,42 @@ def fit_arena(cfg: IodConfig, n_slots: int, slot_bytes: int, overhead: int, limi
     log.warning("arena sized to fit %s: %d slots x %s = %s instead of the default %d slots", where, fits,
                 fmt(slot_bytes), fmt(fits * slot_bytes), n_slots)
     return fits
+
+
+def choose_direct(cfg: IodConfig, layout: ModelLayout, limit: MemoryLimit, overhead: int) -> tuple[bool, str]:
+    """O_DIRECT reads or not, and why: as configured; unset, `auto_direct` on the arena the
+    configuration asks for (sized with buffered slots) and whether every part opens with O_DIRECT."""
+    if cfg.direct is not None:
+        return cfg.direct, "--direct" if cfg.direct else "--no-direct"
+    from .config import resolve_slots
+
+    ex = layout.experts
+    slot = ex.slot_bytes(False)
+    try:
+        arena = resolve_slots(cfg, slot, ex.n_blobs, overhead_bytes=overhead) * slot
+    except ConfigError:  # (said again, with its numbers, when the arena is sized for real)
+        arena = 0
+    return auto_direct(ex.total_bytes, limit.bytes, arena, all(_takes_o_direct(f.path) for f in layout.files))
+
+
+def auto_direct(expert_bytes: int, memory: int, arena: int, direct_ok: bool) -> tuple[bool, str]:
+    """O_DIRECT when the page cache could not keep the experts the arena does not (`memory`: the
+    memory limit, else physical memory): reads through it would only churn it, and under a cgroup
+    limit charge it beside the arena. A 40 GiB file, 24 GiB of RAM, an 8 GiB arena: 1.69 tok/s
+    and a 7 s prefill with O_DIRECT, 1.23 and 31 s through the page cache (docs/BENCHMARKS.md)."""
+    fmt = format_size
+    if expert_bytes <= memory - arena:
+        return False, f"automatic: the experts ({fmt(expert_bytes)}) fit in the page cache beside the arena"
+    if not direct_ok:
+        return False, "automatic: O_DIRECT wanted (the experts do not fit in memory beside the arena), but the file " \
+                      "system refuses it"
+    return True, (f"automatic: the experts ({fmt(expert_bytes)}) do not fit in the {fmt(max(0, memory - arena))} "
+                  "of memory beside the arena")
+
+
+def _takes_o_direct(path: Path) -> bool:
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+        return True
+    except OSError:  # EINVAL: tmpfs and some network or FUSE file systems
+        return False

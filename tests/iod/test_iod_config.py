@@ -20,6 +20,33 @@ def test_parse_size(text, value):
     assert parse_size(text) == value
 
 
+def test_direct_reads_are_automatic_when_unset(tiny_model, tmp_path):
+    import dataclasses
+    import os
+
+    from moestream.common.layout import ModelLayout
+    from moestream.iod.limits import MemoryLimit
+    from moestream.iod.startup import auto_direct, choose_direct
+
+    gib = 1 << 30
+    assert auto_direct(40 * gib, 24 * gib, 8 * gib, True)[0] is True  # 40 GiB of experts, 16 GiB of cache left
+    assert auto_direct(12 * gib, 24 * gib, 8 * gib, True)[0] is False
+    on, why = auto_direct(40 * gib, 24 * gib, 8 * gib, False)
+    assert not on and "refuses" in why
+    cfg = load_config(["--model", str(tiny_model), "--arena-slots", "4"])
+    assert cfg.direct is None
+    layout = ModelLayout(tiny_model)
+    assert choose_direct(cfg, layout, MemoryLimit(1 << 40, "test"), 0)[0] is False  # fits many times over
+    try:  # what the file system says, asked directly
+        os.close(os.open(tiny_model, os.O_RDONLY | os.O_DIRECT))
+        takes = True
+    except OSError:
+        takes = False
+    small = MemoryLimit(layout.experts.total_bytes // 2, "test")  # the experts do not fit in it
+    assert choose_direct(cfg, layout, small, 0)[0] is takes
+    assert choose_direct(dataclasses.replace(cfg, direct=False), layout, small, 0) == (False, "--no-direct")
+
+
 @pytest.mark.parametrize("text", ["lots", "4XB", "-1", ""])
 def test_parse_size_rejects(text):
     with pytest.raises(ConfigError, match="bad size"):
