@@ -1,4 +1,5 @@
-"""The int8-activation CPU kernels (rows_int): activations quantized per 32, integer dots.
+"""The int8-activation CPU kernels (rows_int): activations quantized per 32 (per 256 for the
+WIDE_TYPES), integer dots.
 
 References are independent: gguf-py's numpy dequantizer for the weights (Q1_0: tests/qref.py's,
 written from ggml's layout), float64 math, and
@@ -6,7 +7,10 @@ written from ggml's layout), float64 math, and
     against round-to-nearest here): the kernels must agree to float32 summation order,
     TIGHT = 2e-5 x max |reference|;
   - the unquantized float32 activations: int8 rounding of the activations is the only
-    difference, LOOSE = 2e-2 x max |reference| (llama.cpp's CPU dots quantize the same way).
+    difference, LOOSE = 2e-2 x max |reference| (llama.cpp's CPU dots quantize the same way), and
+    LOOSE_WIDE = 3e-2 for the WIDE_TYPES, whose activations share a scale per 256 as llama.cpp's
+    Q8_K (a whole random expert, 5 seeds, worst of err / max |ref|: 0.021-0.027 wide, 0.014-0.017
+    per 32 for the same K/IQ types).
 Weights come three ways: random codes with sane scales (authoring's random_blocks, as the
 benchmarks), the encoders' output for float rows of varying scale (authoring's encode), and random
 bytes in every field with random f16 scales (every code, scale and sign bit pattern).
@@ -35,7 +39,11 @@ from moestream.decoder.kernels.cpu.simd.vectors import addr
 
 import qref
 
-TIGHT, LOOSE = 2e-5, 2e-2
+TIGHT, LOOSE, LOOSE_WIDE = 2e-5, 2e-2, 3e-2
+
+
+def loose(qtype: Q) -> float:
+    return LOOSE_WIDE if qtype in WIDE_TYPES else LOOSE
 D, FF = 512, 256
 
 
@@ -142,7 +150,7 @@ def test_linear_matches_float64_references(qtype: Q, n: int) -> None:
     got = qk.linear(x, m)  # [n, 96]
     w = weights64(m)
     assert_within(got, dequant_acts(x, qtype) @ w.T, TIGHT, f"{qtype.name} vs int8-activation reference")
-    assert_within(got, x.astype(np.float64) @ w.T, LOOSE, f"{qtype.name} vs float reference")
+    assert_within(got, x.astype(np.float64) @ w.T, loose(qtype), f"{qtype.name} vs float reference")
 
 
 @pytest.mark.parametrize("qtype", INT_TYPES, ids=lambda q: q.name)
@@ -156,7 +164,7 @@ def test_encoded_and_random_byte_weights(qtype: Q, source: str) -> None:
     got = qk.linear(x, m)  # [4, 64]
     w = weights64(m)
     assert_within(got, dequant_acts(x, qtype) @ w.T, TIGHT, f"{qtype.name} ({source}) vs int8-activation reference")
-    assert_within(got, x.astype(np.float64) @ w.T, LOOSE, f"{qtype.name} ({source}) vs float reference")
+    assert_within(got, x.astype(np.float64) @ w.T, loose(qtype), f"{qtype.name} ({source}) vs float reference")
 
 
 @pytest.mark.parametrize("qtype", INT_TYPES, ids=lambda q: q.name)
@@ -175,7 +183,7 @@ def test_expert_matches_float64_references(qtype: Q) -> None:
     assert_within(y, dequant_acts(h, qtype) @ weights64(down).T, TIGHT, f"{qtype.name} down of the kernel's h")
     x64 = x.astype(np.float64)
     ref = silu_mul(x64 @ weights64(gate).T, x64 @ weights64(up).T) @ weights64(down).T  # [5, D]
-    assert_within(y, ref, LOOSE, f"{qtype.name} expert vs float reference")
+    assert_within(y, ref, loose(qtype), f"{qtype.name} expert vs float reference")
 
 
 # -- determinism --------------------------------------------------------------------------------
@@ -297,7 +305,7 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
 
 
 # -- a model: streamed == resident, bit for bit, on the int8 path ------------------------------------
-@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K", "Q1_0", "TQ2_0"])  # (the last two: wide activations)
 def test_streamed_int8_is_bit_identical_to_resident(make_tiny_model, start_daemon, quant) -> None:
     """Both run the same deterministic kernels: decoding from a daemon's arena gives the file-map
     decode's tokens and logits exactly with int8 activations too; those differ from the float
@@ -323,4 +331,4 @@ def test_streamed_int8_is_bit_identical_to_resident(make_tiny_model, start_daemo
         exact = s.run(resident, prompts=prompts)
     assert not all(torch.equal(a, b) for a, b in zip(exact.logits, want.logits))
     for a, b in zip(want.logits, exact.logits):
-        assert (a - b).abs().max() <= LOOSE * b.abs().max()
+        assert (a - b).abs().max() <= loose(Q[quant]) * b.abs().max()

@@ -17,11 +17,14 @@ load, as cheap as Q8_K's one scale with integer sub-scale multiplies, and an out
 coarsens its own 32 activations.
 
 Wide activations (`quantize_acts(x, wide=True)`, R[12] = 1): one scale per 256, the same in the
-8 entries of d, for the calls whose every int type is in WIDE_TYPES (weights with no scale finer
-than 128: Q1_0, TQ1_0, TQ2_0). Their 8 sub-block dots then add up as integers, two chains of 4
-(one per 128-weight half), scaled once per half: the per-sub-block sums (hsum8x8, about a third
-of a Q1_0 super-block's instructions) go. The activation rounding is llama.cpp's Q8_K's: the
-error per element is at most a 256-block's max |x| / 254 instead of its 32-block's.
+8 entries of d, for the WIDE_TYPES: weights whose float scale is per 128 or per 256, finer ones
+being integers (dpbusd_k's K): Q1_0, TQ1_0, TQ2_0, Q2_K, Q3_K, IQ2_XS, IQ2_S (IQ1_M would qualify:
+5 % faster, not worth the coarser rounding). Their 8
+sub-block dots then add up as integers (Q1_0: two chains of 4, one per 128-weight half) and are
+scaled once: the per-sub-block sums (hsum8x8, about a third of a Q1_0 super-block's instructions)
+go. The activation rounding is llama.cpp's Q8_K's: the error per element is at most a 256-block's
+max |x| / 254 instead of its 32-block's (a random expert's output: ~1.5x the error of per-32).
+Each type takes its own kind, so a call may quantize its rows both ways.
 
 Weights as unsigned bytes (dpbusd's u8 side), per type, for sub-block j with weight scale c_j;
 "signed" = their magnitudes, with the activation bytes' signs flipped where the weight is < 0
@@ -93,7 +96,7 @@ KV2_E2M1 = np.tile(np.array((0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8,
 # 1024-wide rows 0.46 a row 8 KB ahead, 0.73 a row 2 KB ahead, 0.72 per step 2 KB ahead; 4096-wide
 # 0.61 a row ahead, 0.78 per step).
 PREFETCH_BYTES = 2048
-WIDE_TYPES = (Q.Q1_0, Q.TQ1_0, Q.TQ2_0)  # computed with wide activations (above) when a call has no other int type
+WIDE_TYPES = (Q.Q1_0, Q.TQ1_0, Q.TQ2_0, Q.Q2_K, Q.Q3_K, Q.IQ2_XS, Q.IQ2_S)  # wide activations (above)
 _EIGHTH, _QUARTER, _INV127 = np.float32(0.125), np.float32(0.25), np.float32(1.0 / 127.0)
 
 
@@ -108,7 +111,8 @@ def has_int(qtype):
 
 @njit(**_JIT)
 def is_wide(qtype):
-    return qtype == _Q1_0 or qtype == _TQ1_0 or qtype == _TQ2_0
+    return (qtype == _Q1_0 or qtype == _TQ1_0 or qtype == _TQ2_0 or qtype == _Q2_K or qtype == _Q3_K
+            or qtype == _IQ2_XS or qtype == _IQ2_S)
 
 
 # -- activations ---------------------------------------------------------------------------------
@@ -213,6 +217,28 @@ def _sbw(U, c_lo, c_hi, cm, e, nx, R, c0, c1, c2, c3):
         c1 = _sbw_row(1, R, U, c_lo, c_hi, cm, e, c1)
         c2 = _sbw_row(2, R, U, c_lo, c_hi, cm, e, c2)
         c3 = _sbw_row(3, R, U, c_lo, c_hi, cm, e, c3)
+    return c0, c1, c2, c3
+
+
+@njit(**_INL)
+def _sbw_k_row(i, R, U, W, B, K, mode, c, e, acc):
+    """_sb_row for wide activations and a weight scale c the same in the 8 sub-blocks (theirs are
+    the integers K): the dots' lanes add up as integers and are scaled once."""
+    a = R[i]
+    isum = s.isum8((_dp(U, W, B, K, a, e, 0, mode), _dp(U, W, B, K, a, e, 1, mode),
+                    _dp(U, W, B, K, a, e, 2, mode), _dp(U, W, B, K, a, e, 3, mode),
+                    _dp(U, W, B, K, a, e, 4, mode), _dp(U, W, B, K, a, e, 5, mode),
+                    _dp(U, W, B, K, a, e, 6, mode), _dp(U, W, B, K, a, e, 7, mode)))
+    return s.f8_fma(s.f8_of_i(isum), s.f8_mul(s.f8_ld(R[4 + i], (e >> 5) * 4), c), acc)
+
+
+@njit(**_INL)
+def _sbw_k(U, W, B, K, mode, c, e, nx, R, c0, c1, c2, c3):
+    c0 = _sbw_k_row(0, R, U, W, B, K, mode, c, e, c0)
+    if nx > 1:
+        c1 = _sbw_k_row(1, R, U, W, B, K, mode, c, e, c1)
+        c2 = _sbw_k_row(2, R, U, W, B, K, mode, c, e, c2)
+        c3 = _sbw_k_row(3, R, U, W, B, K, mode, c, e, c3)
     return c0, c1, c2, c3
 
 
@@ -358,7 +384,7 @@ def _q6_k(p, off, n_in, R, nx):
 
 
 @njit(**_INL)
-def _q2_k(p, off, n_in, R, nx):
+def _q2_k(p, off, n_in, R, nx, wide):
     """84 B / 256: 16 scale bytes (low nibble scale, high min, per 16 weights), qs[64] of 2-bit
     codes (element 128 h + 32 j + l: bits 2j.. of qs[32 h + l]), f16 d, f16 dmin:
     w = d sc q - dmin m. The 4-bit scales are multiplied into the codes (sc q <= 45) and the
@@ -373,11 +399,13 @@ def _q2_k(p, off, n_in, R, nx):
              s.b_mul(s.b_and(s.b_shr(a, 4), 3), S[2]), s.b_mul(s.b_shr(a, 6), S[3]),
              s.b_mul(s.b_and(b, 3), S[4]), s.b_mul(s.b_and(s.b_shr(b, 2), 3), S[5]),
              s.b_mul(s.b_and(s.b_shr(b, 4), 3), S[6]), s.b_mul(s.b_shr(b, 6), S[7]))
-        e = 256 * sb
-        c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, s.f8_splat(f16_at(p, o + 80)), s.f8_zero(), False, e, nx, R,
-                             c0, c1, c2, c3)
-        c0, c1, c2, c3 = _sb(M, M, _NB, _NK, 0, s.f8_splat(-f16_at(p, o + 82)), s.f8_zero(), False, e, nx, R,
-                             c0, c1, c2, c3)
+        e, c, cm = 256 * sb, s.f8_splat(f16_at(p, o + 80)), s.f8_splat(-f16_at(p, o + 82))
+        if wide:
+            c0, c1, c2, c3 = _sbw_k(U, U, _NB, _NK, 0, c, e, nx, R, c0, c1, c2, c3)
+            c0, c1, c2, c3 = _sbw_k(M, M, _NB, _NK, 0, cm, e, nx, R, c0, c1, c2, c3)
+        else:
+            c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, c, s.f8_zero(), False, e, nx, R, c0, c1, c2, c3)
+            c0, c1, c2, c3 = _sb(M, M, _NB, _NK, 0, cm, s.f8_zero(), False, e, nx, R, c0, c1, c2, c3)
         o += 84
     return _fin(c0, c1, c2, c3)
 
@@ -479,7 +507,7 @@ def _q1_0(p, off, n_in, R, nx, wide):
 
 
 @njit(**_INL)
-def _iq2_xs(p, off, n_in, R, nx):
+def _iq2_xs(p, off, n_in, R, nx, wide):
     """74 B / 256: f16 d, u16 qs[32] (per group of 8 a 9-bit grid index and a 7-bit ksigns
     index), scales[8] (a nibble per 16 weights): w = d (0.5 + s) / 4 x grid x sign, dotted as
     d / 8 x ((2 s + 1) per 16 x grid . signed a): the scales are dpbusd_k's lane multipliers."""
@@ -491,13 +519,16 @@ def _iq2_xs(p, off, n_in, R, nx):
         B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
              s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
         c = s.f8_splat(f16_at(p, o) * _EIGHTH)
-        c0, c1, c2, c3 = _sb(U, U, B, K, 2, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        if wide:
+            c0, c1, c2, c3 = _sbw_k(U, U, B, K, 2, c, 256 * sb, nx, R, c0, c1, c2, c3)
+        else:
+            c0, c1, c2, c3 = _sb(U, U, B, K, 2, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 74
     return _fin(c0, c1, c2, c3)
 
 
 @njit(**_INL)
-def _iq2_s(p, off, n_in, R, nx):
+def _iq2_s(p, off, n_in, R, nx, wide):
     """82 B / 256: f16 d, qs[32] and 2 bits of qh[8] per group: a 10-bit grid index, signs[32]
     (8 sign bits per group), scales[8] as IQ2_XS's: w = d (0.5 + s) / 4 x grid x sign."""
     o, grid = np.int64(off), addr(GRID64_IQ2_S)
@@ -508,7 +539,10 @@ def _iq2_s(p, off, n_in, R, nx):
         B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
              s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
         c = s.f8_splat(f16_at(p, o) * _EIGHTH)
-        c0, c1, c2, c3 = _sb(U, U, B, K, 2, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        if wide:
+            c0, c1, c2, c3 = _sbw_k(U, U, B, K, 2, c, 256 * sb, nx, R, c0, c1, c2, c3)
+        else:
+            c0, c1, c2, c3 = _sb(U, U, B, K, 2, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 82
     return _fin(c0, c1, c2, c3)
 
@@ -576,7 +610,7 @@ def _q3_w(p, o, hm, j):
 
 
 @njit(**_INL)
-def _q3_k(p, off, n_in, R, nx):
+def _q3_k(p, off, n_in, R, nx, wide):
     """110 B / 256: hmask[32], qs[64] (2-bit codes as Q2_K's), 12 bytes of 6-bit scales (one per
     16 weights), f16 d: w = d (sc - 32) q, q = code - 4 (hmask bit clear) or code. The signed
     codes meet the activation's signs (psignb) and the scales are dpbusd_k's multipliers."""
@@ -590,7 +624,10 @@ def _q3_k(p, off, n_in, R, nx):
         U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
              s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
         c = s.f8_splat(f16_at(p, o + 108))
-        c0, c1, c2, c3 = _sb(U, W, _NB, blk.q3k_scales(p, o + 96), 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        if wide:
+            c0, c1, c2, c3 = _sbw_k(U, W, _NB, blk.q3k_scales(p, o + 96), 1, c, 256 * sb, nx, R, c0, c1, c2, c3)
+        else:
+            c0, c1, c2, c3 = _sb(U, W, _NB, blk.q3k_scales(p, o + 96), 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 110
     return _fin(c0, c1, c2, c3)
 
@@ -750,7 +787,7 @@ def _int_dot(qtype, p, off, n_in, R, nx):
     if qtype == _Q6_K:
         return _q6_k(p, off, n_in, R, nx)
     if qtype == _Q2_K:
-        return _q2_k(p, off, n_in, R, nx)
+        return _q2_k(p, off, n_in, R, nx, R[12] != 0)
     if qtype == _IQ2_XXS:
         return _iq2_xxs(p, off, n_in, R, nx)
     if qtype == _IQ1_S:
@@ -760,9 +797,9 @@ def _int_dot(qtype, p, off, n_in, R, nx):
     if qtype == _Q1_0:
         return _q1_0(p, off, n_in, R, nx, R[12] != 0)
     if qtype == _IQ2_XS:
-        return _iq2_xs(p, off, n_in, R, nx)
+        return _iq2_xs(p, off, n_in, R, nx, R[12] != 0)
     if qtype == _IQ2_S:
-        return _iq2_s(p, off, n_in, R, nx)
+        return _iq2_s(p, off, n_in, R, nx, R[12] != 0)
     if qtype == _IQ3_XXS:
         return _iq3_xxs(p, off, n_in, R, nx)
     if qtype == _IQ3_S:
@@ -770,7 +807,7 @@ def _int_dot(qtype, p, off, n_in, R, nx):
     if qtype == _IQ1_M:
         return _iq1_m(p, off, n_in, R, nx)
     if qtype == _Q3_K:
-        return _q3_k(p, off, n_in, R, nx)
+        return _q3_k(p, off, n_in, R, nx, R[12] != 0)
     if qtype == _IQ4_XS:
         return _iq4_xs(p, off, n_in, R, nx)
     if qtype == _IQ4_NL:

@@ -417,6 +417,22 @@ def hsum8x8(typingctx, t):
 
 
 @intrinsic
+def isum8(typingctx, t):
+    """The lane-wise sum of a tuple t of 8 int32 vectors (wide activations: the 8 sub-blocks'
+    dots share one scale, so their lanes add up before any reduction across lanes)."""
+    if not (isinstance(t, types.UniTuple) and t.count == 8 and t.dtype == vi8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = [builder.extract_value(args[0], i) for i in range(8)]
+        while len(v) > 1:  # a tree: 3 adds deep, not 7
+            v = [builder.add(v[k], v[k + 1]) for k in range(0, len(v), 2)]
+        return v[0]
+
+    return vi8(t), codegen
+
+
+@intrinsic
 def f8_ld(typingctx, p, off):
     """The 8 float32 at address p + off (byte offset)."""
     if not _ints(p, off):
