@@ -87,13 +87,13 @@ def run(cfg: IodConfig) -> int:
     check_group(cfg)
     layout = open_model(cfg.model)
     overhead = own_memory() + OVERHEAD_MARGIN
-    direct, why = choose_direct(cfg, layout, memory_limit(), overhead)
+    limit = memory_limit()
+    direct, why = choose_direct(cfg, layout, limit, overhead)
     cfg = dataclasses.replace(cfg, direct=direct)
-    log.info("reads %s (%s)", "with O_DIRECT" if direct else "through the page cache", why)
     slot_bytes = layout.experts.slot_bytes(cfg.direct)
     min_slots = max(MIN_BUDGET_SLOTS, layout.hparams.n_expert_used)
     n_slots = resolve_slots(cfg, slot_bytes, layout.experts.n_blobs, overhead_bytes=overhead, min_slots=min_slots)
-    n_slots = fit_arena(cfg, n_slots, slot_bytes, overhead, memory_limit(), min(min_slots, n_slots))
+    n_slots = fit_arena(cfg, n_slots, slot_bytes, overhead, limit, min(min_slots, n_slots))
     if cfg.memory is not None:
         log.info("memory budget %s: daemon %s (measured at start + margin), arena %d slots = %s",
                  format_size(cfg.memory), format_size(overhead), n_slots, format_size(n_slots * slot_bytes))
@@ -115,10 +115,11 @@ def run(cfg: IodConfig) -> int:
         server = Server(cfg, layout, reader, arena, ctx, daemon_bytes=overhead)
         stack.callback(_remove_socket_files, cfg)  # only now: never delete another daemon's files
         _bind(server, cfg)
-        log.info("serving %s%s (%d layers x %d experts) on %s: arena %s, %d slots x %d bytes, reader %s",
+        log.info("serving %s%s (%d layers x %d experts) on %s: arena %s, %d slots x %d bytes, reader %s %s (%s)",
                  layout.path.name, f" and {len(layout.files) - 1} more parts" if len(layout.files) > 1 else "",
                  layout.experts.n_layer, layout.experts.n_expert, cfg.endpoint,
-                 arena.name, n_slots, slot_bytes, reader.name)
+                 arena.name, n_slots, slot_bytes, reader.name,
+                 "with O_DIRECT" if direct else "through the page cache", why)
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_serve(server))
         # the loop restored default handlers: a second SIGTERM now must not skip the clean-up

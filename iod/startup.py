@@ -16,7 +16,7 @@ from pathlib import Path
 from moestream.common.layout import ModelFormatError, ModelLayout
 from moestream.common.units import format_size
 
-from .config import ConfigError, IodConfig
+from .config import ConfigError, IodConfig, resolve_slots
 from .limits import MemoryLimit
 
 log = logging.getLogger("moestream.iod")
@@ -156,8 +156,6 @@ def choose_direct(cfg: IodConfig, layout: ModelLayout, limit: MemoryLimit, overh
     configuration asks for (sized with buffered slots) and whether every part opens with O_DIRECT."""
     if cfg.direct is not None:
         return cfg.direct, "--direct" if cfg.direct else "--no-direct"
-    from .config import resolve_slots
-
     ex = layout.experts
     slot = ex.slot_bytes(False)
     try:
