@@ -440,8 +440,8 @@ def _one_row_int(row_ptr, e, qa, qb, n_in, use_int):
 def _acts_rows(acts, q, i0, i1, i2, i3):
     """R (rows_int) for weights of type q: rows i0 .. i3 of the activations (_acts) it takes."""
     if is_wide(q):
-        return act_rows(acts[3], acts[4], acts[5], True, i0, i1, i2, i3)
-    return act_rows(acts[0], acts[1], acts[2], False, i0, i1, i2, i3)
+        return act_rows(acts[3], acts[4], acts[5], i0, i1, i2, i3)
+    return act_rows(acts[0], acts[1], acts[2], i0, i1, i2, i3)
 
 
 @njit(inline="always", **_JIT)

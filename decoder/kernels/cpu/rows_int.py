@@ -16,15 +16,15 @@ Blocks of 32, not llama.cpp's 256-wide Q8_K: the 8 block scales of a super-block
 load, as cheap as Q8_K's one scale with integer sub-scale multiplies, and an outlier only
 coarsens its own 32 activations.
 
-Wide activations (`quantize_acts(x, wide=True)`, R[12] = 1): one scale per 256, the same in the
-8 entries of d, for the WIDE_TYPES: weights whose float scale is per 128 or per 256, finer ones
-being integers (dpbusd_k's K): Q1_0, TQ1_0, TQ2_0, Q2_K, Q3_K, IQ2_XS, IQ2_S (IQ1_M would qualify:
-5 % faster, not worth the coarser rounding). Their 8
+Wide activations (`quantize_acts(x, wide=True)`): one scale per 256, the same in the 8 entries
+of d. The WIDE_TYPES (is_wide) always take them, the others never: the callers quantize for each
+type what it takes, so a call may quantize its rows both ways. They are the types whose float
+scale is per 128 or per 256, any finer one an integer (dpbusd_k's K): Q1_0, TQ1_0, TQ2_0, Q2_K,
+Q3_K, IQ2_XS, IQ2_S (IQ1_M would qualify: 5 % faster, not worth the coarser rounding). Their 8
 sub-block dots then add up as integers (Q1_0: two chains of 4, one per 128-weight half) and are
 scaled once: the per-sub-block sums (hsum8x8, about a third of a Q1_0 super-block's instructions)
 go. The activation rounding is llama.cpp's Q8_K's: the error per element is at most a 256-block's
 max |x| / 254 instead of its 32-block's (a random expert's output: ~1.5x the error of per-32).
-Each type takes its own kind, so a call may quantize its rows both ways.
 
 Weights as unsigned bytes (dpbusd's u8 side), per type, for sub-block j with weight scale c_j;
 "signed" = their magnitudes, with the activation bytes' signs flipped where the weight is < 0
@@ -148,7 +148,7 @@ def quantize_acts(x, wide=False):
 # The 8 sub-blocks' integer dots are summed lane-wise into one vector of 8 sums (hsum8x8), which
 # is scaled by the weights' sub-block scales c and the activations' block scales d_a, and the
 # weight offsets (or mins) cm by the activations' d_a x sum(q): two fmas per 256 weights and row.
-# R = (q addresses of rows 0-3, d addresses 0-3, ds addresses 0-3, wide); e = the super-block's element.
+# R = (q addresses of rows 0-3, d addresses 0-3, ds addresses 0-3); e = the super-block's element.
 # The activation bytes are used as they are (mode 0), with the signs of the int8 weights W
 # (mode 1: U holds their magnitudes), or negated where the sub-block's bits B are set (mode 2).
 # K: per sub-block integer multipliers of its lanes (dpbusd_k: lanes 0-3 = its first 16 weights,
@@ -200,7 +200,7 @@ def _half(U, a, e, h):
 
 @njit(**_INL)
 def _sbw_row(i, R, U, c_lo, c_hi, cm, e, acc):
-    """_sb_row for wide activations (R[12]: one scale per 256, so d's 8 lanes are equal): each
+    """_sb_row for wide activations (one scale per 256, so d's 8 lanes are equal): each
     half's 4 sub-blocks add up as integers; c_lo, c_hi the halves' weight scales, cm per 32."""
     a = R[i]
     da = s.f8_ld(R[4 + i], (e >> 5) * 4)  # [8] the same scale
@@ -384,7 +384,7 @@ def _q6_k(p, off, n_in, R, nx):
 
 
 @njit(**_INL)
-def _q2_k(p, off, n_in, R, nx, wide):
+def _q2_k(p, off, n_in, R, nx):
     """84 B / 256: 16 scale bytes (low nibble scale, high min, per 16 weights), qs[64] of 2-bit
     codes (element 128 h + 32 j + l: bits 2j.. of qs[32 h + l]), f16 d, f16 dmin:
     w = d sc q - dmin m. The 4-bit scales are multiplied into the codes (sc q <= 45) and the
@@ -400,12 +400,8 @@ def _q2_k(p, off, n_in, R, nx, wide):
              s.b_mul(s.b_and(b, 3), S[4]), s.b_mul(s.b_and(s.b_shr(b, 2), 3), S[5]),
              s.b_mul(s.b_and(s.b_shr(b, 4), 3), S[6]), s.b_mul(s.b_shr(b, 6), S[7]))
         e, c, cm = 256 * sb, s.f8_splat(f16_at(p, o + 80)), s.f8_splat(-f16_at(p, o + 82))
-        if wide:
-            c0, c1, c2, c3 = _sbw_k(U, U, _NB, _NK, 0, c, e, nx, R, c0, c1, c2, c3)
-            c0, c1, c2, c3 = _sbw_k(M, M, _NB, _NK, 0, cm, e, nx, R, c0, c1, c2, c3)
-        else:
-            c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, c, s.f8_zero(), False, e, nx, R, c0, c1, c2, c3)
-            c0, c1, c2, c3 = _sb(M, M, _NB, _NK, 0, cm, s.f8_zero(), False, e, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sbw_k(U, U, _NB, _NK, 0, c, e, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sbw_k(M, M, _NB, _NK, 0, cm, e, nx, R, c0, c1, c2, c3)
         o += 84
     return _fin(c0, c1, c2, c3)
 
@@ -448,7 +444,7 @@ def _iq1_s(p, off, n_in, R, nx):
 
 
 @njit(**_INL)
-def _tq2_0(p, off, n_in, R, nx, wide):
+def _tq2_0(p, off, n_in, R, nx):
     """66 B / 256: qs[64] of 2-bit codes, f16 d: element 128 j + 32 l + m is bits 2l.. of
     qs[32 j + m]; w = d (q - 1)."""
     o = np.int64(off)
@@ -459,16 +455,13 @@ def _tq2_0(p, off, n_in, R, nx, wide):
         U = (s.b_and(a, 3), s.b_and(s.b_shr(a, 2), 3), s.b_and(s.b_shr(a, 4), 3), s.b_shr(a, 6),
              s.b_and(b, 3), s.b_and(s.b_shr(b, 2), 3), s.b_and(s.b_shr(b, 4), 3), s.b_shr(b, 6))
         c, cm = s.f8_splat(f16_at(p, o + 64)), s.f8_splat(-f16_at(p, o + 64))
-        if wide:
-            c0, c1, c2, c3 = _sbw(U, c, c, cm, 256 * sb, nx, R, c0, c1, c2, c3)
-        else:
-            c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sbw(U, c, c, cm, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 66
     return _fin(c0, c1, c2, c3)
 
 
 @njit(**_INL)
-def _tq1_0(p, off, n_in, R, nx, wide):
+def _tq1_0(p, off, n_in, R, nx):
     """54 B / 256: qs[48], qh[4] of base-3 codes (tq1_codes), f16 d: w = d (q - 1)."""
     o = np.int64(off)
     c0, c1, c2, c3 = _zeros()
@@ -476,16 +469,13 @@ def _tq1_0(p, off, n_in, R, nx, wide):
         s.prefetch_lines(p, o + PREFETCH_BYTES, 54)
         U = blk.tq1_codes(p, o)
         c, cm = s.f8_splat(f16_at(p, o + 52)), s.f8_splat(-f16_at(p, o + 52))
-        if wide:
-            c0, c1, c2, c3 = _sbw(U, c, c, cm, 256 * sb, nx, R, c0, c1, c2, c3)
-        else:
-            c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sbw(U, c, c, cm, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 54
     return _fin(c0, c1, c2, c3)
 
 
 @njit(**_INL)
-def _q1_0(p, off, n_in, R, nx, wide):
+def _q1_0(p, off, n_in, R, nx):
     """18 B / 128: f16 d, 16 B of bits (weight j: bit j % 8 of byte j // 8): w = d (2 b - 1),
     dotted as 2 d (b . a) - d sum(a); two blocks per 256 weights."""
     o = np.int64(off)
@@ -496,18 +486,14 @@ def _q1_0(p, off, n_in, R, nx, wide):
              s.b_bits(s.u32_at(p, o + 14)), s.b_bits(s.u32_at(p, o + 20)), s.b_bits(s.u32_at(p, o + 24)),
              s.b_bits(s.u32_at(p, o + 28)), s.b_bits(s.u32_at(p, o + 32)))
         cm = s.f8_halves(-f16_at(p, o), -f16_at(p, o + 18))
-        if wide:
-            c_lo, c_hi = s.f8_splat(np.float32(2.0) * f16_at(p, o)), s.f8_splat(np.float32(2.0) * f16_at(p, o + 18))
-            c0, c1, c2, c3 = _sbw(U, c_lo, c_hi, cm, 256 * sb, nx, R, c0, c1, c2, c3)
-        else:
-            c = s.f8_mul(cm, s.f8_splat(np.float32(-2.0)))
-            c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
+        c_lo, c_hi = s.f8_splat(np.float32(2.0) * f16_at(p, o)), s.f8_splat(np.float32(2.0) * f16_at(p, o + 18))
+        c0, c1, c2, c3 = _sbw(U, c_lo, c_hi, cm, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 36
     return _fin(c0, c1, c2, c3)
 
 
 @njit(**_INL)
-def _iq2_xs(p, off, n_in, R, nx, wide):
+def _iq2_xs(p, off, n_in, R, nx):
     """74 B / 256: f16 d, u16 qs[32] (per group of 8 a 9-bit grid index and a 7-bit ksigns
     index), scales[8] (a nibble per 16 weights): w = d (0.5 + s) / 4 x grid x sign, dotted as
     d / 8 x ((2 s + 1) per 16 x grid . signed a): the scales are dpbusd_k's lane multipliers."""
@@ -519,16 +505,13 @@ def _iq2_xs(p, off, n_in, R, nx, wide):
         B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
              s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
         c = s.f8_splat(f16_at(p, o) * _EIGHTH)
-        if wide:
-            c0, c1, c2, c3 = _sbw_k(U, U, B, K, 2, c, 256 * sb, nx, R, c0, c1, c2, c3)
-        else:
-            c0, c1, c2, c3 = _sb(U, U, B, K, 2, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sbw_k(U, U, B, K, 2, c, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 74
     return _fin(c0, c1, c2, c3)
 
 
 @njit(**_INL)
-def _iq2_s(p, off, n_in, R, nx, wide):
+def _iq2_s(p, off, n_in, R, nx):
     """82 B / 256: f16 d, qs[32] and 2 bits of qh[8] per group: a 10-bit grid index, signs[32]
     (8 sign bits per group), scales[8] as IQ2_XS's: w = d (0.5 + s) / 4 x grid x sign."""
     o, grid = np.int64(off), addr(GRID64_IQ2_S)
@@ -539,10 +522,7 @@ def _iq2_s(p, off, n_in, R, nx, wide):
         B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
              s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
         c = s.f8_splat(f16_at(p, o) * _EIGHTH)
-        if wide:
-            c0, c1, c2, c3 = _sbw_k(U, U, B, K, 2, c, 256 * sb, nx, R, c0, c1, c2, c3)
-        else:
-            c0, c1, c2, c3 = _sb(U, U, B, K, 2, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sbw_k(U, U, B, K, 2, c, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 82
     return _fin(c0, c1, c2, c3)
 
@@ -610,7 +590,7 @@ def _q3_w(p, o, hm, j):
 
 
 @njit(**_INL)
-def _q3_k(p, off, n_in, R, nx, wide):
+def _q3_k(p, off, n_in, R, nx):
     """110 B / 256: hmask[32], qs[64] (2-bit codes as Q2_K's), 12 bytes of 6-bit scales (one per
     16 weights), f16 d: w = d (sc - 32) q, q = code - 4 (hmask bit clear) or code. The signed
     codes meet the activation's signs (psignb) and the scales are dpbusd_k's multipliers."""
@@ -624,10 +604,7 @@ def _q3_k(p, off, n_in, R, nx, wide):
         U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
              s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
         c = s.f8_splat(f16_at(p, o + 108))
-        if wide:
-            c0, c1, c2, c3 = _sbw_k(U, W, _NB, blk.q3k_scales(p, o + 96), 1, c, 256 * sb, nx, R, c0, c1, c2, c3)
-        else:
-            c0, c1, c2, c3 = _sb(U, W, _NB, blk.q3k_scales(p, o + 96), 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sbw_k(U, W, _NB, blk.q3k_scales(p, o + 96), 1, c, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 110
     return _fin(c0, c1, c2, c3)
 
@@ -787,19 +764,19 @@ def _int_dot(qtype, p, off, n_in, R, nx):
     if qtype == _Q6_K:
         return _q6_k(p, off, n_in, R, nx)
     if qtype == _Q2_K:
-        return _q2_k(p, off, n_in, R, nx, R[12] != 0)
+        return _q2_k(p, off, n_in, R, nx)
     if qtype == _IQ2_XXS:
         return _iq2_xxs(p, off, n_in, R, nx)
     if qtype == _IQ1_S:
         return _iq1_s(p, off, n_in, R, nx)
     if qtype == _TQ1_0:
-        return _tq1_0(p, off, n_in, R, nx, R[12] != 0)
+        return _tq1_0(p, off, n_in, R, nx)
     if qtype == _Q1_0:
-        return _q1_0(p, off, n_in, R, nx, R[12] != 0)
+        return _q1_0(p, off, n_in, R, nx)
     if qtype == _IQ2_XS:
-        return _iq2_xs(p, off, n_in, R, nx, R[12] != 0)
+        return _iq2_xs(p, off, n_in, R, nx)
     if qtype == _IQ2_S:
-        return _iq2_s(p, off, n_in, R, nx, R[12] != 0)
+        return _iq2_s(p, off, n_in, R, nx)
     if qtype == _IQ3_XXS:
         return _iq3_xxs(p, off, n_in, R, nx)
     if qtype == _IQ3_S:
@@ -807,7 +784,7 @@ def _int_dot(qtype, p, off, n_in, R, nx):
     if qtype == _IQ1_M:
         return _iq1_m(p, off, n_in, R, nx)
     if qtype == _Q3_K:
-        return _q3_k(p, off, n_in, R, nx, R[12] != 0)
+        return _q3_k(p, off, n_in, R, nx)
     if qtype == _IQ4_XS:
         return _iq4_xs(p, off, n_in, R, nx)
     if qtype == _IQ4_NL:
@@ -822,14 +799,14 @@ def _int_dot(qtype, p, off, n_in, R, nx):
         return _mxfp4(p, off, n_in, R, nx)
     if qtype == _NVFP4:
         return _nvfp4(p, off, n_in, R, nx)
-    return _tq2_0(p, off, n_in, R, nx, R[12] != 0)
+    return _tq2_0(p, off, n_in, R, nx)
 
 
 @njit(**_INL)
-def act_rows(qa, qd, qs, wide, i0, i1, i2, i3):
-    """R for rows i0 .. i3 of the quantized activations (q [N, n], d [N, n/32], ds [N, n/32];
-    quantize_acts(x, wide)): 4 q addresses, 4 d, 4 ds, wide (0 / 1)."""
+def act_rows(qa, qd, qs, i0, i1, i2, i3):
+    """R for rows i0 .. i3 of the quantized activations (q [N, n], d [N, n/32], ds [N, n/32]), per
+    32 or wide as the weights' type takes them (is_wide)."""
     a, d, sm = addr(qa), addr(qd), addr(qs)
     n, nd, ns = np.int64(qa.shape[1]), np.int64(qd.shape[1]) * 4, np.int64(qs.shape[1]) * 4
     return (a + i0 * n, a + i1 * n, a + i2 * n, a + i3 * n, d + i0 * nd, d + i1 * nd, d + i2 * nd, d + i3 * nd,
-            sm + i0 * ns, sm + i1 * ns, sm + i2 * ns, sm + i3 * ns, np.int64(1 if wide else 0))
+            sm + i0 * ns, sm + i1 * ns, sm + i2 * ns, sm + i3 * ns)
