@@ -96,9 +96,9 @@ def phase(name: str, nbytes: int, seconds: float, disk: int | None = None, **ext
 
 
 # -- raw limits -----------------------------------------------------------------------------
-def raw_cold_preadv(layout: ModelLayout, keys: list[Key], depth: int, direct: bool, backend: str = "threads") -> dict:
+def raw_cold_reads(layout: ModelLayout, keys: list[Key], depth: int, direct: bool, backend: str = "threads") -> dict:
     """The same ranges through a plain preadv pool at `depth` (or another reader `backend`: "auto"
-    is the daemon's own choice), into a scratch ring (data discarded)."""
+    is the daemon's own choice, io_uring where it works), into a scratch ring (data discarded)."""
     ex = layout.experts
     slot = ex.slot_bytes(direct)
     ring_slots = max(1, min(len(keys), 2 * depth))
@@ -337,7 +337,7 @@ def run(args: argparse.Namespace) -> dict:
             evict(layout)
             runs["cold_raw_fio"].append(raw_cold_fio(layout, keys, args.depth, args.direct, fio))
         evict(layout)
-        runs["cold_raw_preadv"].append(raw_cold_preadv(layout, keys, args.depth, args.direct))
+        runs["cold_raw_preadv"].append(raw_cold_reads(layout, keys, args.depth, args.direct))
         evict(layout)
         runs["cold"].append(delivery_phase(args, "cold delivered", keys, dst, layout))
         runs["warm_raw"].append(raw_warm_memcpy(layout, keys, dst))

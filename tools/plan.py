@@ -159,7 +159,7 @@ def probe_bandwidth(layout: Any, seed: int, min_bytes: int, depth: int, direct: 
     misses cost. (A pool of buffered preads measured 0.6-0.7 of it on the development VM's disk.)
     At least `min_bytes` and 4 x `depth` parts: with experts of tens of MB a few would never fill
     the depth (a 40 GiB file's 20 MB experts read 1.02 GB/s from 64 MiB, the daemon got 1.46)."""
-    from ..iod.bench import evict, pick_keys, raw_cold_preadv
+    from ..iod.bench import evict, pick_keys, raw_cold_reads
 
     ex = layout.experts
     picked, total, parts = [], 0, 0
@@ -171,12 +171,12 @@ def probe_bandwidth(layout: Any, seed: int, min_bytes: int, depth: int, direct: 
         parts += len(ex.parts(*key))
     evict(layout)
     try:
-        r = raw_cold_preadv(layout, picked, depth, direct, backend="auto")
+        r = raw_cold_reads(layout, picked, depth, direct, backend="auto")
     except OSError:  # O_DIRECT refused (tmpfs, some network file systems): the daemon's buffered reads
         if not direct:
             raise
         direct = False
-        r = raw_cold_preadv(layout, picked, depth, direct, backend="auto")
+        r = raw_cold_reads(layout, picked, depth, direct, backend="auto")
     return {"bytes": r["bytes"], "seconds": r["seconds"], "bytes_per_s": r["bytes"] / r["seconds"], "depth": depth,
             "reader": r["tool"], "direct": direct, "experts": len(picked)}
 
@@ -197,19 +197,19 @@ def probe_compute(layout: Any, groups: int = 6) -> dict[str, Any]:
     from ..decoder.numba_setup import warm_kernels
 
     warm_kernels(lambda _text: None)
-    bank = QuantResidentExperts(layout)
     ex, hp = layout.experts, layout.hparams
     layer, k = ex.moe_layers[0], hp.n_expert_used
     x = torch.randn(1, hp.n_embd, generator=torch.Generator().manual_seed(0))  # [1, d]
     weights = torch.full((1, k), 1.0 / k)  # [1, k]
     sets = [(torch.arange(k) + g * k).remainder(ex.n_expert).reshape(1, k) for g in range(groups)]  # [1, k] each
-    for ids in sets:
-        bank.mix(layer, x, weights, ids)  # faults the experts in
     times = []
-    for ids in sets:
-        t0 = time.perf_counter()
-        bank.mix(layer, x, weights, ids)
-        times.append(time.perf_counter() - t0)
+    with QuantResidentExperts(layout) as bank:
+        for ids in sets:
+            bank.mix(layer, x, weights, ids)  # faults the experts in
+        for ids in sets:
+            t0 = time.perf_counter()
+            bank.mix(layer, x, weights, ids)
+            times.append(time.perf_counter() - t0)
     layer_s = statistics.median(times)
     rate = k * ex.blob_bytes(layer) / layer_s
     s = shape_of(layout)

@@ -52,9 +52,9 @@ def test_raw_preadv_reads_the_ranges(tiny_or_split: Path) -> None:
     tiny_model = tiny_or_split
     layout = ModelLayout(tiny_model)
     keys = bench.pick_keys(layout, None, 1)
-    ph = bench.raw_cold_preadv(layout, keys, depth=4, direct=False)
+    ph = bench.raw_cold_reads(layout, keys, depth=4, direct=False)
     assert ph["read_bytes"] == layout.experts.total_bytes and ph["tool"] == "preadv x4"
-    direct = bench.raw_cold_preadv(layout, keys, depth=4, direct=True)  # whole pages around each part
+    direct = bench.raw_cold_reads(layout, keys, depth=4, direct=True)  # whole pages around each part
     assert direct["read_bytes"] == sum(n for _, _, n in bench._aligned(bench.expert_ranges(layout, keys)))
 
 

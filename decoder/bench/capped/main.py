@@ -67,7 +67,7 @@ Method
   forecast   each cap prints `moestream plan`'s arithmetic for its arena beside the measured tok/s:
              the warm-up's routing through the daemon's own policy (decayed LFU) of the arena's
              slots; compute from --compute-tok-s, --uncapped's resident rate, or `plan --probe`'s
-             measurement of the CPU kernels on this file (one layer's experts, warm). A run that
+             measurement of the CPU kernels on this file (one layer's top-k experts). A run that
              prefetches is set beside plan's "prefetched" figure (reads at the bandwidth with 32 in
              flight, hidden behind compute: 1 / max), a run without (forced routing) beside its
              floor (reads as deep as one layer's demand, then compute: 1 / sum).
@@ -100,7 +100,8 @@ from .host_counters import ReadAhead, wait_quiet, block_device, drop_caches, evi
 from .llamacpp_peer import run_llamacpp
 from .moestream_run import run_moestream
 from .routing_replay import arena_policy
-from ....tools.plan import DAEMON_DEPTH, probe_bandwidth, probe_compute, shape_of
+from ....tools.plan import (DAEMON_DEPTH, DEFAULT_COMPUTE_RATE, forecast_slots, probe_bandwidth, probe_compute,
+                            shape_of)
 from ....common.traces import load_trace
 
 UNCAPPED_FIGURES = ("decode_tok_s", "prefill_s", "error")
@@ -364,8 +365,6 @@ def cap_forecast(layout: Any, split: Split, warm: dict[str, Any], out: dict[str,
     bandwidth measured above, the warm-up's routing replayed through the daemon's policy on the
     arena's slots, and the resident compute rate (--uncapped, --compute-tok-s), else the kernels'
     rate on this file (`plan --probe`'s)."""
-    from ....tools.plan import DEFAULT_COMPUTE_RATE, forecast_slots
-
     s = shape_of(layout)
     resident = given_tok_s or out.get("uncapped", {}).get("moestream", {}).get("decode_tok_s")
     probe = out.get("compute_probe")

@@ -35,18 +35,10 @@ def ideal_lru(steps: Steps, capacity: int, expert_bytes: float, decode_from: int
     out: dict[str, Any] = {"capacity": capacity, "decode_steps": len(steps) - decode_from}
     if capacity < 1:
         return {**out, "error": f"an arena of {capacity} slots holds no expert"}
-    flat = _pieces(steps, capacity)
-    n_pre = len(_pieces(steps[:decode_from], capacity))
-    tokens = out["decode_steps"]
     for policy, tag in (("lru", ""), ("belady", "belady_")):
-        pre = simulate(flat[:n_pre], capacity, policy) if n_pre else None
-        full = simulate(flat, capacity, policy)
-        misses = full.misses - (pre.misses if pre else 0)
-        hits = full.hits - (pre.hits if pre else 0)
-        out.update({f"{tag}misses": misses, f"{tag}hits": hits,
-                    f"{tag}hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-                    f"{tag}missed_bytes_per_token": misses * expert_bytes / tokens if tokens else None})
-        out.setdefault("prefill_misses", pre.misses if pre else 0)
+        r = _replay(steps, capacity, expert_bytes, decode_from, policy)
+        out.update({f"{tag}{k}": v for k, v in r.items() if k != "prefill_misses"})
+        out.setdefault("prefill_misses", r["prefill_misses"])
     return out
 
 
@@ -60,15 +52,23 @@ def arena_policy(steps: Steps, capacity: int, expert_bytes: float, decode_from: 
     out: dict[str, Any] = {"capacity": capacity, "decode_steps": len(steps) - decode_from}
     if capacity < 1:
         return {**out, "error": f"an arena of {capacity} slots holds no expert"}
+    return {**out, **_replay(steps, capacity, expert_bytes, decode_from, "lfu", decay)}
+
+
+def _replay(steps: Steps, capacity: int, expert_bytes: float, decode_from: int, policy: str,
+            decay: float = DAEMON_DECAY) -> dict[str, Any]:
+    """`policy` over the per-layer pieces of `steps`; the decode steps' hits and misses (the
+    prefill's warm the cache), `decay` spread over each step's pieces (lfu only)."""
     flat = _pieces(steps, capacity)
     n_pre = len(_pieces(steps[:decode_from], capacity))
-    per_piece = decay ** (len(steps) / max(1, len(flat)))  # one step's decay spread over its pieces
-    pre = simulate(flat[:n_pre], capacity, "lfu", per_piece) if n_pre else None
-    full = simulate(flat, capacity, "lfu", per_piece)
+    per_piece = decay ** (len(steps) / max(1, len(flat)))
+    pre = simulate(flat[:n_pre], capacity, policy, per_piece) if n_pre else None
+    full = simulate(flat, capacity, policy, per_piece)
     misses, hits = full.misses - (pre.misses if pre else 0), full.hits - (pre.hits if pre else 0)
-    tokens = out["decode_steps"]
-    return {**out, "misses": misses, "hits": hits, "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-            "missed_bytes_per_token": misses * expert_bytes / tokens if tokens else None}
+    tokens = len(steps) - decode_from
+    return {"misses": misses, "hits": hits, "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+            "missed_bytes_per_token": misses * expert_bytes / tokens if tokens else None,
+            "prefill_misses": pre.misses if pre else 0}
 
 
 def _pieces(steps: Steps, capacity: int) -> list[list[tuple[int, int]]]:
