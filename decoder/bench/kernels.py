@@ -4,8 +4,10 @@ For each quant type and rows-per-expert n, times `qkernels.swiglu_expert` (nativ
 below DENSE_MIN_ROWS rows, decode-to-buffer + BLAS from there) against the reference a decoder
 would otherwise run: the project's torch `dequantize` of gate, up and down, then F.linear SwiGLU;
 and `qkernels.swiglu_experts` computing the whole pool in one call ("1-call", as a layer's experts).
-All are timed interleaved, each on a pool of --experts distinct random experts (so a run is not
-one expert hot in cache), --repeat times; medians are reported, per expert, with the quantized
+All are timed interleaved, --repeat times, on a pool of --experts distinct random experts copied
+to distinct addresses until the pool spans --pool-mib (default 512 MiB, past any last-level cache:
+a decode reads its experts from memory, so the 1-bit types, whose 64 experts fit in an L3, are not
+held to the cache's speed); medians are reported, per expert, with the quantized
 bytes per second the kernel reads, that rate over Q8_0's at the same rows ("x Q8_0"), the
 time per weight, and the speed-up of `swiglu_expert` over the reference. "bound" is a streaming
 read of the same bytes on the same threads, timed in the same rounds (the memory bandwidth the
@@ -49,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens routed to the expert, one measurement each (default: 1 4 32)")
     p.add_argument("--repeat", type=int, default=9, help="timed rounds, median reported (default 9)")
     p.add_argument("--experts", type=int, default=4,
-                   help="distinct experts per round, also those of the one-call form (default 4)")
+                   help="distinct random experts, copied to fill --pool-mib (default 4)")
+    p.add_argument("--pool-mib", type=float, default=512.0,
+                   help="the copies of the experts span at least this many MiB, timed per round and in one "
+                   "call as a layer's experts (default 512: from memory, not a cache); 0: no copies")
     p.add_argument("--threads", type=int, help="kernel and torch threads (default: numba's and torch's own)")
     p.add_argument("--seed", type=int, default=0, help="random weights and activations (default 0)")
     p.add_argument("--exact", action="store_true",
@@ -116,20 +121,25 @@ def measure(qname: str, n: int, args: argparse.Namespace, rng: np.random.Generat
     qtype, d, ff = Q[qname], args.hidden, args.expert_ff
     shapes = ((ff, d), (ff, d), (d, ff))  # gate, up, down
     raw = [random_matrix(qtype, *shape, rng) for _ in range(args.experts) for shape in shapes]
-    base = np.concatenate(raw)  # [bytes] uint8: every expert's parts in one array, as in a file map
-    ends = np.cumsum([r.size for r in raw])
-    mats = [qk.QMatrix(base[end - r.size:end], int(qtype), *shapes[i % 3]) for i, (r, end) in enumerate(zip(raw, ends))]
+    distinct = np.concatenate(raw)  # [bytes] uint8: every expert's parts in one array, as in a file map
+    copies = max(1, -(-int(args.pool_mib * 2**20) // distinct.size))
+    base = np.tile(distinct, copies)  # [copies * bytes]: the same experts again at new addresses
+    ends = np.cumsum([r.size for r in raw * copies])
+    mats = [qk.QMatrix(base[end - r.size:end], int(qtype), *shapes[i % 3])
+            for i, (r, end) in enumerate(zip(raw * copies, ends))]
     pool = [tuple(mats[i:i + 3]) for i in range(0, len(mats), 3)]
     x = rng.standard_normal((n, d)).astype(np.float32)  # [n, d]
-    refs = [_reference(x, *e) for e in pool]
+    refs = [_reference(x, *e) for e in pool[:args.experts]]  # the float path, on the distinct experts
     rows = [np.arange(n)] * len(pool)
 
     def kernel() -> None:
         for e in pool:
             qk.swiglu_expert(x, *e)
 
+    table = qk.expert_table(base, pool)  # (a decoder builds its layer's table once, at load)
+
     def experts() -> None:  # one call for the whole pool, as a layer's experts
-        qk.swiglu_experts(x, qk.expert_table(base, pool), rows)
+        qk.swiglu_experts(x, table, rows)
 
     def reference() -> None:
         for r in refs:
@@ -141,12 +151,14 @@ def measure(qname: str, n: int, args: argparse.Namespace, rng: np.random.Generat
         stream_read(ro, threads)
 
     t0 = time.perf_counter()
-    kernel()  # warm-up: loads (or compiles) the kernels, faults the weights in
+    qk.swiglu_expert(x, *pool[0])  # loads (or compiles) the kernels
     jit_s = time.perf_counter() - t0
+    kernel()  # warm-up
     experts()
     reference()
     bound()
-    k_ms, e_ms, r_ms, b_ms = (t / len(pool) for t in _median_ms([kernel, experts, reference, bound], args.repeat))
+    k_ms, e_ms, r_ms, b_ms = (t / len(p) for t, p in zip(_median_ms([kernel, experts, reference, bound], args.repeat),
+                                                            (pool, pool, refs, pool)))
     nbytes = sum(m.nbytes for m in pool[0])
     native = qk.has_kernel(int(qtype))
     path = "fallback" if not native else ("fused" if n < qk.DENSE_MIN_ROWS else "dense")
@@ -155,12 +167,13 @@ def measure(qname: str, n: int, args: argparse.Namespace, rng: np.random.Generat
     return {"type": qname, "rows": n, "path": path, "ns_per_weight": k_ms * 1e6 / (3 * d * ff),
             "expert_bytes": nbytes, "kernel_ms": k_ms, "reference_ms": r_ms, "gb_per_s": nbytes / k_ms / 1e6,
             "experts_call_ms": e_ms, "experts_gb_per_s": nbytes / e_ms / 1e6,
-            "speedup": r_ms / k_ms, "first_call_s": jit_s, "bound_gb_per_s": nbytes / b_ms / 1e6,
+            "speedup": r_ms / k_ms, "first_call_s": jit_s, "pool_mib": base.size / 2**20, "bound_gb_per_s": nbytes / b_ms / 1e6,
             "of_bound": b_ms / e_ms}
 
 
 def _table(report: dict[str, Any]) -> str:
-    lines = [(f"expert: hidden {report['hidden']}, ff {report['expert_ff']}; {report['threads']} kernel threads "
+    lines = [(f"expert: hidden {report['hidden']}, ff {report['expert_ff']}; pool {report['results'][0]['pool_mib']:.0f} MiB; "
+              f"{report['threads']} kernel threads "
               f"({report['threading_layer']}), torch {report['torch_threads']}; median of {report['repeat']}"),
              (f"activations: {'int8 (' + report['int_dot'] + ' dots) for ' if report['int8'] else 'float32'}"
               f"{', '.join(report['int_types']) if report['int8'] else ''}; path 'int8' marks them"),
@@ -189,6 +202,8 @@ def _bad_args(args: argparse.Namespace, known_types: set[str]) -> str | None:
         return f"unknown quant types {unknown}"
     if min(args.repeat, args.experts, *args.rows) < 1:
         return "--repeat, --experts and --rows must be >= 1"
+    if not 0 <= args.pool_mib <= 65536:
+        return "--pool-mib must be between 0 and 65536"
     return None
 
 

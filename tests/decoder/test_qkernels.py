@@ -213,14 +213,22 @@ def test_bench_json(capsys: pytest.CaptureFixture[str]) -> None:
     from moestream.decoder.bench.kernels import main
 
     assert main(["--types", "Q8_0", "Q5_1", "--hidden", "256", "--expert-ff", "256", "--rows", "1", "24",
-                 "--repeat", "1", "--json"]) == 0
+                 "--repeat", "1", "--pool-mib", "0.5", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
+    assert all(0.5 <= r["pool_mib"] < 0.5 + 4 * 0.21 for r in report["results"])  # 4 experts of ~0.2 MiB, copied
     assert {(r["type"], r["rows"]) for r in report["results"]} == {("Q8_0", 1), ("Q8_0", 24), ("Q5_1", 1), ("Q5_1", 24)}
     assert all(r["kernel_ms"] > 0 and r["reference_ms"] > 0 for r in report["results"])
     assert all(r["vs_q8_0"] > 0 and r["ns_per_weight"] > 0 for r in report["results"])
     assert [r["vs_q8_0"] for r in report["results"] if r["type"] == "Q8_0"] == [1.0, 1.0]
     for r in report["results"]:  # the streaming-read bound of the same bytes, and the 1-call rate over it
         assert r["bound_gb_per_s"] > 0 and r["of_bound"] == pytest.approx(r["experts_gb_per_s"] / r["bound_gb_per_s"])
+
+
+def test_bench_refuses_bad_pool(capsys: pytest.CaptureFixture[str]) -> None:
+    from moestream.decoder.bench.kernels import main
+
+    assert main(["--types", "Q8_0", "--pool-mib", "-1"]) == 2
+    assert "--pool-mib must be" in capsys.readouterr().err
 
 
 def test_bench_default_types_are_every_native_type() -> None:
