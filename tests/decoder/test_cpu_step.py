@@ -36,11 +36,12 @@ def _weights(a: L.AttnShape, g: torch.Generator) -> L.Weights:
 
 SHAPES = [L.AttnShape(4, 2, 16, 10000.0, 1e-6, "head", "neox"),
           L.AttnShape(4, 4, 16, 500.0, 1e-5, "none", "norm"),
-          L.AttnShape(6, 2, 16, 10000.0, 1e-6, "full", "neox", rope_dim=8)]
+          L.AttnShape(6, 2, 16, 10000.0, 1e-6, "full", "neox", rope_dim=8),
+          L.AttnShape(4, 2, 40, 10000.0, 1e-6, "head", "neox")]  # (40: the score dots' tail past 16s)
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("a", SHAPES, ids=["gqa-head-neox", "mha-none-norm", "gqa-full-partial"])
+@pytest.mark.parametrize("a", SHAPES, ids=["gqa-head-neox", "mha-none-norm", "gqa-full-partial", "gqa-hd40"])
 def test_decode_attention_matches_torch(a: L.AttnShape) -> None:
     """Token by token after a left-padded prompt, the compiled step and torch's ops from the same
     cache: same outputs (1e-5), same keys and values written."""
@@ -64,10 +65,11 @@ def test_decode_attention_matches_torch(a: L.AttnShape) -> None:
     assert torch.equal(caches[0].v[0], caches[1].v[0])
 
 
-def test_decode_attention_rows_and_threads_do_not_change_bits() -> None:
+@pytest.mark.parametrize("hd", [16, 40])
+def test_decode_attention_rows_and_threads_do_not_change_bits(hd: int) -> None:
     """A sequence's output alone or in a batch, on the serial or the parallel kernel: same bits."""
     rng = np.random.default_rng(2)
-    H, Hkv, hd, C, start = 4, 2, 16, 12, 9
+    H, Hkv, C, start = 4, 2, 12, 9
     qkv = rng.standard_normal((3, (H + 2 * Hkv) * hd)).astype(np.float32)  # [B, (H + 2 Hkv) hd]
     cos, sin = (rng.standard_normal((3, hd)).astype(np.float32) for _ in range(2))
     kc, vc = (rng.standard_normal((3, Hkv, C, hd)).astype(np.float32) for _ in range(2))
@@ -85,6 +87,15 @@ def test_decode_attention_rows_and_threads_do_not_change_bits() -> None:
     assert np.array_equal(run(att._decode_attention_par, [0, 1, 2]), batch)
     for b in range(3):
         assert np.array_equal(run(att._decode_attention, [b])[0], batch[b])
+
+
+def test_decode_attention_refuses_strided_keys() -> None:
+    qkv = np.zeros((1, 4 * 16), np.float32)
+    kc = np.zeros((1, 1, 8, 32), np.float32)[..., ::2]  # [B, Hkv, C, 16] every other float
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        att.decode_attention(qkv, 2, 1, 16, np.ones(16, np.float32), np.ones(16, np.float32), att.QK_NONE, 1e-6,
+                             np.ones((1, 16), np.float32), np.zeros((1, 16), np.float32), att.ROPE_NEOX, kc,
+                             np.zeros((1, 1, 8, 16), np.float32), np.ones((1, 8), bool), 0)
 
 
 def _torch_route(logits: torch.Tensor, k: int, kind: str, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:

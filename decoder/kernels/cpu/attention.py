@@ -10,8 +10,9 @@ chunks (many rows) keep torch's ops, which are efficient at that size.
 
 Results equal torch's up to float32 rounding (the model tests hold the decode path to the
 whole-prompt torch path within 1e-4): RMSNorm sums squares in float32 as F.rms_norm does,
-rope is computed element by element as `x * cos + rotated * sin`, attention scores are exact
-float32 dot products scaled by 1/sqrt(hd), a max-subtracted softmax, and the value sum.
+rope is computed element by element as `x * cos + rotated * sin`, attention scores are float32
+dot products (summed in vector lanes) scaled by 1/sqrt(hd), a max-subtracted softmax, and the
+value sum.
 Every output depends only on its own row (a sequence's token alone or in a batch: same bits).
 """
 
@@ -19,6 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
+
+from . import rows_base  # noqa: F401  (first: the cache stamp covers simd/vectors.py, inlined here)
+from .simd import vectors as v
 
 _JIT = {"cache": True, "nogil": True}
 
@@ -101,27 +105,48 @@ def _prepare(qkv, n_head, n_kv, hd, qn, kn, qk_norm, eps, cos, sin, style, kc, v
 
 
 @njit(**_JIT)
+def _dot(qa, ka, top):
+    """q . k over the first `top` (a multiple of 16) float32 at addresses qa, ka: 16 lanes of
+    fused multiply-adds summed in a fixed tree (explicit vectors, so the same bits whatever code
+    it is compiled into: fast-math would let each caller's copy sum in its own order)."""
+    acc = v.zero()
+    for i in range(0, top, v.LANES):
+        acc = v.fma(v.ld_f32(qa, i), v.ld_f32(ka, i), acc)
+    return v.hsum(acc)
+
+
+@njit(**_JIT)
 def _head(q, kc, vc, valid, start, scale, scores, out):
     """One query head over its kv head's cache: keys 0 .. start that are real (valid) or the
-    query's own; out [hd] = softmax(q . k * scale) . v."""
-    hd = q.size
+    query's own; out [hd] = softmax(q . k * scale) . v. Masked keys score -inf (weight 0), so
+    the loops run branch-free over the keys; values are added 4 keys at a time (a quarter of
+    the passes over out). q and kc's rows contiguous."""
+    hd, n = q.size, start + 1
+    top, qa, ka, row = hd - hd % v.LANES, v.addr(q), v.addr(kc), kc.strides[0]
+    for s in range(n):
+        acc = _dot(qa, ka + s * row, top)
+        for i in range(top, hd):
+            acc += q[i] * kc[s, i]
+        scores[s] = acc * scale if valid[s] or s == start else np.float32(-np.inf)
     top = np.float32(-np.inf)
-    for s in range(start + 1):
-        if valid[s] or s == start:
-            acc = np.float32(0.0)
-            for i in range(hd):
-                acc += q[i] * kc[s, i]
-            scores[s] = acc * scale
-            top = max(top, scores[s])
+    for s in range(n):
+        top = max(top, scores[s])
     total = np.float32(0.0)
+    for s in range(n):
+        p = np.exp(scores[s] - top)  # [n] the weights, in place of the scores
+        scores[s] = p
+        total += p
     for i in range(hd):
         out[i] = np.float32(0.0)
-    for s in range(start + 1):
-        if valid[s] or s == start:
-            p = np.exp(scores[s] - top)
-            total += p
-            for i in range(hd):
-                out[i] += p * vc[s, i]
+    s = 0
+    while s + 4 <= n:
+        p0, p1, p2, p3 = scores[s], scores[s + 1], scores[s + 2], scores[s + 3]
+        for i in range(hd):
+            out[i] += p0 * vc[s, i] + p1 * vc[s + 1, i] + p2 * vc[s + 2, i] + p3 * vc[s + 3, i]
+        s += 4
+    for t in range(s, n):
+        for i in range(hd):
+            out[i] += scores[t] * vc[t, i]
     inv = np.float32(1.0) / total
     for i in range(hd):
         out[i] *= inv
@@ -157,6 +182,8 @@ def decode_attention(qkv: np.ndarray, n_head: int, n_kv: int, hd: int, qn: np.nd
     (this token's k and v are written at `start`), valid [B, C] bool (the cache's real tokens;
     a token always sees itself). q/k norm weights qn/kn ([hd] per head, [H hd] / [Hkv hd] over
     all heads, ignored with QK_NONE). Returns [B, H hd]: head h used kv head h // (H / Hkv)."""
+    if kc.strides[-1] != 4:
+        raise ValueError("the key cache's rows must be contiguous float32")
     out = np.empty((qkv.shape[0], n_head * hd), np.float32)  # [B, H*hd]
     work = qkv.shape[0] * n_head * (start + 1) * hd
     run = _decode_attention_par if work >= PARALLEL_WORK else _decode_attention

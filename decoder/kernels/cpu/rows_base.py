@@ -17,7 +17,7 @@ from numba.extending import intrinsic
 from .jit_cache import stamp_together
 
 stamp_together(__file__, ("rows.py", "rows_q.py", "rows_iq.py", "rows_dot.py", "simd/vectors.py",
-                          "rows_int.py", "simd/integer.py",
+                          "rows_int.py", "simd/integer.py", "attention.py",
                           "simd/blocks.py"))  # before the first @njit(cache=True)
 
 # Reassociation lets LLVM vectorize the 32-wide block loops and the dot reductions; no
