@@ -154,17 +154,17 @@ def test_expert_kernels_match_float64(dense: bool, monkeypatch: pytest.MonkeyPat
 
 
 def test_cached_kernels_are_stamped_with_every_row_file() -> None:
-    """numba's cache must see a change to any rows*.py (or simd/*.py) in the kernels of rows.py that
+    """numba's cache must see a change to any rows*.py (or simd/*.py, attention.py) in the kernels of rows.py that
     inline its decoders (and the other way round): every file's functions carry all the hashes."""
     import hashlib
     from pathlib import Path
 
-    from moestream.decoder.kernels.cpu import rows, rows_base, rows_dot, rows_int, rows_q
+    from moestream.decoder.kernels.cpu import attention, rows, rows_base, rows_dot, rows_int, rows_q
     from moestream.decoder.kernels.cpu.simd import blocks, integer, vectors
 
     files = [Path(m.__file__) for m in (rows_base, rows, rows_q, iq, rows_dot, vectors, rows_int,
-                                        integer, blocks)]
+                                        integer, attention, blocks)]
     want = hashlib.sha256(b"".join(f.read_bytes() for f in files)).digest()
     for fn in (rows.gate_up_kernel, rows.decode_row, iq.decode_grid_row, rows_q._row_q2_k,
-               rows_dot.fused_dots, rows_int.int_dots):
+               rows_dot.fused_dots, rows_int.int_dots, attention._head):
         assert fn._cache._impl.locator.get_source_stamp() == want, fn
