@@ -105,12 +105,12 @@ def _prepare(qkv, n_head, n_kv, hd, qn, kn, qk_norm, eps, cos, sin, style, kc, v
 
 
 @njit(**_JIT)
-def _dot(qa, ka, top):
-    """q . k over the first `top` (a multiple of 16) float32 at addresses qa, ka: 16 lanes of
+def _dot(qa, ka, end):
+    """q . k over the first `end` (a multiple of 16) float32 at addresses qa, ka: 16 lanes of
     fused multiply-adds summed in a fixed tree (explicit vectors, so the same bits whatever code
     it is compiled into: fast-math would let each caller's copy sum in its own order)."""
     acc = v.zero()
-    for i in range(0, top, v.LANES):
+    for i in range(0, end, v.LANES):
         acc = v.fma(v.ld_f32(qa, i), v.ld_f32(ka, i), acc)
     return v.hsum(acc)
 
@@ -122,10 +122,10 @@ def _head(q, kc, vc, valid, start, scale, scores, out):
     the loops run branch-free over the keys; values are added 4 keys at a time (a quarter of
     the passes over out). q and kc's rows contiguous."""
     hd, n = q.size, start + 1
-    top, qa, ka, row = hd - hd % v.LANES, v.addr(q), v.addr(kc), kc.strides[0]
+    vec_end, qa, ka, row = hd - hd % v.LANES, v.addr(q), v.addr(kc), kc.strides[0]
     for s in range(n):
-        acc = _dot(qa, ka + s * row, top)
-        for i in range(top, hd):
+        acc = _dot(qa, ka + s * row, vec_end)
+        for i in range(vec_end, hd):
             acc += q[i] * kc[s, i]
         scores[s] = acc * scale if valid[s] or s == start else np.float32(-np.inf)
     top = np.float32(-np.inf)
