@@ -207,7 +207,7 @@ def _sbw_row(i, R, U, c_lo, c_hi, cm, e, acc):
     t = s.f8_mul(s.f8_of_i(_half(U, a, e, 0)), s.f8_mul(da, c_lo))
     t = s.f8_fma(s.f8_of_i(_half(U, a, e, 1)), s.f8_mul(da, c_hi), t)
     t = s.f8_fma(s.f8_ld(R[8 + i], (e >> 5) * 4), cm, t)
-    return s.f8_add(acc, t)  # (one add carried from step to step, not three fmas)
+    return s.f8_add(acc, t)  # (reassociation folds this add into the fmas: a 3-fma chain on acc, not the bound)
 
 
 @njit(**_INL)
