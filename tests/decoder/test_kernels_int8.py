@@ -35,6 +35,7 @@ from moestream.decoder.bench.kernels import random_matrix
 from moestream.decoder.kernels.cpu import ffn as qk
 from moestream.decoder.kernels.cpu.simd import integer as si
 from moestream.decoder.kernels.cpu.rows_int import INT_TYPES, WIDE_TYPES, quantize_acts
+from moestream.decoder.kernels.cpu.simd import vectors as sv
 from moestream.decoder.kernels.cpu.simd.vectors import addr
 
 import qref
@@ -139,6 +140,13 @@ def test_quantizer_rounds_each_block_to_nearest(wide: bool) -> None:
     assert (q.reshape(xb.shape)[amax == 0] == 0).all()
     sums = q.reshape(9, -1, 32).sum(-1, dtype=np.int64)  # [N, n / 32]
     np.testing.assert_allclose(ds, d.astype(np.float64) * sums, rtol=1e-6, atol=0)
+
+
+def test_quantizer_takes_strided_rows() -> None:
+    x = activations(4, 1024, 2)
+    strided = x[:, ::2]  # [4, 512] a view with a stride of 2 elements
+    for got, want in zip(quantize_acts(strided), quantize_acts(np.ascontiguousarray(strided))):
+        np.testing.assert_array_equal(got, want)
 
 
 # -- one matrix (linear: the down kernel) against both references ----------------------------------
@@ -301,6 +309,23 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
         bytes_of(t, i, bits, got)
         np.testing.assert_array_equal(got[:32], t[i])
         np.testing.assert_array_equal(got[32:], (bits >> np.arange(32)) & 1)
+
+    @njit(cache=False)
+    def pm_lanes(a, b0, b1, out):  # both ways to a Q1_0 block's +-1 dot, 16 lanes each
+        p = addr(a)
+        sv.st_i32(addr(out), 0, si.pm_dot128(b0, b1, p, 0))
+        sv.st_i32(addr(out), 64, si.pm_dot128_from(si.pm_sums128(p, 0), b0, b1, p, 0))
+
+    for _ in range(20):
+        a = rng.integers(-127, 128, 128).astype(np.int8)
+        b0, b1 = (int(w) for w in rng.integers(-(1 << 63), 1 << 63, 2, dtype=np.int64))
+        bits = np.unpackbits(np.array([b0, b1], np.int64).view(np.uint8), bitorder="little")  # [128]
+        prod = (2 * bits.astype(np.int64) - 1) * a  # [128]
+        want = prod.reshape(2, 16, 4).sum(axis=(0, 2))  # lane i: bytes 4i .. 4i + 3 of both halves
+        got = np.zeros(32, np.int32)
+        pm_lanes(a, b0, b1, got)
+        np.testing.assert_array_equal(got[:16], want)
+        np.testing.assert_array_equal(got[16:], want)
 
 
 

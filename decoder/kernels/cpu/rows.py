@@ -38,12 +38,20 @@ from numba.extending import intrinsic
 from ....common.arch import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from . import rows_iq as _iq
 from . import rows_q as rq
-from .rows_base import _JIT, _JIT_EXACT, _U, _as_f32, _e2m1x2, _f16, _fi, _i8, _opaque
+from .rows_base import _JIT, _JIT_EXACT, _U, _as_f32, _e2m1x2, _f16, _fi, _fma32, _i8, _opaque
 from .rows_dot import fused_dots, has_fused
 from .rows_int import act_rows, has_int, int_dots, int_rows1, is_wide, quantize_acts
-from .simd.vectors import addr, hsum, ld_f32
+from .simd.vectors import addr, bits_f, hsum, iadd, ishl, lane, ld_f32, to_i
 from .simd.vectors import add as vadd
+from .simd.vectors import div as vdiv
 from .simd.vectors import fma as vfma
+from .simd.vectors import fmax as vmax
+from .simd.vectors import fmin as vmin
+from .simd.vectors import mul as vmul
+from .simd.vectors import rint as vrint
+from .simd.vectors import splat as vsplat
+from .simd.vectors import st_f32 as vst
+from .simd.vectors import sub as vsub
 from .simd.vectors import zero as vz
 
 # Every type decode_row handles (one `elif` each there; its row decoder here or in a sibling file)
@@ -366,14 +374,59 @@ _ROW_COST = 6  # decoding a weight row, in dots of it with one activation row (m
 _PREFETCH_BYTES = 4096
 
 
+# exp's constants (Cephes' expf): ln 2 in two parts (the first exact in 9 bits, so n ln2_hi is
+# exact) and the minimax polynomial of (exp(r) - 1 - r) / r^2 on |r| <= ln 2 / 2
+_LOG2E, _LN2_HI, _LN2_LO = np.float32(1.44269504088896341), np.float32(0.693359375), np.float32(-2.12194440e-4)
+_P0, _P1, _P2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(8.3334519073e-3)
+_P3, _P4, _P5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1)
+_EXP_LO, _EXP_HI, _ONE = np.float32(-88.0), np.float32(89.0), np.float32(1.0)
+
+
+@njit(**_JIT)
+def _exp16(x):
+    """exp of 16 float32 lanes, within 3 ulp (x clamped to [-88, 89]: 0 below -88, inf from ~88.4,
+    so silu(g) is -0.0 for g below -88.4, as with libm's expf). Explicit vector operations, no
+    fast-math: each lane rounds the same whatever the lane or the caller (libm's expf is a call
+    per element: ~3 us per 1024 of an expert's outputs)."""
+    x = vmin(vmax(x, vsplat(_EXP_LO)), vsplat(_EXP_HI))
+    n = vrint(vmul(x, vsplat(_LOG2E)))
+    r = vfma(n, vsplat(-_LN2_LO), vfma(n, vsplat(-_LN2_HI), x))  # x - n ln 2
+    p = vfma(vfma(vsplat(_P0), r, vsplat(_P1)), r, vsplat(_P2))
+    p = vfma(vfma(vfma(p, r, vsplat(_P3)), r, vsplat(_P4)), r, vsplat(_P5))
+    e = vadd(vfma(p, vmul(r, r), r), vsplat(_ONE))  # exp(r)
+    return vmul(e, bits_f(ishl(iadd(to_i(n), 127), 23)))  # x 2^n
+
+
+@njit(**_JIT)
+def _act16(g, u, act):
+    """The expert activation (ACT_* codes) of 16 gate and up lanes."""
+    if act == ACT_SWIGLU_OAI:
+        g = vmin(g, vsplat(_OAI_LIMIT))
+        u = vmin(vmax(u, vsplat(-_OAI_LIMIT)), vsplat(_OAI_LIMIT))
+        return vmul(vdiv(g, vadd(vsplat(_ONE), _exp16(vmul(vsplat(-_OAI_ALPHA), g)))), vadd(u, vsplat(_ONE)))
+    return vmul(vdiv(g, vadd(vsplat(_ONE), _exp16(vsub(vz(), g)))), u)
+
+
 @njit(**_JIT)
 def _act(g, u, act):
-    """The expert activation of gate g and up u (ACT_* codes)."""
-    if act == ACT_SWIGLU_OAI:
-        g = min(g, _OAI_LIMIT)
-        u = min(max(u, -_OAI_LIMIT), _OAI_LIMIT)
-        return g / (np.float32(1.0) + np.exp(-_OAI_ALPHA * g)) * (u + np.float32(1.0))
-    return g / (np.float32(1.0) + np.exp(-g)) * u
+    """The expert activation of gate g and up u (ACT_* codes): _act16's lane, so an output
+    comes out the same from the many-row loop as from the one-row span's vectors."""
+    return lane(_act16(vsplat(g), vsplat(u), act), 0)
+
+
+@njit(inline="always", **_JIT)
+def _act_span(rg, ru, n, h, r, j0, act):
+    """h[r, j0 + k] = act(rg[k], ru[k]) for k < n, 16 at a time (the last vector's spare lanes
+    are computed from rg, ru's spare room and not stored)."""
+    pg, pu, ph = addr(rg), addr(ru), addr(h) + (np.int64(r) * h.shape[1] + j0) * 4  # (h: C-contiguous)
+    k = 0
+    while k + 16 <= n:
+        vst(ph, k, _act16(ld_f32(pg, k), ld_f32(pu, k), act))
+        k += 16
+    if k < n:
+        t = _act16(ld_f32(pg, k), ld_f32(pu, k), act)
+        for m in range(n - k):
+            h[r, j0 + k + m] = lane(t, m)
 
 
 @njit(inline="always", **_JIT)
@@ -506,7 +559,7 @@ def _gate_up_span(w, n_workers, gdata, udata, offs, qts, x, row_ptr, row_idx, ff
     total = _total_cost(row_ptr, ff)
     lo, hi = total * np.int64(w) // n_workers, total * (np.int64(w) + 1) // n_workers
     wbuf = np.empty(max(d, 16), np.float32)  # [d] a decoded row (types without a fused dot)
-    rg = np.empty(max(_max_rows(row_ptr), ff), np.float32)  # [n_e] gate rows' dots with the expert's rows
+    rg = np.empty(max(_max_rows(row_ptr), ff) + 16, np.float32)  # [n_e] gate rows' dots with the expert's rows
     ru = np.empty_like(rg)  # [n_e] up's; or [j1 - j0] a one-row expert's span of rows
     start = 0
     for e in range(offs.shape[0]):
@@ -517,10 +570,10 @@ def _gate_up_span(w, n_workers, gdata, udata, offs, qts, x, row_ptr, row_idx, ff
         if j1 > j0 and _one_row_int(row_ptr, e, gq, uq, d, use_int):  # a decode step's expert: whole spans
             int_rows1(gq, addr(gdata), go + j0 * gb, gb, j1 - j0, d, _row_acts(acts, gq, row_idx[r0]), rg)
             int_rows1(uq, addr(udata), uo + j0 * ub, ub, j1 - j0, d, _row_acts(acts, uq, row_idx[r0]), ru)
-            for j in range(j0, j1):
-                bg = bias[e, 0, j] if has_bias else np.float32(0.0)
-                bu = bias[e, 1, j] if has_bias else np.float32(0.0)
-                h[r0, j] = _act(rg[j - j0] + bg, ru[j - j0] + bu, act)
+            for j in range(j0, j1):  # (+ 0.0 without biases too: the many-row loop's -0.0 -> 0.0)
+                rg[j - j0] += bias[e, 0, j] if has_bias else np.float32(0.0)
+                ru[j - j0] += bias[e, 1, j] if has_bias else np.float32(0.0)
+            _act_span(rg, ru, j1 - j0, h, r0, j0, act)
             start = start_next
             continue
         ahead = max(1, _PREFETCH_BYTES // (gb + ub))

@@ -146,6 +146,31 @@ def f16_at(typingctx, p, off):
     return types.float32(p, off), codegen
 
 
+@intrinsic
+def ld_i32(typingctx, p, off):
+    """The 16 int32 at address p + off (byte offset)."""
+    if not _ints(p, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(builder.bitcast(_ptr(builder, args[0], args[1], _I8), _VI.as_pointer()), align=4)
+
+    return veci(p, off), codegen
+
+
+@intrinsic
+def st_i32(typingctx, p, off, a):
+    """Store the 16 int32 lanes of a at address p + off (byte offset)."""
+    if not _ints(p, off) or a != veci:
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], builder.bitcast(_ptr(builder, args[0], args[1], _I8), _VI.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(p, off, a), codegen
+
+
 # -- float vectors -------------------------------------------------------------------------------
 @intrinsic
 def zero(typingctx):
@@ -221,7 +246,130 @@ def hsum(typingctx, a):
     return types.float32(a), codegen
 
 
+def _float_call(name: str, n_args: int):
+    """The typer of an intrinsic applying the llvm intrinsic `name` (.v16f32) lane-wise to one or
+    two float vectors."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * n_args), f"{name}.v16f32")
+        return builder.call(fn, list(args))
+
+    def unary(typingctx, a):
+        return (vecf(a), codegen) if a == vecf else None
+
+    def binary(typingctx, a, b):
+        return (vecf(a, b), codegen) if a == b == vecf else None
+
+    return unary if n_args == 1 else binary
+
+
+div = intrinsic(float_binary("fdiv", vecf))
+fmin, fmax = intrinsic(_float_call("llvm.minnum", 2)), intrinsic(_float_call("llvm.maxnum", 2))
+rint = intrinsic(_float_call("llvm.rint", 1))  # (round half to even, as np.rint)
+fabs = intrinsic(_float_call("llvm.fabs", 1))
+
+
+@intrinsic
+def hmax(typingctx, a):
+    """The largest lane (maxnum: a NaN lane loses to a number)."""
+    if a != vecf:
+        return None
+
+    def codegen(context, builder, sig, args):
+        v, n = args[0], LANES
+        while n > 1:
+            n //= 2
+            ty = ir.VectorType(_F32, n)
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty]), f"llvm.maxnum.v{n}f32")
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
+            v = builder.call(fn, [lo, hi])
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    return types.float32(a), codegen
+
+
+@intrinsic
+def lane(typingctx, a, k):
+    """Lane k of a float vector."""
+    if a != vecf or not isinstance(k, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.extract_element(args[0], args[1])
+
+    return types.float32(a, k), codegen
+
+
+@intrinsic
+def st_f32(typingctx, p, idx, a):
+    """Store the 16 float32 lanes of a at address p, elements idx .. idx + 15."""
+    if not _ints(p, idx) or a != vecf:
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], builder.bitcast(_ptr(builder, args[0], args[1], _F32), _VF.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(p, idx, a), codegen
+
+
 # -- int32 vectors -------------------------------------------------------------------------------
+@intrinsic
+def to_i(typingctx, a):
+    """float32 lanes -> int32, truncated (exact for the integral values the callers pass)."""
+    if a != vecf:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fptosi(args[0], _VI)
+
+    return veci(a), codegen
+
+
+@intrinsic
+def st_i8(typingctx, p, off, a):
+    """Store the 16 int32 lanes of a, each cut to its low byte, at address p + off."""
+    if not _ints(p, off) or a != veci:
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = builder.trunc(args[2], ir.VectorType(_I8, LANES))
+        builder.store(v, builder.bitcast(_ptr(builder, args[0], args[1], _I8), v.type.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.void(p, off, a), codegen
+
+
+@intrinsic
+def ihsum(typingctx, a):
+    """The int32 lanes' sum (exact while it fits)."""
+    if a != veci:
+        return None
+
+    def codegen(context, builder, sig, args):
+        v, n = args[0], LANES
+        while n > 1:
+            n //= 2
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
+            v = builder.add(lo, hi)
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    return types.int32(a), codegen
+
+
+@intrinsic
+def bits_f(typingctx, a):
+    """The int32 lanes' bits read as float32 (a register bitcast)."""
+    if a != veci:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], _VF)
+
+    return vecf(a), codegen
+
+
 @intrinsic
 def to_f(typingctx, a):
     """int32 lanes -> float32 (exact for the small codes the decoders make)."""
