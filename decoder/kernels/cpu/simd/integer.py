@@ -474,6 +474,18 @@ def f8_mul_i2(typingctx, i, c0, c1):
 
 
 @intrinsic
+def i8_add(typingctx, a, b):
+    """a + b, int32 lane-wise."""
+    if a != vi8 or b != vi8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.add(*args)
+
+    return vi8(a, b), codegen
+
+
+@intrinsic
 def f8_add(typingctx, a, b):
     if a != vf8 or b != vf8:
         return None
