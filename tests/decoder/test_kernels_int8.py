@@ -327,6 +327,21 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
         np.testing.assert_array_equal(got[:16], want)
         np.testing.assert_array_equal(got[16:], want)
 
+    @njit(cache=False)
+    def tq2_lanes(qs, a, init, out):  # a TQ2_0 super-block's codes dotted, from the lanes `init`
+        sv.st_i32(addr(out), 0, si.tq2_dot256(sv.ld_i32(addr(init), 0), addr(qs), 0, addr(a), 0))
+
+    for _ in range(20):
+        qs = rng.integers(0, 256, 64).astype(np.uint8)
+        a = rng.integers(-127, 128, 256).astype(np.int8)
+        init = rng.integers(-5000, 5000, 16).astype(np.int32)
+        e = np.arange(256)  # element 128 j + 32 l + m: bits 2 l of qs[32 j + m]
+        codes = (qs[32 * (e // 128) + e % 32] >> (2 * ((e % 128) // 32))) & 3  # [256]
+        want = init + (codes.astype(np.int64) * a).reshape(4, 16, 4).sum(axis=(0, 2))
+        got = np.zeros(16, np.int32)
+        tq2_lanes(qs, a, init, got)
+        np.testing.assert_array_equal(got, want)
+
 
 
 # -- a model: streamed == resident, bit for bit, on the int8 path ------------------------------------

@@ -21,9 +21,10 @@ of d. The WIDE_TYPES (is_wide) always take them, the others never: the callers q
 type what it takes, so a call may quantize its rows both ways. They are the types whose float
 scale is per 128 or per 256, any finer one an integer (dpbusd_k's K): Q1_0, TQ1_0, TQ2_0, Q2_K,
 Q3_K, IQ2_XS, IQ2_S (IQ1_M would qualify: 5 % faster, not worth the coarser rounding). Their 8
-sub-block dots then add up as integers (Q1_0: two chains of 4, one per 128-weight half) and are
-scaled once: the per-sub-block sums (hsum8x8, about a third of a Q1_0 super-block's instructions)
-go. The activation rounding is llama.cpp's Q8_K's: the error per element is at most a 256-block's
+sub-block dots then add up as integers and are scaled once: the per-sub-block sums (hsum8x8)
+go. Q1_0 and TQ2_0 go further, on 64-byte vectors and 16 float lanes: a block's dot with its
+offset is one integer chain started from the activations' negated lane sums (pm_dot128,
+tq2_dot256 in simd/integer), so no offset term is left to scale. The activation rounding is llama.cpp's Q8_K's: the error per element is at most a 256-block's
 max |x| / 254 instead of its 32-block's (a random expert's output: ~1.5x the error of per-32).
 
 Weights as unsigned bytes (dpbusd's u8 side), per type, for sub-block j with weight scale c_j;
@@ -38,7 +39,7 @@ vpmaddwd by k instead of by 1 on AVX2):
   Q2_K     sc q (<= 45) and, in a second dot, the mins m as bytes: w = d sc q - dmin m
   Q3_K     q (-4..3) signed, k = sc - 32 (-32..31)                      c = d
   Q6_K     q - 32 signed: c per 16 weights (float: hsum4x8_halves)
-  Q1_0     bits b (0/1), w = d (2 b - 1)      : c = 2 d, offset -d x sum(a)
+  Q1_0     bits b (0/1), w = d (2 b - 1)      : 64 bytes: a added or negated by b  c = d
   IQ4_NL   KV[n] (vpshufb, |KV| <= 127) signed                          c = d
   IQ4_XS   KV[n] signed                                                 c = d (sc - 32)
   IQ2_XXS  grid bytes (<= 43), signs applied to the activation bytes    c = d (0.5 + s) / 4
@@ -47,7 +48,8 @@ vpmaddwd by k instead of by 1 on AVX2):
   IQ3_S    grid bytes (odd, <= 15), signs on the activations            c = d (1 + 2 s)
   IQ1_S    grid + 1 (0..2), w = dl (g + delta) : c = dl, offset dl (delta - 1) x sum(a)
   IQ1_M    8 (g + delta) (|.| <= 9, delta per 8 weights) signed, k = 2 s + 1   c = d / 8
-  TQ2_0, TQ1_0  q in 0..2, w = d (q - 1)       : c = d, offset -d x sum(a)
+  TQ2_0, TQ1_0  q in 0..2, w = d (q - 1)       : c = d, offset -d x sum(a) (TQ2_0: 64 bytes,
+                                                  the chain starts from -sum(a)'s lanes)
   MXFP4    E2M1 doubled (vpshufb, |.| <= 12) signed                     c = 2^(e - 128)
   NVFP4    E2M1 doubled signed: c per 16 weights (UE4M3 / 2, float: hsum4x8_halves)
 Every unsigned byte stays <= 128 (AVX2's int16 pair sums), every lane sum < 2^24 (exact as float).
@@ -478,20 +480,64 @@ def _iq1_s(p, off, n_in, R, nx):
 
 
 @njit(**_INL)
+def _tq2_0_row(i, R, p, o, e, sums, acc):
+    """acc + row i's dot with the super-block at p + o (elements e .. e + 255), 16 lanes: the
+    integer sum_k (q_k - 1) a_k (tq2_dot256 from the activations' negated lane sums) scaled once."""
+    t = v.to_f(s.tq2_dot256(sums, p, o, R[i], e))
+    return v.fma(t, v.splat(f16_at(p, o + 64) * s.f32_at(R[4 + i], (e >> 5) * 4)), acc)
+
+
+@njit(**_INL)
+def _neg_sums256(a, e):
+    """-(the activations' lane sums) over elements e .. e + 255 in tq2_dot256's lanes."""
+    return v.iadd(s.pm_sums128(a, e), s.pm_sums128(a, e + 128))
+
+
+@njit(**_INL)
+def _neg_sums_row(a, n_in, span):
+    """The one-row kernels' precomputed start of each block's chain: -(the lane sums of the
+    activations at a) per `span` elements (128: pm_dot128's lanes, 256: tq2_dot256's), 64 bytes
+    each, in a 64-byte aligned buffer. The callers take addr() of it inside their loops, which
+    keeps it alive through them."""
+    buf = _aligned_bytes(1, n_in // span * 64)
+    for b in range(n_in // span):
+        t = s.pm_sums128(a, span * b) if span == 128 else _neg_sums256(a, span * b)
+        v.st_i32(addr(buf), 64 * b, t)
+    return buf
+
+
+@njit(**_INL)
 def _tq2_0(p, off, n_in, R, nx):
     """66 B / 256: qs[64] of 2-bit codes, f16 d: element 128 j + 32 l + m is bits 2l.. of
-    qs[32 j + m]; w = d (q - 1)."""
+    qs[32 j + m]; w = d (q - 1), so a super-block's dot is d x (sum q a - sum a), one integer
+    (tq2_dot256, on 64-byte vectors). The one-row kernel (_tq2_0_rows1) takes the sums of a
+    precomputed once per call, the same integers."""
     o = np.int64(off)
-    c0, c1, c2, c3 = _zeros()
+    c0, c1, c2, c3 = v.zero(), v.zero(), v.zero(), v.zero()
     for sb in range(n_in // 256):
         s.prefetch_lines(p, o + PREFETCH_BYTES, 66)
-        a, b = s.ld_b(p, o), s.ld_b(p, o + 32)
-        U = (s.b_and(a, 3), s.b_and(s.b_shr(a, 2), 3), s.b_and(s.b_shr(a, 4), 3), s.b_shr(a, 6),
-             s.b_and(b, 3), s.b_and(s.b_shr(b, 2), 3), s.b_and(s.b_shr(b, 4), 3), s.b_shr(b, 6))
-        c, cm = s.f8_splat(f16_at(p, o + 64)), s.f8_splat(-f16_at(p, o + 64))
-        c0, c1, c2, c3 = _sbw(U, c, c, cm, 256 * sb, nx, R, c0, c1, c2, c3)
+        e = 256 * sb
+        c0 = _tq2_0_row(0, R, p, o, e, _neg_sums256(R[0], e), c0)
+        if nx > 1:
+            c1 = _tq2_0_row(1, R, p, o, e, _neg_sums256(R[1], e), c1)
+            c2 = _tq2_0_row(2, R, p, o, e, _neg_sums256(R[2], e), c2)
+            c3 = _tq2_0_row(3, R, p, o, e, _neg_sums256(R[3], e), c3)
         o += 66
-    return _fin(c0, c1, c2, c3)
+    return v.hsum(c0), v.hsum(c1), v.hsum(c2), v.hsum(c3)
+
+
+@njit(**_INL)
+def _tq2_0_rows1(p, off, rb, n, n_in, R, out):
+    """int_rows1 for TQ2_0: activation row 0's negated lane sums once per call, per 256."""
+    sums = _neg_sums_row(R[0], n_in, 256)
+    for i in range(n):
+        o = np.int64(off + i * rb)
+        acc = v.zero()
+        for sb in range(n_in // 256):
+            s.prefetch_lines(p, o + PREFETCH_BYTES, 66)
+            acc = _tq2_0_row(0, R, p, o, 256 * sb, v.ld_i32(addr(sums), 64 * sb), acc)
+            o += 66
+        out[i] = v.hsum(acc)
 
 
 @njit(**_INL)
@@ -549,18 +595,15 @@ def _q1_0(p, off, n_in, R, nx):
 def _q1_0_rows1(p, off, rb, n, n_in, R, out):
     """int_rows1 for Q1_0: the activation row's negated lane sums once per call (pm_sums128),
     then per block pm_dot128_from, which needs no negation of the activations."""
-    sums = np.empty(n_in // 8 + 16, np.int32)  # [n_in / 128, 16] (addr taken inside the loops: it stays alive)
-    al = (64 - addr(sums) % 64) % 64
-    for b in range(n_in // 128):
-        v.st_i32(addr(sums), al + 64 * b, s.pm_sums128(R[0], 128 * b))
+    sums = _neg_sums_row(R[0], n_in, 128)
     for i in range(n):
         o = np.int64(off + i * rb)
         acc = v.zero()
         for sb in range(n_in // 256):
             s.prefetch_lines(p, o + PREFETCH_BYTES, 36)
             e = 256 * sb
-            t_lo = s.pm_dot128_from(v.ld_i32(addr(sums), al + e // 2), s.u64_at(p, o + 2), s.u64_at(p, o + 10), R[0], e)
-            t_hi = s.pm_dot128_from(v.ld_i32(addr(sums), al + e // 2 + 64), s.u64_at(p, o + 20), s.u64_at(p, o + 28),
+            t_lo = s.pm_dot128_from(v.ld_i32(addr(sums), e // 2), s.u64_at(p, o + 2), s.u64_at(p, o + 10), R[0], e)
+            t_hi = s.pm_dot128_from(v.ld_i32(addr(sums), e // 2 + 64), s.u64_at(p, o + 20), s.u64_at(p, o + 28),
                                     R[0], e + 128)
             acc = _q1_0_scaled(t_lo, t_hi, p, o, s.f32_at(R[4], (e >> 5) * 4), acc)
             o += 36
@@ -825,6 +868,9 @@ def int_rows1(qtype, p, off, rb, n, n_in, R, out):
     s.prefetch_lines(p, off, min(n * rb, PREFETCH_BYTES))  # (the span's head at once: its misses overlap)
     if qtype == _Q1_0:
         _q1_0_rows1(p, off, rb, n, n_in, R, out)
+        return
+    if qtype == _TQ2_0:
+        _tq2_0_rows1(p, off, rb, n, n_in, R, out)
         return
     for i in range(n):
         out[i] = _int_dot(qtype, p, off + i * rb, n_in, R, 1)[0]

@@ -28,7 +28,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-from .vectors import _i64, _ptr, _splat, float_binary, float_splat  # (the 16-lane module's IR helpers)
+from .vectors import _i64, _ptr, _splat, _tree, float_binary, float_splat  # (the 16-lane module's IR helpers)
 from .vectors import veci as _veci
 
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -315,6 +315,33 @@ def pm_dot128_from(typingctx, sums, b0, b1, p, off):
 
 
 @intrinsic
+def tq2_dot256(typingctx, sums, p, off, a, e):
+    """sums + sum_k q_k a_k for the 256 TQ2_0 codes (0..2) of the qs[64] at p + off and the 256
+    activations at a + e, in pm_dot128's lanes (lane i: bytes 4i .. 4i + 3 of each 64-byte run of
+    activations). The codes of elements 64c .. 64c + 63 are bits 4 (c % 2) and 4 (c % 2) + 2 of
+    qs[32 (c // 2):][:32]: those 32 bytes in both halves of a 64-byte vector, shifted per half
+    (vpsrlvw) and masked, then one 64-byte vpdpbusd on the activations in memory."""
+    if sums != _veci or not _ints(p, off, a, e):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v64, w32 = ir.VectorType(_I8, 64), ir.VectorType(_I16, 32)
+        acc = args[0]
+        for c in range(4):
+            j, sh = c // 2, 4 * (c % 2)
+            q = _ptr(builder, args[1], builder.add(_i64(builder, args[2]), ir.Constant(_I64, 32 * j)), _I8)
+            q32 = builder.load(builder.bitcast(q, _VB.as_pointer()), align=1)
+            both = builder.bitcast(builder.shuffle_vector(q32, q32, ir.Constant(ir.VectorType(_I32, 64),
+                                                                                list(range(32)) * 2)), w32)
+            shifted = builder.lshr(both, ir.Constant(w32, [sh] * 16 + [sh + 2] * 16))
+            u = builder.and_(builder.bitcast(shifted, v64), ir.Constant(v64, [3] * 64))
+            acc = _dp512(builder, acc, u, _ld64(builder, args[3], args[4], 64 * c))
+        return acc
+
+    return _veci(sums, p, off, a, e), codegen
+
+
+@intrinsic
 def i8_zero(typingctx):
     def codegen(context, builder, sig, args):
         return ir.Constant(_VI, [0] * 8)
@@ -368,13 +395,7 @@ def f8_hsum(typingctx, a):
         return None
 
     def codegen(context, builder, sig, args):
-        v, n = args[0], 8
-        while n > 1:
-            n //= 2
-            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
-            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
-            v = builder.fadd(lo, hi)
-        return builder.extract_element(v, ir.Constant(_I32, 0))
+        return _tree(builder, args[0], builder.fadd)
 
     return types.float32(a), codegen
 

@@ -67,6 +67,11 @@ def _splat(builder, scalar, vec_ty):
     return builder.shuffle_vector(v, ir.Constant(vec_ty, ir.Undefined), ir.Constant(ir.VectorType(_I32, n), [0] * n))
 
 
+def _store(builder, ptr, value):
+    """Store a vector at the (any-typed) pointer ptr, unaligned."""
+    builder.store(value, builder.bitcast(ptr, value.type.as_pointer()), align=1)
+
+
 def _ints(*tys) -> bool:
     return all(isinstance(t, types.Integer) for t in tys)
 
@@ -165,7 +170,7 @@ def st_i32(typingctx, p, off, a):
         return None
 
     def codegen(context, builder, sig, args):
-        builder.store(args[2], builder.bitcast(_ptr(builder, args[0], args[1], _I8), _VI.as_pointer()), align=4)
+        _store(builder, _ptr(builder, args[0], args[1], _I8), args[2])
         return context.get_dummy_value()
 
     return types.void(p, off, a), codegen
@@ -226,6 +231,17 @@ def fma(typingctx, a, b, c):
     return vecf(a, b, c), codegen
 
 
+def _tree(builder, v, combine):
+    """v's lanes combined in a fixed tree, halves first (log2(lanes) steps): combine(lo, hi)."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
+        v = combine(lo, hi)
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
 @intrinsic
 def hsum(typingctx, a):
     """The lanes' sum as float32, in a fixed tree order (halves added, log2(16) = 4 steps)."""
@@ -233,15 +249,7 @@ def hsum(typingctx, a):
         return None
 
     def codegen(context, builder, sig, args):
-        v, n = args[0], LANES
-        while n > 1:
-            n //= 2
-            ty = ir.VectorType(_F32, n)
-            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
-            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
-            v = builder.fadd(lo, hi)
-            assert v.type == ty
-        return builder.extract_element(v, ir.Constant(_I32, 0))
+        return _tree(builder, args[0], builder.fadd)
 
     return types.float32(a), codegen
 
@@ -275,15 +283,13 @@ def hmax(typingctx, a):
         return None
 
     def codegen(context, builder, sig, args):
-        v, n = args[0], LANES
-        while n > 1:
-            n //= 2
-            ty = ir.VectorType(_F32, n)
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty]), f"llvm.maxnum.v{n}f32")
-            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
-            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
-            v = builder.call(fn, [lo, hi])
-        return builder.extract_element(v, ir.Constant(_I32, 0))
+        def vmax(lo, hi):
+            ty = lo.type
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty]),
+                                                f"llvm.maxnum.v{ty.count}f32")
+            return builder.call(fn, [lo, hi])
+
+        return _tree(builder, args[0], vmax)
 
     return types.float32(a), codegen
 
@@ -307,7 +313,7 @@ def st_f32(typingctx, p, idx, a):
         return None
 
     def codegen(context, builder, sig, args):
-        builder.store(args[2], builder.bitcast(_ptr(builder, args[0], args[1], _F32), _VF.as_pointer()), align=4)
+        _store(builder, _ptr(builder, args[0], args[1], _F32), args[2])
         return context.get_dummy_value()
 
     return types.void(p, idx, a), codegen
@@ -333,8 +339,7 @@ def st_i8(typingctx, p, off, a):
         return None
 
     def codegen(context, builder, sig, args):
-        v = builder.trunc(args[2], ir.VectorType(_I8, LANES))
-        builder.store(v, builder.bitcast(_ptr(builder, args[0], args[1], _I8), v.type.as_pointer()), align=1)
+        _store(builder, _ptr(builder, args[0], args[1], _I8), builder.trunc(args[2], ir.VectorType(_I8, LANES)))
         return context.get_dummy_value()
 
     return types.void(p, off, a), codegen
@@ -347,13 +352,7 @@ def ihsum(typingctx, a):
         return None
 
     def codegen(context, builder, sig, args):
-        v, n = args[0], LANES
-        while n > 1:
-            n //= 2
-            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
-            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
-            v = builder.add(lo, hi)
-        return builder.extract_element(v, ir.Constant(_I32, 0))
+        return _tree(builder, args[0], builder.add)
 
     return types.int32(a), codegen
 
