@@ -38,7 +38,7 @@ from numba.extending import intrinsic
 from ....common.arch import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from . import rows_iq as _iq
 from . import rows_q as rq
-from .rows_base import _JIT, _JIT_EXACT, _U, _as_f32, _e2m1x2, _f16, _fi, _fma32, _i8, _opaque
+from .rows_base import _JIT, _JIT_EXACT, _U, _as_f32, _e2m1x2, _f16, _fi, _i8, _opaque
 from .rows_dot import fused_dots, has_fused
 from .rows_int import act_rows, has_int, int_dots, int_rows1, is_wide, quantize_acts
 from .simd.vectors import addr, bits_f, hsum, iadd, ishl, lane, ld_f32, to_i

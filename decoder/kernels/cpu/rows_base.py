@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .jit_cache import stamp_together
@@ -44,20 +43,6 @@ def _as_f32(typingctx, bits):
         return builder.bitcast(v, ir.FloatType())
 
     return types.float32(bits), codegen
-
-
-@intrinsic
-def _fma32(typingctx, a, b, c):
-    """a * b + c on float32, rounded once (llvm.fma: one vfmadd, and the same in a vectorized loop)."""
-    if not (a == b == c == types.float32):
-        return None
-
-    def codegen(context, builder, signature, args):
-        f = ir.FloatType()
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f, [f] * 3), "llvm.fma.f32")
-        return builder.call(fn, list(args))
-
-    return types.float32(a, b, c), codegen
 
 
 @intrinsic

@@ -773,17 +773,3 @@ def b_lut16(typingctx, table, idx):
         return out
 
     return vb(table, idx), codegen
-
-
-@intrinsic
-def f8_halves(typingctx, lo, hi):
-    """lo in lanes 0-3, hi in lanes 4-7 (float32)."""
-    if not isinstance(lo, types.Float) or not isinstance(hi, types.Float):
-        return None
-
-    def codegen(context, builder, sig, args):
-        a, b = (x if x.type == _F32 else builder.fptrunc(x, _F32) for x in args)
-        return builder.shuffle_vector(_splat(builder, a, _VF), _splat(builder, b, _VF),
-                                      ir.Constant(_VI, [0, 1, 2, 3, 12, 13, 14, 15]))
-
-    return vf8(lo, hi), codegen
