@@ -4,7 +4,10 @@ A weight sub-block of 32 codes is one `<32 x i8>` (a ymm register on x86); its d
 activations is `dpbusd`: unsigned weight bytes times signed activation bytes, each 4 adjacent
 products summed into one of 8 int32 lanes (`<8 x i32>`), then scaled as floats (`<8 x float>`).
 32 bytes rather than 64: every block layout of GGUF comes in 32-weight sub-blocks, and Zen 4
-runs a 512-bit operation as two 256-bit halves anyway.
+runs a 512-bit operation as two 256-bit halves anyway. The exceptions are the types whose codes
+need no per-sub-block work (Q1_0, TQ2_0): their dots take 64 bytes at a time (`pm_dot128`,
+`tq2_dot256`, returning the 16-lane vectors of simd/vectors), which halves the instructions
+per weight (one 64-byte vpdpbusd with AVX512-VNNI, else two 32-byte dots as below).
 
 `dpbusd` is emitted for the CPU numba compiles for (its name and features, read once here):
   AVX512-VNNI + VL or AVX-VNNI   one vpdpbusd
