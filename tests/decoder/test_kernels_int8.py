@@ -250,6 +250,16 @@ def _i8_ld(typingctx, p):
 
 
 @intrinsic
+def _i8_st(typingctx, p, v):
+    """Store the 8 int32 lanes v at address p (test output)."""
+    def codegen(context, builder, sig, args):
+        builder.store(args[1], builder.inttoptr(args[0], si._VI.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return nbt.none(p, v), codegen
+
+
+@intrinsic
 def _st_b(typingctx, p, off, v):
     """Store the 32 bytes v at address p + off (test output)."""
     def codegen(context, builder, sig, args):
@@ -309,6 +319,20 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
         bytes_of(t, i, bits, got)
         np.testing.assert_array_equal(got[:32], t[i])
         np.testing.assert_array_equal(got[32:], (bits >> np.arange(32)) & 1)
+
+    @njit(cache=False)
+    def word_scaled(u, a, k, out):  # dpwssd_k: byte pair sums times a word each
+        _i8_st(addr(out), si.dpwssd_k(_i8_ld(addr(out)), si.ld_b(addr(u), 0), si.ld_b(addr(a), 0),
+                                       si.ld_b(addr(k), 0)))
+
+    for _ in range(20):
+        u = rng.integers(0, 4, 32).astype(np.uint8)  # (Q2_K's codes and 4-bit scales)
+        a = rng.integers(-127, 128, 32).astype(np.int8)
+        k = rng.integers(0, 16, 16).astype(np.int16)
+        out = rng.integers(-1000, 1000, 8).astype(np.int32)
+        want = out + (u.astype(np.int64) * a * np.repeat(k, 2)).reshape(8, 4).sum(axis=1)
+        word_scaled(u, a, k.view(np.uint8), out)
+        np.testing.assert_array_equal(out, want)
 
     @njit(cache=False)
     def pm_lanes(a, b0, b1, out):  # both ways to a Q1_0 block's +-1 dot, 16 lanes each

@@ -36,7 +36,7 @@ vpmaddwd by k instead of by 1 on AVX2):
   Q4_1     nibble n, w = d n + m              : c = d, offset m x sum(a)
   Q5_0/Q5_1  n + 16 x fifth bit, w = d (n - 16) or d n + m: c = d, offset -16 d or m
   Q4_K/Q5_K  n (+16 x fifth bit), w = d sc n - dmin m: c = d sc, offset -dmin m x sum(a)
-  Q2_K     sc q (<= 45) and, in a second dot, the mins m as bytes: w = d sc q - dmin m
+  Q2_K     q, its pair sums times sc (dpwssd_k); a second dot, the mins m as bytes: w = d sc q - dmin m
   Q3_K     q (-4..3) signed, k = sc - 32 (-32..31)                      c = d
   Q6_K     q - 32 signed: c per 16 weights (float: hsum4x8_halves)
   Q1_0     bits b (0/1), w = d (2 b - 1)      : 64 bytes: a added or negated by b  c = d
@@ -259,16 +259,6 @@ def _sbw1_row(i, R, U, c, e, acc):
 
 
 @njit(**_INL)
-def _sbw1(U, c, e, nx, R, c0, c1, c2, c3):
-    c0 = _sbw1_row(0, R, U, c, e, c0)
-    if nx > 1:
-        c1 = _sbw1_row(1, R, U, c, e, c1)
-        c2 = _sbw1_row(2, R, U, c, e, c2)
-        c3 = _sbw1_row(3, R, U, c, e, c3)
-    return c0, c1, c2, c3
-
-
-@njit(**_INL)
 def _sbw_k(U, W, B, K, mode, c, e, nx, R, c0, c1, c2, c3):
     c0 = _sbw_k_row(0, R, U, W, B, K, mode, c, e, c0)
     if nx > 1:
@@ -420,24 +410,45 @@ def _q6_k(p, off, n_in, R, nx):
 
 
 @njit(**_INL)
+def _q2k_half(Q, S, a, e, h):
+    """The scaled dot of sub-blocks 4h .. 4h + 3 (codes Q, per-word scales S) with the
+    activations at a + e: one chain of dpwssd_k (8 lanes)."""
+    t = s.dpwssd_k(s.i8_zero(), Q[4 * h], s.ld_b(a, e + 128 * h), S[4 * h])
+    t = s.dpwssd_k(t, Q[4 * h + 1], s.ld_b(a, e + 128 * h + 32), S[4 * h + 1])
+    t = s.dpwssd_k(t, Q[4 * h + 2], s.ld_b(a, e + 128 * h + 64), S[4 * h + 2])
+    return s.dpwssd_k(t, Q[4 * h + 3], s.ld_b(a, e + 128 * h + 96), S[4 * h + 3])
+
+
+@njit(**_INL)
+def _q2k_row(i, R, Q, S, M, c, cm, e, acc):
+    """Row i's acc + c (sc q . a) + cm (m . a) for one super-block, the first as two chains of
+    4 (_q2k_half), the mins as _sbw1's."""
+    isum = s.i8_add(_q2k_half(Q, S, R[i], e, 0), _q2k_half(Q, S, R[i], e, 1))
+    acc = s.f8_fma(s.f8_of_i(isum), s.f8_mul(s.f8_ld(R[4 + i], (e >> 5) * 4), c), acc)
+    return _sbw1_row(i, R, M, cm, e, acc)
+
+
+@njit(**_INL)
 def _q2_k(p, off, n_in, R, nx):
     """84 B / 256: 16 scale bytes (low nibble scale, high min, per 16 weights), qs[64] of 2-bit
     codes (element 128 h + 32 j + l: bits 2j.. of qs[32 h + l]), f16 d, f16 dmin:
-    w = d sc q - dmin m. The 4-bit scales are multiplied into the codes (sc q <= 45) and the
-    mins dotted as bytes of their own: two integer dots, no per-16 float work."""
+    w = d sc q - dmin m. The codes meet the activations in int16 pair sums (vpmaddubsw) that the
+    4-bit scales multiply as they are summed (vpdpwssd: dpwssd_k), and the mins are dotted as
+    bytes of their own: two integer dots, no per-16 float work and no byte multiplies."""
     o = np.int64(off)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
         s.prefetch_lines(p, o + PREFETCH_BYTES, 84)
         S, M = blk.q2k_scales(p, o)
         a, b = s.ld_b(p, o + 16), s.ld_b(p, o + 48)
-        U = (s.b_mul(s.b_and(a, 3), S[0]), s.b_mul(s.b_and(s.b_shr(a, 2), 3), S[1]),
-             s.b_mul(s.b_and(s.b_shr(a, 4), 3), S[2]), s.b_mul(s.b_shr(a, 6), S[3]),
-             s.b_mul(s.b_and(b, 3), S[4]), s.b_mul(s.b_and(s.b_shr(b, 2), 3), S[5]),
-             s.b_mul(s.b_and(s.b_shr(b, 4), 3), S[6]), s.b_mul(s.b_shr(b, 6), S[7]))
+        Q = (s.b_and(a, 3), s.b_and(s.b_shr(a, 2), 3), s.b_and(s.b_shr(a, 4), 3), s.b_shr(a, 6),
+             s.b_and(b, 3), s.b_and(s.b_shr(b, 2), 3), s.b_and(s.b_shr(b, 4), 3), s.b_shr(b, 6))
         e, c, cm = 256 * sb, s.f8_splat(f16_at(p, o + 80)), s.f8_splat(-f16_at(p, o + 82))
-        c0, c1, c2, c3 = _sbw1(U, c, e, nx, R, c0, c1, c2, c3)
-        c0, c1, c2, c3 = _sbw1(M, cm, e, nx, R, c0, c1, c2, c3)
+        c0 = _q2k_row(0, R, Q, S, M, c, cm, e, c0)
+        if nx > 1:
+            c1 = _q2k_row(1, R, Q, S, M, c, cm, e, c1)
+            c2 = _q2k_row(2, R, Q, S, M, c, cm, e, c2)
+            c3 = _q2k_row(3, R, Q, S, M, c, cm, e, c3)
         o += 84
     return _fin(c0, c1, c2, c3)
 

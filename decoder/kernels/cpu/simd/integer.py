@@ -683,15 +683,34 @@ def f8_ld4x2(typingctx, p, off):
 
 
 @intrinsic
-def b_mul(typingctx, a, b):
-    """a * b bytewise, modulo 256 (the callers' products fit)."""
-    if a != vb or b != vb:
+def dpwssd_k(typingctx, acc, u, s, k):
+    """acc + (the pair sums of unsigned bytes u times signed bytes s, vpmaddubsw: int16 words)
+    each times its int16 word of k, summed in pairs into 8 int32 lanes (vpdpwssd): lane i is
+    k[2i] (u s)[4i .. 4i + 1] + k[2i + 1] (u s)[4i + 2 .. 4i + 3], dpbusd's lanes with a scale per
+    word (k: 16 int16 words carried in a byte vector). Exact while the pair sums fit int16 and
+    the callers' |k| < 2^15: Q2_K's codes (<= 3) times its 4-bit scales."""
+    if acc != vi8 or u != vb or s != vb or k != vb:
         return None
 
     def codegen(context, builder, sig, args):
-        return builder.mul(args[0], args[1])
+        a, uu, ss, kk = args
+        if has_vnni() or has_avx2():
+            pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _VW, [uu, ss])
+            if has_vnni():
+                return _call(builder, "llvm.x86.avx512.vpdpwssd.256", _VI,
+                             [a, builder.bitcast(pairs, _VI), builder.bitcast(kk, _VI)])
+            return builder.add(a, _call(builder, "llvm.x86.avx2.pmadd.wd", _VI, [pairs, builder.bitcast(kk, _VW)]))
+        wide = ir.VectorType(_I32, 32)
+        prod = builder.mul(builder.zext(uu, wide), builder.sext(ss, wide))
+        kw = builder.sext(builder.bitcast(kk, _VW), ir.VectorType(_I32, 16))
+        out = a
+        for q in range(4):
+            lane = builder.shuffle_vector(prod, prod, ir.Constant(_VI, list(range(q, 32, 4))))
+            scale = builder.shuffle_vector(kw, kw, ir.Constant(_VI, [2 * i + q // 2 for i in range(8)]))
+            out = builder.add(out, builder.mul(lane, scale))
+        return out
 
-    return vb(a, b), codegen
+    return vi8(acc, u, s, k), codegen
 
 
 # -- per-16 integer scales, bit masks, 16-entry tables ----------------------------------------------
