@@ -24,8 +24,9 @@ Q3_K, IQ2_XS, IQ2_S (IQ1_M would qualify: 5 % faster, not worth the coarser roun
 sub-block dots then add up as integers and are scaled once: the per-sub-block sums (hsum8x8)
 go. Q1_0 and TQ2_0 go further, on 64-byte vectors and 16 float lanes: a block's dot with its
 offset is one integer chain started from the activations' negated lane sums (pm_dot128,
-tq2_dot256 in simd/integer), so no offset term is left to scale. The activation rounding is llama.cpp's Q8_K's: the error per element is at most a 256-block's
-max |x| / 254 instead of its 32-block's (a random expert's output: ~1.5x the error of per-32).
+tq2_dot256 in simd/integer), so no offset term is left to scale. The activation rounding is
+llama.cpp's Q8_K's: the error per element is at most a 256-block's max |x| / 254 instead of its
+32-block's (a random expert's output: ~1.5x the error of per-32).
 
 Weights as unsigned bytes (dpbusd's u8 side), per type, for sub-block j with weight scale c_j;
 "signed" = their magnitudes, with the activation bytes' signs flipped where the weight is < 0

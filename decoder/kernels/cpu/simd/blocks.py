@@ -187,8 +187,9 @@ def q2k_scales(typingctx, p, off):
         lo, hi = builder.and_(v, _c(v16, [15] * 16)), builder.lshr(v, _c(v16, [4] * 16))
         v32 = ir.VectorType(_I32, 32)
         w16 = builder.zext(lo, ir.VectorType(_I16, 16))
-        S = [builder.bitcast(builder.shuffle_vector(w16, w16, _c(ir.VectorType(_I32, 16), [2 * j] * 8 + [2 * j + 1] * 8)),
-                             _VB) for j in range(8)]
+        m16 = ir.VectorType(_I32, 16)
+        S = [builder.bitcast(builder.shuffle_vector(w16, w16, _c(m16, [2 * j] * 8 + [2 * j + 1] * 8)), _VB)
+             for j in range(8)]
         M = [builder.shuffle_vector(hi, hi, _c(v32, [2 * j] * 16 + [2 * j + 1] * 16)) for j in range(8)]
         ty = sig.return_type[0]
         return context.make_tuple(builder, sig.return_type, [context.make_tuple(builder, ty, S),
