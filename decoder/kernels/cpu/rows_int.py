@@ -522,7 +522,7 @@ def _neg_sums_row(a, n_in, span):
 def _tq2_0(p, off, n_in, R, nx):
     """66 B / 256: qs[64] of 2-bit codes, f16 d: element 128 j + 32 l + m is bits 2l.. of
     qs[32 j + m]; w = d (q - 1), so a super-block's dot is d x (sum q a - sum a), one integer
-    (tq2_dot256, on 64-byte vectors). The one-row kernel (_tq2_0_rows1) takes the sums of a
+    (tq2_dot256, on 64-byte vectors). The one-row kernel (_rows1_from_sums) takes the sums of a
     precomputed once per call, the same integers."""
     o = np.int64(off)
     c0, c1, c2, c3 = v.zero(), v.zero(), v.zero(), v.zero()
@@ -536,20 +536,6 @@ def _tq2_0(p, off, n_in, R, nx):
             c3 = _tq2_0_row(3, R, p, o, e, _neg_sums256(R[3], e), c3)
         o += 66
     return v.hsum(c0), v.hsum(c1), v.hsum(c2), v.hsum(c3)
-
-
-@njit(**_INL)
-def _tq2_0_rows1(p, off, rb, n, n_in, R, out):
-    """int_rows1 for TQ2_0: activation row 0's negated lane sums once per call, per 256."""
-    sums = _neg_sums_row(R[0], n_in, 256)
-    for i in range(n):
-        o = np.int64(off + i * rb)
-        acc = v.zero()
-        for sb in range(n_in // 256):
-            s.prefetch_lines(p, o + PREFETCH_BYTES, 66)
-            acc = _tq2_0_row(0, R, p, o, 256 * sb, v.ld_i32(addr(sums), 64 * sb), acc)
-            o += 66
-        out[i] = v.hsum(acc)
 
 
 @njit(**_INL)
@@ -587,7 +573,7 @@ def _q1_0_row(i, R, p, o, e, acc):
 def _q1_0(p, off, n_in, R, nx):
     """18 B / 128: f16 d, 16 B of bits (weight j: bit j % 8 of byte j // 8): w = d (2 b - 1), so a
     block's dot is d x an integer, the activations added where the bit is set and subtracted
-    where not (pm_dot128); two blocks per 256 weights. The one-row kernel (_q1_0_rows1) gets
+    where not (pm_dot128); two blocks per 256 weights. The one-row kernel (_q1_0_from) gets
     the same integers another way, so both give the same sums."""
     o = np.int64(off)
     c0, c1, c2, c3 = v.zero(), v.zero(), v.zero(), v.zero()
@@ -604,21 +590,31 @@ def _q1_0(p, off, n_in, R, nx):
 
 
 @njit(**_INL)
-def _q1_0_rows1(p, off, rb, n, n_in, R, out):
-    """int_rows1 for Q1_0: the activation row's negated lane sums once per call (pm_sums128),
-    then per block pm_dot128_from, which needs no negation of the activations."""
-    sums = _neg_sums_row(R[0], n_in, 128)
+def _q1_0_from(R, p, o, e, sums, acc):
+    """The one-row step of Q1_0: _q1_0_row's sums by pm_dot128_from, from the precomputed
+    negated lane sums at address `sums` (no negation of the activations)."""
+    t_lo = s.pm_dot128_from(v.ld_i32(sums, e // 2), s.u64_at(p, o + 2), s.u64_at(p, o + 10), R[0], e)
+    t_hi = s.pm_dot128_from(v.ld_i32(sums, e // 2 + 64), s.u64_at(p, o + 20), s.u64_at(p, o + 28), R[0], e + 128)
+    return _q1_0_scaled(t_lo, t_hi, p, o, s.f32_at(R[4], (e >> 5) * 4), acc)
+
+
+@njit(**_INL)
+def _rows1_from_sums(qtype, p, off, rb, n, n_in, R, out):
+    """int_rows1 for Q1_0 and TQ2_0: activation row 0's negated lane sums once per call
+    (_neg_sums_row), then each row 256 weights a step, each block's chain started from them."""
+    q1 = qtype == _Q1_0
+    sums = _neg_sums_row(R[0], n_in, 128 if q1 else 256)
+    nb = 36 if q1 else 66  # bytes per 256 weights
     for i in range(n):
         o = np.int64(off + i * rb)
         acc = v.zero()
         for sb in range(n_in // 256):
-            s.prefetch_lines(p, o + PREFETCH_BYTES, 36)
-            e = 256 * sb
-            t_lo = s.pm_dot128_from(v.ld_i32(addr(sums), e // 2), s.u64_at(p, o + 2), s.u64_at(p, o + 10), R[0], e)
-            t_hi = s.pm_dot128_from(v.ld_i32(addr(sums), e // 2 + 64), s.u64_at(p, o + 20), s.u64_at(p, o + 28),
-                                    R[0], e + 128)
-            acc = _q1_0_scaled(t_lo, t_hi, p, o, s.f32_at(R[4], (e >> 5) * 4), acc)
-            o += 36
+            s.prefetch_lines(p, o + PREFETCH_BYTES, nb)
+            if q1:
+                acc = _q1_0_from(R, p, o, 256 * sb, addr(sums), acc)
+            else:
+                acc = _tq2_0_row(0, R, p, o, 256 * sb, v.ld_i32(addr(sums), 64 * sb), acc)
+            o += nb
         out[i] = v.hsum(acc)
 
 
@@ -878,11 +874,8 @@ def int_rows1(qtype, p, off, rb, n, n_in, R, out):
     dispatch on the type is a predicted branch, not a call per row (2.7x int_dots' rate per row
     on 1024-wide Q8_0 rows)."""
     s.prefetch_lines(p, off, min(n * rb, PREFETCH_BYTES))  # (the span's head at once: its misses overlap)
-    if qtype == _Q1_0:
-        _q1_0_rows1(p, off, rb, n, n_in, R, out)
-        return
-    if qtype == _TQ2_0:
-        _tq2_0_rows1(p, off, rb, n, n_in, R, out)
+    if qtype == _Q1_0 or qtype == _TQ2_0:
+        _rows1_from_sums(qtype, p, off, rb, n, n_in, R, out)
         return
     for i in range(n):
         out[i] = _int_dot(qtype, p, off + i * rb, n_in, R, 1)[0]
