@@ -89,6 +89,86 @@ def test_decode_attention_rows_and_threads_do_not_change_bits(hd: int) -> None:
         assert np.array_equal(run(att._decode_attention, [b])[0], batch[b])
 
 
+LONG = 2 * att.CHUNK + 37  # a cache index past two whole chunks, the last one part full
+
+
+def _attend(H: int, Hkv: int, hd: int, start: int, rows: list[int], fn=None, same_q: bool = False) -> tuple:
+    """Random q/k/v rows and caches of 3 sequences (the second's first chunk and a bit all pads,
+    the others with scattered pads), no q/k norm and no rotation; the kernel's output for `rows`,
+    and the caches and mask it saw."""
+    rng = np.random.default_rng(3)
+    C = start + 1
+    qkv = rng.standard_normal((3, (H + 2 * Hkv) * hd)).astype(np.float32)  # [B, (H + 2 Hkv) hd]
+    if same_q:  # every query head asks the same: each head's output must come out the same
+        qkv[:, :H * hd] = np.tile(qkv[:, :hd], H)
+    kc, vc = (rng.standard_normal((3, Hkv, C, hd)).astype(np.float32) for _ in range(2))
+    valid = rng.random((3, C)) < 0.8
+    valid[1, :att.CHUNK + 5] = False
+    cos, sin = np.ones((3, hd), np.float32), np.zeros((3, hd), np.float32)
+    k, v = kc[rows].copy(), vc[rows].copy()
+    out = np.empty((len(rows), H * hd), np.float32)
+    (fn or att._decode_attention)(qkv[rows], H, Hkv, hd, np.ones(1, np.float32), np.ones(1, np.float32),
+                                  att.QK_NONE, 1e-6, cos[rows], sin[rows], att.ROPE_NEOX, k, v, valid[rows], start,
+                                  out)
+    return out, qkv[rows], k, v, valid[rows]
+
+
+@pytest.mark.parametrize("H,Hkv,hd", [(8, 2, 64), (6, 2, 40), (4, 4, 16), (10, 2, 32)],
+                         ids=["rep4-hd64", "rep3-hd40", "mha-hd16", "rep5-hd32"])
+def test_decode_attention_over_chunks_matches_float64(H: int, Hkv: int, hd: int) -> None:
+    """A context of several key chunks (one all pads): each head's softmax over every real key,
+    joined from the chunks, against float64 numpy on the same caches; this token's k and v written."""
+    out, qkv, k, v, valid = _attend(H, Hkv, hd, LONG, [0, 1, 2])
+    rep, nq, nk = H // Hkv, H * hd, Hkv * hd
+    for b in range(3):
+        np.testing.assert_array_equal(k[b, :, LONG], qkv[b, nq:nq + nk].reshape(Hkv, hd))
+        np.testing.assert_array_equal(v[b, :, LONG], qkv[b, nq + nk:].reshape(Hkv, hd))
+        seen = valid[b].copy()
+        seen[LONG] = True
+        for h in range(H):
+            q = qkv[b, h * hd:(h + 1) * hd].astype(np.float64)
+            keys, vals = k[b, h // rep][seen].astype(np.float64), v[b, h // rep][seen].astype(np.float64)
+            s = keys @ q / np.sqrt(hd)
+            p = np.exp(s - s.max())
+            want = p @ vals / p.sum()
+            np.testing.assert_allclose(out[b, h * hd:(h + 1) * hd], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("H,Hkv,hd", [(8, 2, 64), (6, 1, 40)], ids=["rep4", "rep6-hd40"])  # rep6: 4 + 2
+def test_decode_attention_over_chunks_same_bits_every_way(H: int, Hkv: int, hd: int) -> None:
+    """Over several chunks: serial or parallel, alone or in a batch, a head in a block of four or
+    alone (every head asking the same q): the same bits."""
+    batch = _attend(H, Hkv, hd, LONG, [0, 1, 2], same_q=True)[0]
+    assert np.array_equal(_attend(H, Hkv, hd, LONG, [0, 1, 2], att._decode_attention_par, same_q=True)[0], batch)
+    for b in range(3):
+        assert np.array_equal(_attend(H, Hkv, hd, LONG, [b], same_q=True)[0][0], batch[b])
+    heads, rep = batch.reshape(3, H, hd), H // Hkv
+    for h in range(H):  # the heads of one kv head see the same keys
+        assert np.array_equal(heads[:, h], heads[:, h - h % rep])
+
+
+def test_four_sums_at_once_are_hsums() -> None:
+    """`st_hsum4` (four lane sums in shared shuffles) equals `hsum` on each vector, bit for bit."""
+    from numba import njit
+    from moestream.decoder.kernels.cpu.simd import vectors as vec
+
+    @njit
+    def both(x):  # x [4, 16] float32 -> [2, 4]: st_hsum4's, hsum's
+        out = np.empty((2, 4), np.float32)
+        xa, oa = vec.addr(x), vec.addr(out)
+        a0, a1, a2, a3 = vec.ld_f32(xa, 0), vec.ld_f32(xa, 16), vec.ld_f32(xa, 32), vec.ld_f32(xa, 48)
+        vec.st_hsum4(oa, 0, a0, a1, a2, a3)
+        out[1, 0], out[1, 1], out[1, 2], out[1, 3] = vec.hsum(a0), vec.hsum(a1), vec.hsum(a2), vec.hsum(a3)
+        return out
+
+    rng = np.random.default_rng(4)
+    for _ in range(20):
+        x = (rng.standard_normal((4, 16)) * 10.0 ** rng.integers(-3, 4, (4, 16))).astype(np.float32)
+        got = both(x)
+        assert np.array_equal(got[0], got[1])
+        np.testing.assert_allclose(got[0], x.astype(np.float64).sum(1), rtol=1e-5, atol=1e-3)
+
+
 def test_decode_attention_refuses_strided_keys() -> None:
     qkv = np.zeros((1, 4 * 16), np.float32)
     kc = np.zeros((1, 1, 8, 32), np.float32)[..., ::2]  # [B, Hkv, C, 16] every other float

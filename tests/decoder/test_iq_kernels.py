@@ -166,5 +166,5 @@ def test_cached_kernels_are_stamped_with_every_row_file() -> None:
                                         integer, attention, blocks)]
     want = hashlib.sha256(b"".join(f.read_bytes() for f in files)).digest()
     for fn in (rows.gate_up_kernel, rows.decode_row, iq.decode_grid_row, rows_q._row_q2_k,
-               rows_dot.fused_dots, rows_int.int_dots, attention._head):
+               rows_dot.fused_dots, rows_int.int_dots, attention._chunk):
         assert fn._cache._impl.locator.get_source_stamp() == want, fn

@@ -11,9 +11,14 @@ chunks (many rows) keep torch's ops, which are efficient at that size.
 Results equal torch's up to float32 rounding (the model tests hold the decode path to the
 whole-prompt torch path within 1e-4): RMSNorm sums squares in float32 as F.rms_norm does,
 rope is computed element by element as `x * cos + rotated * sin`, attention scores are float32
-dot products (summed in vector lanes) scaled by 1/sqrt(hd), a max-subtracted softmax, and the
-value sum.
-Every output depends only on its own row (a sequence's token alone or in a batch: same bits).
+dot products (summed in vector lanes) scaled by 1/sqrt(hd), a max-subtracted softmax (exp on
+16 lanes, within 3 ulp) and the value sum.
+
+Attention is split into chunks of CHUNK keys per kv head (flash decoding): a chunk's keys and
+values are read from memory once for all the query heads that share them (GQA), and a long
+context spreads over the threads; each head's chunks are then joined, rescaled to the largest
+score. Every output depends only on its own row (a sequence's token alone or in a batch, on one
+thread or many: same bits).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import rows_base  # noqa: F401  (first: the cache stamp covers simd/vectors.py, inlined here)
+from .rows import exp16
 from .simd import vectors as v
 
 _JIT = {"cache": True, "nogil": True}
@@ -32,7 +38,11 @@ ROPE_NEOX, ROPE_NORM = 0, 1  # `AttnShape.rope`
 ROPE = {"neox": ROPE_NEOX, "norm": ROPE_NORM}
 # Score x value work (sequences x query heads x cached keys x head dim) from which a step's
 # attention runs on every thread: below it one thread is faster than waking the others.
-PARALLEL_WORK = 1 << 21
+PARALLEL_WORK = 1 << 18
+# Keys per work item: a sequence's kv head and a chunk of its keys (flash decoding), so long
+# contexts spread over the threads and a chunk's keys and values are read once from memory for
+# all the query heads that share them. Fixed, not per thread: the bits never depend on threads.
+CHUNK = 64
 
 
 @njit(**_JIT)
@@ -105,10 +115,22 @@ def _prepare(qkv, n_head, n_kv, hd, qn, kn, qk_norm, eps, cos, sin, style, kc, v
 
 
 @njit(**_JIT)
+def _dots4(qa, ka, row, end, sa, s):
+    """sa[s .. s + 3] = q . k for the 4 keys at ka, ka + row, ... over the first `end` (a multiple
+    of 16) float32: per key 16 lanes of fused multiply-adds summed in hsum's tree (explicit
+    vectors, so the same bits whatever code it is compiled into, and as one key at a time)."""
+    a0, a1, a2, a3 = v.zero(), v.zero(), v.zero(), v.zero()
+    for i in range(0, end, v.LANES):
+        qv = v.ld_f32(qa, i)
+        a0 = v.fma(qv, v.ld_f32(ka, i), a0)
+        a1 = v.fma(qv, v.ld_f32(ka + row, i), a1)
+        a2 = v.fma(qv, v.ld_f32(ka + 2 * row, i), a2)
+        a3 = v.fma(qv, v.ld_f32(ka + 3 * row, i), a3)
+    v.st_hsum4(sa, s, a0, a1, a2, a3)
+
+
+@njit(**_JIT)
 def _dot(qa, ka, end):
-    """q . k over the first `end` (a multiple of 16) float32 at addresses qa, ka: 16 lanes of
-    fused multiply-adds summed in a fixed tree (explicit vectors, so the same bits whatever code
-    it is compiled into: fast-math would let each caller's copy sum in its own order)."""
     acc = v.zero()
     for i in range(0, end, v.LANES):
         acc = v.fma(v.ld_f32(qa, i), v.ld_f32(ka, i), acc)
@@ -116,62 +138,231 @@ def _dot(qa, ka, end):
 
 
 @njit(**_JIT)
-def _head(q, kc, vc, valid, start, scale, scores, out):
-    """One query head over its kv head's cache: keys 0 .. start that are real (valid) or the
-    query's own; out [hd] = softmax(q . k * scale) . v. Masked keys score -inf (weight 0), so
-    the loops run branch-free over the keys; values are added 4 keys at a time (a quarter of
-    the passes over out). q and kc's rows contiguous."""
-    hd, n = q.size, start + 1
-    vec_end, qa, ka, row = hd - hd % v.LANES, v.addr(q), v.addr(kc), kc.strides[0]
+def _dots4x4(qa, qrow, ka, row, end, sa, srow, s):
+    """_dots4 for 4 query heads at once (q rows qa, qa + qrow, ...; their scores at sa, sa + srow,
+    ...): 16 chains over the 4 heads x 4 keys, 8 loads per 16 fused multiply-adds (one head at a
+    time is 5 per 4). Each score's chain and tree are _dots4's: the same bits."""
+    z = v.zero()
+    a00, a01, a02, a03, a10, a11, a12, a13 = z, z, z, z, z, z, z, z
+    a20, a21, a22, a23, a30, a31, a32, a33 = z, z, z, z, z, z, z, z
+    for i in range(0, end, v.LANES):
+        q0, q1, q2, q3 = v.ld_f32(qa, i), v.ld_f32(qa + qrow, i), v.ld_f32(qa + 2 * qrow, i), v.ld_f32(qa + 3 * qrow, i)
+        k0, k1, k2, k3 = v.ld_f32(ka, i), v.ld_f32(ka + row, i), v.ld_f32(ka + 2 * row, i), v.ld_f32(ka + 3 * row, i)
+        a00, a01, a02, a03 = v.fma(q0, k0, a00), v.fma(q0, k1, a01), v.fma(q0, k2, a02), v.fma(q0, k3, a03)
+        a10, a11, a12, a13 = v.fma(q1, k0, a10), v.fma(q1, k1, a11), v.fma(q1, k2, a12), v.fma(q1, k3, a13)
+        a20, a21, a22, a23 = v.fma(q2, k0, a20), v.fma(q2, k1, a21), v.fma(q2, k2, a22), v.fma(q2, k3, a23)
+        a30, a31, a32, a33 = v.fma(q3, k0, a30), v.fma(q3, k1, a31), v.fma(q3, k2, a32), v.fma(q3, k3, a33)
+    v.st_hsum4(sa, s, a00, a01, a02, a03)
+    v.st_hsum4(sa + srow, s, a10, a11, a12, a13)
+    v.st_hsum4(sa + 2 * srow, s, a20, a21, a22, a23)
+    v.st_hsum4(sa + 3 * srow, s, a30, a31, a32, a33)
+
+
+@njit(**_JIT)
+def _keep(valid, start, c0, n, keep):
+    """keep[s] = 1.0 where the chunk's key c0 + s is seen (real, or the query's own), else 0.0;
+    0.0 in the spare lanes up to the next 16. Returns whether any key is masked."""
+    masked = False
     for s in range(n):
-        acc = _dot(qa, ka + s * row, vec_end)
-        for i in range(vec_end, hd):
-            acc += q[i] * kc[s, i]
-        scores[s] = acc * scale if valid[s] or s == start else np.float32(-np.inf)
-    top = np.float32(-np.inf)
-    for s in range(n):
-        top = max(top, scores[s])
-    total = np.float32(0.0)
-    for s in range(n):
-        p = np.exp(scores[s] - top)  # [n] the weights, in place of the scores
-        scores[s] = p
-        total += p
-    for i in range(hd):
-        out[i] = np.float32(0.0)
-    s = 0
-    while s + 4 <= n:
-        p0, p1, p2, p3 = scores[s], scores[s + 1], scores[s + 2], scores[s + 3]
-        for i in range(hd):
-            out[i] += p0 * vc[s, i] + p1 * vc[s + 1, i] + p2 * vc[s + 2, i] + p3 * vc[s + 3, i]
-        s += 4
-    for t in range(s, n):
-        for i in range(hd):
-            out[i] += scores[t] * vc[t, i]
-    inv = np.float32(1.0) / total
-    for i in range(hd):
-        out[i] *= inv
+        kept = valid[c0 + s] or c0 + s == start
+        keep[s] = np.float32(1.0) if kept else np.float32(0.0)
+        masked |= not kept
+    for s in range(n, keep.size):
+        keep[s] = np.float32(0.0)
+    return masked
+
+
+@njit(**_JIT)
+def _scores(q, kc, c0, n, sc, keep, masked):
+    """sc[h, s] = q[h] . kc[c0 + s] / sqrt(hd) for the chunk's n keys and each of the query heads
+    q [heads, hd], 4 heads x 4 keys at a time; -inf where the key is masked and in the spare lanes
+    up to the next 16."""
+    heads, hd = q.shape
+    vec_end, row, srow = hd - hd % v.LANES, kc.strides[0], sc.strides[0]
+    qa, qrow, sa, ka = v.addr(q), q.strides[0], v.addr(sc), v.addr(kc) + np.int64(c0) * row
+    h = 0
+    while h + 4 <= heads:
+        s = 0
+        while s + 4 <= n:
+            _dots4x4(qa + h * qrow, qrow, ka + s * row, row, vec_end, sa + h * srow, srow, s)
+            s += 4
+        h += 4
+    for h in range(heads - heads % 4, heads):
+        s = 0
+        while s + 4 <= n:
+            _dots4(qa + h * qrow, ka + s * row, row, vec_end, sa + h * srow, s)
+            s += 4
+    for h in range(heads):
+        for s in range(n - n % 4, n):
+            sc[h, s] = _dot(qa + h * qrow, ka + s * row, vec_end)
+        if vec_end < hd:  # head dims past the last 16
+            for s in range(n):
+                for i in range(vec_end, hd):
+                    sc[h, s] += q[h, i] * kc[c0 + s, i]
+        scale = np.float32(1.0 / np.sqrt(hd))
+        for s in range(sc.shape[1]):
+            seen = s < n and not (masked and keep[s] == np.float32(0.0))
+            sc[h, s] = sc[h, s] * scale if seen else np.float32(-np.inf)
+
+
+@njit(**_JIT)
+def _weights(sc, keep, n):
+    """The chunk's softmax numerators in place of its scores, exp(sc - top) (0 where masked),
+    16 at a time; returns (top, their sum). top is -inf when every key of the chunk is masked."""
+    sa, ka = v.addr(sc), v.addr(keep)
+    m = v.ld_f32(sa, 0)
+    for s in range(v.LANES, n, v.LANES):  # (sc, keep padded to whole vectors by _scores, _keep)
+        m = v.fmax(m, v.ld_f32(sa, s))
+    top = v.hmax(m)
+    if top == np.float32(-np.inf):
+        return top, np.float32(0.0)
+    t, total = v.splat(top), v.zero()
+    for s in range(0, n, v.LANES):
+        p = v.mul(exp16(v.sub(v.ld_f32(sa, s), t)), v.ld_f32(ka, s))
+        v.st_f32(sa, s, p)
+        total = v.add(total, p)
+    return top, v.hsum(total)
+
+
+@njit(**_JIT)
+def _values4(pa, prow, va, row, end, oa, orow):
+    """o[h] += p[h, s] * v[s] for 4 heads (p at pa, pa + prow, ...; o at oa, oa + orow, ...) and
+    the 4 keys at va, va + row, ...: per head the keys' fused multiply-adds in key order, as
+    _values does one head at a time (the same bits), 8 loads per 16."""
+    p00, p01, p02, p03 = v.splat(v.f32_at(pa, 0)), v.splat(v.f32_at(pa, 4)), v.splat(v.f32_at(pa, 8)), v.splat(v.f32_at(pa, 12))
+    pb = pa + prow
+    p10, p11, p12, p13 = v.splat(v.f32_at(pb, 0)), v.splat(v.f32_at(pb, 4)), v.splat(v.f32_at(pb, 8)), v.splat(v.f32_at(pb, 12))
+    pb += prow
+    p20, p21, p22, p23 = v.splat(v.f32_at(pb, 0)), v.splat(v.f32_at(pb, 4)), v.splat(v.f32_at(pb, 8)), v.splat(v.f32_at(pb, 12))
+    pb += prow
+    p30, p31, p32, p33 = v.splat(v.f32_at(pb, 0)), v.splat(v.f32_at(pb, 4)), v.splat(v.f32_at(pb, 8)), v.splat(v.f32_at(pb, 12))
+    for i in range(0, end, v.LANES):
+        v0, v1, v2, v3 = v.ld_f32(va, i), v.ld_f32(va + row, i), v.ld_f32(va + 2 * row, i), v.ld_f32(va + 3 * row, i)
+        o = v.ld_f32(oa, i)
+        v.st_f32(oa, i, v.fma(p03, v3, v.fma(p02, v2, v.fma(p01, v1, v.fma(p00, v0, o)))))
+        o = v.ld_f32(oa + orow, i)
+        v.st_f32(oa + orow, i, v.fma(p13, v3, v.fma(p12, v2, v.fma(p11, v1, v.fma(p10, v0, o)))))
+        o = v.ld_f32(oa + 2 * orow, i)
+        v.st_f32(oa + 2 * orow, i, v.fma(p23, v3, v.fma(p22, v2, v.fma(p21, v1, v.fma(p20, v0, o)))))
+        o = v.ld_f32(oa + 3 * orow, i)
+        v.st_f32(oa + 3 * orow, i, v.fma(p33, v3, v.fma(p32, v2, v.fma(p31, v1, v.fma(p30, v0, o)))))
+
+
+@njit(**_JIT)
+def _values1(pa, va, row, end, oa, keys):
+    """o += p[s] * v[s] for one head and `keys` (1 to 4) keys, in key order."""
+    if keys == 4:
+        p0, p1 = v.splat(v.f32_at(pa, 0)), v.splat(v.f32_at(pa, 4))
+        p2, p3 = v.splat(v.f32_at(pa, 8)), v.splat(v.f32_at(pa, 12))
+        for i in range(0, end, v.LANES):
+            o = v.fma(p1, v.ld_f32(va + row, i), v.fma(p0, v.ld_f32(va, i), v.ld_f32(oa, i)))
+            v.st_f32(oa, i, v.fma(p3, v.ld_f32(va + 3 * row, i), v.fma(p2, v.ld_f32(va + 2 * row, i), o)))
+        return
+    for k in range(keys):
+        ps, ks = v.splat(v.f32_at(pa, 4 * k)), va + k * row
+        for i in range(0, end, v.LANES):
+            v.st_f32(oa, i, v.fma(ps, v.ld_f32(ks, i), v.ld_f32(oa, i)))
+
+
+@njit(**_JIT)
+def _values(p, vc, c0, n, o):
+    """o [heads, hd] = sum over the chunk's keys s of p[h, s] * vc[c0 + s], in key order: 16 lanes
+    of o at a time, chains of fused multiply-adds through memory (a chunk's values stay in L1),
+    4 heads x 4 keys at a time."""
+    heads, hd = o.shape
+    vec_end, row, prow, orow = hd - hd % v.LANES, vc.strides[0], p.strides[0], o.strides[0]
+    va, pa, oa = v.addr(vc) + np.int64(c0) * row, v.addr(p), v.addr(o)
+    o[:] = np.float32(0.0)
+    for s in range(0, n, 4):
+        keys, h = min(4, n - s), 0
+        while keys == 4 and h + 4 <= heads:
+            _values4(pa + h * prow + 4 * s, prow, va + s * row, row, vec_end, oa + h * orow, orow)
+            h += 4
+        for h in range(h, heads):
+            _values1(pa + h * prow + 4 * s, va + s * row, row, vec_end, oa + h * orow, keys)
+    if vec_end < hd:  # head dims past the last 16
+        for h in range(heads):
+            for i in range(vec_end, hd):
+                for s in range(n):
+                    o[h, i] += p[h, s] * vc[c0 + s, i]
+
+
+@njit(**_JIT)
+def _chunk(item, q, kc, vc, valid, start, rep, tops, sums, parts):
+    """Work item `item` = (sequence b, kv head g, key chunk c): for each of g's rep query heads,
+    the chunk's softmax top, numerator sum and unnormalized value sum (tops, sums [B, Hkv, n_chunk,
+    rep], parts [..., hd])."""
+    n_kv, n_chunk = tops.shape[1], tops.shape[2]
+    b, g, c = item // (n_kv * n_chunk), item // n_chunk % n_kv, item % n_chunk
+    c0 = c * CHUNK
+    n = min(CHUNK, start + 1 - c0)
+    sc = np.empty((rep, CHUNK + v.LANES), np.float32)  # [rep, keys]: scores, then softmax numerators
+    keep = np.empty(CHUNK + v.LANES, np.float32)
+    masked = _keep(valid[b], start, c0, n, keep)
+    _scores(q[b, g * rep:(g + 1) * rep], kc[b, g], c0, n, sc, keep, masked)
+    for r in range(rep):
+        tops[b, g, c, r], sums[b, g, c, r] = _weights(sc[r], keep, n)
+    _values(sc, vc[b, g], c0, n, parts[b, g, c])
+
+
+@njit(**_JIT)
+def _combine(tops, sums, parts, out):
+    """out [B, H hd]: each head's chunks joined (flash decoding): sums and value sums rescaled to
+    the largest top, in chunk order, then divided."""
+    B, n_kv, n_chunk, rep = tops.shape
+    hd = parts.shape[-1]
+    for b in range(B):
+        for g in range(n_kv):
+            for r in range(rep):
+                dst = out[b, (g * rep + r) * hd:(g * rep + r + 1) * hd]
+                if n_chunk == 1:  # one chunk (its own top): no rescaling
+                    inv = np.float32(1.0) / sums[b, g, 0, r]
+                    part = parts[b, g, 0, r]
+                    for i in range(hd):
+                        dst[i] = part[i] * inv
+                    continue
+                top = np.float32(-np.inf)
+                for c in range(n_chunk):
+                    top = max(top, tops[b, g, c, r])
+                total = np.float32(0.0)
+                dst[:] = np.float32(0.0)
+                for c in range(n_chunk):
+                    if tops[b, g, c, r] == np.float32(-np.inf):
+                        continue  # every key of the chunk masked: it adds nothing
+                    f = np.float32(np.exp(tops[b, g, c, r] - top))  # 1 for the top chunk
+                    total += f * sums[b, g, c, r]
+                    part = parts[b, g, c, r]
+                    for i in range(hd):
+                        dst[i] += f * part[i]
+                inv = np.float32(1.0) / total
+                for i in range(hd):
+                    dst[i] *= inv
+
+
+@njit(**_JIT)
+def _partials(qkv, n_head, n_kv, hd, start):
+    n_chunk = start // CHUNK + 1
+    shape = (qkv.shape[0], n_kv, n_chunk, n_head // n_kv)
+    return (np.empty((qkv.shape[0], n_head, hd), np.float32), np.empty(shape, np.float32),
+            np.empty(shape, np.float32), np.empty(shape + (hd,), np.float32))
 
 
 @njit(**_JIT)
 def _decode_attention(qkv, n_head, n_kv, hd, qn, kn, qk_norm, eps, cos, sin, style, kc, vc, valid, start, out):
-    q = np.empty((qkv.shape[0], n_head, hd), np.float32)  # [B, H, hd]
+    q, tops, sums, parts = _partials(qkv, n_head, n_kv, hd, start)  # [B, H, hd], [B, Hkv, chunks, rep] x2, [.., hd]
     _prepare(qkv, n_head, n_kv, hd, qn, kn, qk_norm, eps, cos, sin, style, kc, vc, start, q)
-    scale, rep = np.float32(1.0 / np.sqrt(hd)), n_head // n_kv
-    scores = np.empty(start + 1, np.float32)
-    for b in range(qkv.shape[0]):
-        for h in range(n_head):
-            _head(q[b, h], kc[b, h // rep], vc[b, h // rep], valid[b], start, scale, scores, out[b, h * hd:(h + 1) * hd])
+    for item in range(tops.shape[0] * tops.shape[1] * tops.shape[2]):
+        _chunk(item, q, kc, vc, valid, start, n_head // n_kv, tops, sums, parts)
+    _combine(tops, sums, parts, out)
 
 
 @njit(parallel=True, **_JIT)
 def _decode_attention_par(qkv, n_head, n_kv, hd, qn, kn, qk_norm, eps, cos, sin, style, kc, vc, valid, start, out):
-    q = np.empty((qkv.shape[0], n_head, hd), np.float32)  # [B, H, hd]
+    q, tops, sums, parts = _partials(qkv, n_head, n_kv, hd, start)
     _prepare(qkv, n_head, n_kv, hd, qn, kn, qk_norm, eps, cos, sin, style, kc, vc, start, q)
-    scale, rep, n = np.float32(1.0 / np.sqrt(hd)), n_head // n_kv, qkv.shape[0] * n_head
-    for j in prange(n):
-        b, h = j // n_head, j % n_head
-        scores = np.empty(start + 1, np.float32)
-        _head(q[b, h], kc[b, h // rep], vc[b, h // rep], valid[b], start, scale, scores, out[b, h * hd:(h + 1) * hd])
+    for item in prange(tops.shape[0] * tops.shape[1] * tops.shape[2]):
+        _chunk(item, q, kc, vc, valid, start, n_head // n_kv, tops, sums, parts)
+    _combine(tops, sums, parts, out)
 
 
 def decode_attention(qkv: np.ndarray, n_head: int, n_kv: int, hd: int, qn: np.ndarray, kn: np.ndarray,
@@ -182,8 +373,8 @@ def decode_attention(qkv: np.ndarray, n_head: int, n_kv: int, hd: int, qn: np.nd
     (this token's k and v are written at `start`), valid [B, C] bool (the cache's real tokens;
     a token always sees itself). q/k norm weights qn/kn ([hd] per head, [H hd] / [Hkv hd] over
     all heads, ignored with QK_NONE). Returns [B, H hd]: head h used kv head h // (H / Hkv)."""
-    if kc.strides[-1] != 4:
-        raise ValueError("the key cache's rows must be contiguous float32")
+    if kc.strides[-1] != 4 or vc.strides[-1] != 4:
+        raise ValueError("the key and value caches' rows must be contiguous float32")
     out = np.empty((qkv.shape[0], n_head * hd), np.float32)  # [B, H*hd]
     work = qkv.shape[0] * n_head * (start + 1) * hd
     run = _decode_attention_par if work >= PARALLEL_WORK else _decode_attention

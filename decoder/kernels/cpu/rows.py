@@ -383,7 +383,7 @@ _EXP_LO, _EXP_HI, _ONE = np.float32(-88.0), np.float32(89.0), np.float32(1.0)
 
 
 @njit(**_JIT)
-def _exp16(x):
+def exp16(x):
     """exp of 16 float32 lanes, within 3 ulp (x clamped to [-88, 89]: 0 below -88, inf from ~88.4,
     so silu(g) is -0.0 for g below -88.4, as with libm's expf). Explicit vector operations, no
     fast-math: each lane rounds the same whatever the lane or the caller (libm's expf is a call
@@ -403,8 +403,8 @@ def _act16(g, u, act):
     if act == ACT_SWIGLU_OAI:
         g = vmin(g, vsplat(_OAI_LIMIT))
         u = vmin(vmax(u, vsplat(-_OAI_LIMIT)), vsplat(_OAI_LIMIT))
-        return vmul(vdiv(g, vadd(vsplat(_ONE), _exp16(vmul(vsplat(-_OAI_ALPHA), g)))), vadd(u, vsplat(_ONE)))
-    return vmul(vdiv(g, vadd(vsplat(_ONE), _exp16(vsub(vz(), g)))), u)
+        return vmul(vdiv(g, vadd(vsplat(_ONE), exp16(vmul(vsplat(-_OAI_ALPHA), g)))), vadd(u, vsplat(_ONE)))
+    return vmul(vdiv(g, vadd(vsplat(_ONE), exp16(vsub(vz(), g)))), u)
 
 
 @njit(**_JIT)

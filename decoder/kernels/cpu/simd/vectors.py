@@ -152,6 +152,19 @@ def f16_at(typingctx, p, off):
 
 
 @intrinsic
+def f32_at(typingctx, p, off):
+    """The float32 at address p + off (byte offset)."""
+    if not _ints(p, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        q = builder.bitcast(_ptr(builder, args[0], args[1], _I8), _F32.as_pointer())
+        return builder.load(q, align=4)
+
+    return types.float32(p, off), codegen
+
+
+@intrinsic
 def ld_i32(typingctx, p, off):
     """The 16 int32 at address p + off (byte offset)."""
     if not _ints(p, off):
@@ -252,6 +265,34 @@ def hsum(typingctx, a):
         return _tree(builder, args[0], builder.fadd)
 
     return types.float32(a), codegen
+
+
+@intrinsic
+def st_hsum4(typingctx, p, idx, a, b, c, d):
+    """Store the lane sums of a, b, c, d as 4 float32 at address p, elements idx .. idx + 3: each
+    summed in hsum's tree (the same bits), the four trees interleaved in shared shuffles."""
+    if not _ints(p, idx) or not (a == b == c == d == vecf):
+        return None
+
+    def codegen(context, builder, sig, args):
+        def pick(x, y, lanes):
+            return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(_I32, len(lanes)), lanes))
+
+        def halves(x, y, lo, hi):
+            return builder.fadd(pick(x, y, lo), pick(x, y, hi))
+
+        a, b, c, d = args[2:]
+        low, high = list(range(8)) + list(range(16, 24)), list(range(8, 16)) + list(range(24, 32))
+        ab, cd = halves(a, b, low, high), halves(c, d, low, high)  # each tree's first step: 8 lanes each
+        quads = [q + i for q in (0, 8, 16, 24) for i in range(4)]
+        s = halves(ab, cd, quads, [i + 4 for i in quads])  # 4 lanes each
+        pairs = [q + i for q in (0, 4, 8, 12) for i in range(2)]
+        s = halves(s, s, pairs, [i + 2 for i in pairs])  # 2 lanes each
+        s = halves(s, s, [0, 2, 4, 6], [1, 3, 5, 7])  # the 4 sums
+        _store(builder, _ptr(builder, args[0], args[1], _F32), s)
+        return context.get_dummy_value()
+
+    return types.void(p, idx, a, b, c, d), codegen
 
 
 def _float_call(name: str, n_args: int):
