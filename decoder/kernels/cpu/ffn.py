@@ -80,8 +80,11 @@ DENSE_MIN_ROWS = 28
 
 # Weight bytes below which a kernel call runs on the calling thread alone (a one-thread region,
 # no pool thread woken): waking the pool costs ~10 us idle and a scheduler time slice when a
-# peer thread's core is busy; a 256 KB Q8_0 matrix takes ~25 us on one thread here.
-SERIAL_BYTES = 384 << 10
+# peer thread's core is busy (where the decode step's thread tuner then picks one thread); a 96
+# KB matrix takes ~10 us on one thread here. Q1_0's q/k/v (221 KB) and output (147 KB) of a
+# 1024-wide layer: 30 -> 17 us on two threads; `bench decode --neighbour` idle 150.5 -> 165.8
+# tok/s with 384 KB -> 96 KB, beside a busy process 92.5 and 92.2 (Intel VM, 2 cores).
+SERIAL_BYTES = 96 << 10
 
 # int8 activations for the INT_TYPES' fused kernels (as llama.cpp: its CPU dots quantize the
 # activations to Q8_0 / Q8_K): on by default where the CPU has an integer dot that keeps them at
