@@ -29,6 +29,7 @@ from numba import njit, prange
 from . import rows_base  # noqa: F401  (first: the cache stamp covers simd/vectors.py, inlined here)
 from .rows import exp16
 from .simd import vectors as v
+from .simd.integer import prefetch_lines
 
 _JIT = {"cache": True, "nogil": True}
 
@@ -288,6 +289,18 @@ def _values(p, vc, c0, n, o):
 
 
 @njit(**_JIT)
+def _prefetch_chunk(item, kc, vc, start, n_kv, n_chunk):
+    """Ask for the cache lines of work item `item`'s keys and values: they arrive while this item
+    computes (a chunk's rows are contiguous; without it every chunk began with a memory wait)."""
+    b, g, c = item // (n_kv * n_chunk), item // n_chunk % n_kv, item % n_chunk
+    c0 = c * CHUNK
+    n = min(CHUNK, start + 1 - c0)
+    row = kc.strides[2]
+    prefetch_lines(v.addr(kc[b, g]), np.int64(c0) * row, n * row)
+    prefetch_lines(v.addr(vc[b, g]), np.int64(c0) * vc.strides[2], (n - 1) * vc.strides[2] + vc.shape[3] * 4)
+
+
+@njit(**_JIT)
 def _chunk(item, q, kc, vc, valid, start, rep, tops, sums, parts):
     """Work item `item` = (sequence b, kv head g, key chunk c): for each of g's rep query heads,
     the chunk's softmax top, numerator sum and unnormalized value sum (tops, sums [B, Hkv, n_chunk,
@@ -296,6 +309,8 @@ def _chunk(item, q, kc, vc, valid, start, rep, tops, sums, parts):
     b, g, c = item // (n_kv * n_chunk), item // n_chunk % n_kv, item % n_chunk
     c0 = c * CHUNK
     n = min(CHUNK, start + 1 - c0)
+    if item + 1 < tops.shape[0] * n_kv * n_chunk:  # the next item's keys and values (the same thread's, mostly)
+        _prefetch_chunk(item + 1, kc, vc, start, n_kv, n_chunk)
     sc = np.empty((rep, CHUNK + v.LANES), np.float32)  # [rep, keys]: scores, then softmax numerators
     keep = np.empty(CHUNK + v.LANES, np.float32)
     masked = _keep(valid[b], start, c0, n, keep)
