@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, help="sampling seed (default 0)")
     ap.add_argument("--device", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     ap.add_argument("--dtype", help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16")
+    ap.add_argument("--kv-dtype", dest="kv_dtype",
+                    help="the KV cache's: auto (= --dtype), float16 (half the memory and the reads of a long "
+                         "context, llama.cpp's default; rounds keys and values to 11 bits), float32, bfloat16 (cuda)")
     cache = ap.add_mutually_exclusive_group()
     cache.add_argument("--slots", type=int, help="device slot cache size in experts (streamed, raw format)")
     cache.add_argument("--cache-bytes", dest="cache_bytes",
@@ -304,7 +307,7 @@ def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
     check_context(ids, cfg.max_new_tokens, layout.hparams.context_length)
     t0 = time.perf_counter()
     model = load_model(layout, cfg.torch_device, cfg.torch_dtype, progress=cfg.progress,
-                       keep_quantized=cfg.resolved_slot_format == "quant")
+                       keep_quantized=cfg.resolved_slot_format == "quant", kv_dtype=cfg.torch_kv_dtype)
     backend = open_resident(cfg, layout) if cfg.resident else open_streamed(cfg, layout)
     if cfg.resolved_slot_format == "quant":  # CPU kernels: what they no longer need goes before the cap feels it
         from .footprint import trim

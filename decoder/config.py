@@ -34,6 +34,7 @@ class DecoderConfig:
     resident: bool = False  # every expert in process, no daemon
     device: str = "auto"  # auto -> cuda if available, else cpu
     dtype: str = "auto"  # auto -> bfloat16 on cuda, float32 on cpu
+    kv_dtype: str = "auto"  # the KV cache's: auto -> dtype; float16 halves it (the CPU attention reads it as it is)
     slots: int | None = None  # device slot cache size, in experts (streamed, raw slots)
     cache_bytes: int | None = None  # ... or in bytes
     slot_format: str = "auto"  # auto -> raw on cuda, quant on cpu
@@ -61,6 +62,11 @@ class DecoderConfig:
         self._check_numbers()
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_dtype != "auto" and self.kv_dtype not in DTYPES:
+            raise ConfigError(f"kv_dtype must be auto or one of {', '.join(DTYPES)}, got {self.kv_dtype!r}")
+        if self.torch_device.type == "cpu" and self.torch_kv_dtype == torch.bfloat16:
+            raise ConfigError("a bfloat16 KV cache is for CUDA; on a CPU use float16 (half the memory of "
+                              "float32) or float32")
         if self.prefetch_at not in (None, "layer", "attention"):
             raise ConfigError(f"prefetch_at must be layer or attention, got {self.prefetch_at!r}")
         if self.slot_format not in SLOT_FORMATS:
@@ -124,6 +130,10 @@ class DecoderConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return self.torch_dtype if self.kv_dtype == "auto" else DTYPES[self.kv_dtype]
 
     @property
     def resolved_slot_format(self) -> str:

@@ -44,12 +44,16 @@ def get_model_module(arch: str) -> ModuleType:
 
 
 def load_model(layout: ModelLayout, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               progress: bool = False, keep_quantized: bool = False, bank: ExpertBank | None = None) -> MoEModel:
+               progress: bool = False, keep_quantized: bool = False, bank: ExpertBank | None = None,
+               kv_dtype: torch.dtype | None = None) -> MoEModel:
     """The architecture's `Model` with every dense weight of `layout` materialized on `device`
     (2-D quantized ones kept as their blocks with `keep_quantized`, on a CPU), computing its
-    experts with `bank` (without one: weights only, until `model.with_bank(bank)`)."""
+    experts with `bank` (without one: weights only, until `model.with_bank(bank)`); its KV caches
+    in `kv_dtype` (default: `dtype`)."""
     from .weights import load_dense
 
     dense = load_dense(layout, device, dtype or torch.float32, progress, keep_quantized)
     model = get_model_module(layout.hparams.arch).Model(layout.hparams, dense)
+    if kv_dtype is not None:
+        model.kv_dtype = kv_dtype
     return model if bank is None else model.with_bank(bank)

@@ -131,11 +131,21 @@ class KVCache:
 
     def arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Layer's k, v [B, Hkv, C, hd] and valid [B, C] as numpy views of the same memory (CPU
-        tensors, updated in place, never replaced): made once, not on every decode step."""
+        tensors, updated in place, never replaced): made once, not on every decode step. A
+        float16 cache comes as its int16 bits (what the compiled attention reads)."""
         got = self._arrays.get(layer)
         if got is None:
-            got = self._arrays[layer] = (self.k[layer].numpy(), self.v[layer].numpy(), self.valid.numpy())
+            got = self._arrays[layer] = (_bits(self.k[layer]), _bits(self.v[layer]), self.valid.numpy())
         return got
+
+    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a step's k, v [B, Hkv, T, hd] at `start`; the layer's keys and values so far
+        [B, Hkv, start + T, hd] in k's dtype (converted where the cache keeps another, e.g. float16)."""
+        T = k.shape[2]
+        self.k[layer][:, :, start:start + T] = k
+        self.v[layer][:, :, start:start + T] = v
+        keys, vals = self.k[layer][:, :, :start + T], self.v[layer][:, :, :start + T]
+        return keys.to(k.dtype), vals.to(v.dtype)
 
     def advance(self, valid: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Reserve T entries for tokens with mask `valid` [B, T]; return their positions [B, T] and start."""
@@ -148,6 +158,10 @@ class KVCache:
         self.next_pos += valid.long().sum(1)
         self.length += T
         return positions.clamp(min=0), start
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int16).numpy() if t.dtype == torch.float16 else t.numpy()
 
 
 def attention_mask(cache: KVCache, start: int, T: int) -> torch.Tensor:
@@ -246,10 +260,7 @@ def attention(x: torch.Tensor, w: Weights, a: AttnShape, layer: int, cache: KVCa
     B, T, start = x.shape[0] // st.T, st.T, st.start
     q, k, v = _qkv(x, w, a, B, T)
     q, k = apply_rope(q, st.cos, st.sin, a.rope), apply_rope(k, st.cos, st.sin, a.rope)  # [B, H(kv), T, hd]
-    cache.k[layer][:, :, start:start + T] = k
-    cache.v[layer][:, :, start:start + T] = v
-    keys = cache.k[layer][:, :, :start + T]  # [B, Hkv, S, hd]
-    vals = cache.v[layer][:, :, :start + T]  # [B, Hkv, S, hd]
+    keys, vals = cache.store(layer, start, k, v)  # [B, Hkv, S, hd] x2
     q = q.reshape(B, a.n_head_kv, -1, a.head_dim)  # [B, Hkv, rep*T, hd]; head h uses kv head h // rep
     out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=st.mask)  # [B, Hkv, rep*T, hd]
     # reshape, not view: the kernel SDPA picks decides the output's strides (CUDA float32's is not

@@ -102,6 +102,7 @@ class MoETransformer:
                               self.spec.qk_norm, self.spec.rope)
         self._route = ROUTING[self.spec.routing]
         self.device, self.dtype = self.norm.device, self.norm.dtype
+        self.kv_dtype = self.dtype  # the KV cache's (`load_model(kv_dtype=)`: float16 halves it)
 
     def with_bank(self, bank: ExpertBank) -> "MoETransformer":
         """This model's weights (shared, not copied) over `bank`: the bank a model object has is
@@ -114,7 +115,7 @@ class MoETransformer:
         """Attention state for `batch` sequences of up to `capacity` tokens (a family with other
         state — a latent KV, a recurrent state — returns its own cache type)."""
         hp = self.hparams
-        return KVCache.empty(hp.n_layer, batch, hp.n_head_kv, hp.head_dim, capacity, self.device, self.dtype)
+        return KVCache.empty(hp.n_layer, batch, hp.n_head_kv, hp.head_dim, capacity, self.device, self.kv_dtype)
 
     def prepare(self, cache: KVCache, valid: torch.Tensor) -> StepAttn:
         """Reserve this step's tokens (valid [B, T]) in `cache`; what every layer's `attend` shares

@@ -26,6 +26,7 @@ class ServeConfig:
     max_model_len: int | None = None  # prompt + completion limit; default: the model's context length
     device: str = "auto"
     dtype: str = "auto"
+    kv_dtype: str = "auto"  # the KV cache's (auto: dtype; float16 halves it)
     prefetch: int = 1  # router look-ahead layers for streamed experts (0 = off)
     fetch_timeout_s: float = 60.0
     metrics_port: int | None = None  # also serve /metrics alone on this loopback port
@@ -72,7 +73,7 @@ class ServeConfig:
         """The expert-source options in `generate`'s terms, to open the source the same way
         (its prompt fields are required there and unused here)."""
         return DecoderConfig(model=self.model, prompt_ids=[[0]], iod=self.iod, resident=self.resident,
-                             device=self.device, dtype=self.dtype, prefetch=self.prefetch,
+                             device=self.device, dtype=self.dtype, kv_dtype=self.kv_dtype, prefetch=self.prefetch,
                              fetch_timeout_s=self.fetch_timeout_s, progress=self.progress, threads=self.threads)
 
 
@@ -85,6 +86,9 @@ def add_source_args(ap: argparse.ArgumentParser) -> None:
     src.add_argument("--resident", action="store_true", help="load every expert in process (no daemon)")
     ap.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     ap.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    ap.add_argument("--kv-dtype", dest="kv_dtype", default="auto",
+                    help="the KV cache's: auto (= --dtype), float16 (half the memory and reads of long contexts), "
+                         "float32, bfloat16 (cuda)")
     ap.add_argument("--prefetch", type=int, default=1, help="router look-ahead layers for streamed experts (0 = off)")
     ap.add_argument("--max-model-len", type=int, dest="max_model_len",
                     help="limit on prompt + completion tokens (default: the model's context length)")

@@ -352,7 +352,7 @@ def open_parts(cfg: ServeConfig, layout: ModelLayout, stop_ids: frozenset[int],
     dc = cfg.decoder_config()
     use_threads(dc.threads)  # this (the engine) thread's compute
     model = load_model(layout, dc.torch_device, dc.torch_dtype, progress=dc.progress,
-                       keep_quantized=dc.resolved_slot_format == "quant")
+                       keep_quantized=dc.resolved_slot_format == "quant", kv_dtype=dc.torch_kv_dtype)
     backend = open_resident(dc, layout) if dc.resident else open_streamed(dc, layout, name)
     model = model.with_bank(ExpertBank(backend))
     blob_bytes = [layout.experts.blob_bytes(i) for i in range(layout.hparams.n_layer)]

@@ -41,15 +41,18 @@ SHAPES = [L.AttnShape(4, 2, 16, 10000.0, 1e-6, "head", "neox"),
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("a", SHAPES, ids=["gqa-head-neox", "mha-none-norm", "gqa-full-partial", "gqa-hd40"])
-def test_decode_attention_matches_torch(a: L.AttnShape) -> None:
+def test_decode_attention_matches_torch(a: L.AttnShape, kv: torch.dtype) -> None:
     """Token by token after a left-padded prompt, the compiled step and torch's ops from the same
-    cache: same outputs (1e-5), same keys and values written."""
+    cache (float32, or float16: a key may round to the next float16 from one path's float32
+    rounding): same outputs (1e-5; 2e-3 with float16), same keys and values written."""
     g = torch.Generator().manual_seed(1)
     w, B, T0, steps = _weights(a, g), 3, 5, 4
+    tol = 1e-5 if kv == torch.float32 else 2e-3
     valid = torch.ones(B, T0, dtype=torch.bool)
     valid[1, :3] = False  # a left-padded prompt
-    caches = [L.KVCache.empty(1, B, a.n_head_kv, a.head_dim, T0 + steps, torch.device("cpu"), torch.float32)
+    caches = [L.KVCache.empty(1, B, a.n_head_kv, a.head_dim, T0 + steps, torch.device("cpu"), kv)
               for _ in range(2)]
     for t in range(T0 + steps):
         step_valid = valid[:, t:t + 1] if t < T0 else torch.tensor([[True], [True], [t % 2 == 0]])  # one finished
@@ -60,9 +63,9 @@ def test_decode_attention_matches_torch(a: L.AttnShape) -> None:
             st = L.step_attn(a, cache, positions, start)
             assert st.rope_rows is not None
             outs.append(L.attention(x, w, a, 0, cache, st if fast else replace(st, rope_rows=None)))
-        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(caches[0].k[0], caches[1].k[0], rtol=1e-6, atol=1e-6)
-    assert torch.equal(caches[0].v[0], caches[1].v[0])
+        torch.testing.assert_close(outs[0], outs[1], rtol=tol, atol=tol)
+    torch.testing.assert_close(caches[0].k[0], caches[1].k[0], rtol=tol / 10, atol=tol / 10)
+    assert caches[0].k[0].dtype == kv and torch.equal(caches[0].v[0], caches[1].v[0])
 
 
 @pytest.mark.parametrize("hd", [16, 40])
@@ -92,10 +95,12 @@ def test_decode_attention_rows_and_threads_do_not_change_bits(hd: int) -> None:
 LONG = 2 * att.CHUNK + 37  # a cache index past two whole chunks, the last one part full
 
 
-def _attend(H: int, Hkv: int, hd: int, start: int, rows: list[int], fn=None, same_q: bool = False) -> tuple:
+def _attend(H: int, Hkv: int, hd: int, start: int, rows: list[int], fn=None, same_q: bool = False,
+            kv: type = np.float32) -> tuple:
     """Random q/k/v rows and caches of 3 sequences (the second's first chunk and a bit all pads,
     the others with scattered pads), no q/k norm and no rotation; the kernel's output for `rows`,
-    and the caches and mask it saw."""
+    and the caches (as float32) and mask it saw. kv=np.float16: the caches in float16, passed as
+    their int16 bits."""
     rng = np.random.default_rng(3)
     C = start + 1
     qkv = rng.standard_normal((3, (H + 2 * Hkv) * hd)).astype(np.float32)  # [B, (H + 2 Hkv) hd]
@@ -105,24 +110,27 @@ def _attend(H: int, Hkv: int, hd: int, start: int, rows: list[int], fn=None, sam
     valid = rng.random((3, C)) < 0.8
     valid[1, :att.CHUNK + 5] = False
     cos, sin = np.ones((3, hd), np.float32), np.zeros((3, hd), np.float32)
-    k, v = kc[rows].copy(), vc[rows].copy()
+    k, v = kc[rows].astype(kv), vc[rows].astype(kv)
+    bits = (k.view(np.int16), v.view(np.int16)) if kv == np.float16 else (k, v)
     out = np.empty((len(rows), H * hd), np.float32)
     (fn or att._decode_attention)(qkv[rows], H, Hkv, hd, np.ones(1, np.float32), np.ones(1, np.float32),
-                                  att.QK_NONE, 1e-6, cos[rows], sin[rows], att.ROPE_NEOX, k, v, valid[rows], start,
+                                  att.QK_NONE, 1e-6, cos[rows], sin[rows], att.ROPE_NEOX, *bits, valid[rows], start,
                                   out)
-    return out, qkv[rows], k, v, valid[rows]
+    return out, qkv[rows], k.astype(np.float32), v.astype(np.float32), valid[rows]
 
 
+@pytest.mark.parametrize("kv", [np.float32, np.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("H,Hkv,hd", [(8, 2, 64), (6, 2, 40), (4, 4, 16), (10, 2, 32)],
                          ids=["rep4-hd64", "rep3-hd40", "mha-hd16", "rep5-hd32"])
-def test_decode_attention_over_chunks_matches_float64(H: int, Hkv: int, hd: int) -> None:
+def test_decode_attention_over_chunks_matches_float64(H: int, Hkv: int, hd: int, kv: type) -> None:
     """A context of several key chunks (one all pads): each head's softmax over every real key,
-    joined from the chunks, against float64 numpy on the same caches; this token's k and v written."""
-    out, qkv, k, v, valid = _attend(H, Hkv, hd, LONG, [0, 1, 2])
+    joined from the chunks, against float64 numpy on the same caches (float32 or float16); this
+    token's k and v written, rounded to the cache's type as numpy rounds."""
+    out, qkv, k, v, valid = _attend(H, Hkv, hd, LONG, [0, 1, 2], kv=kv)
     rep, nq, nk = H // Hkv, H * hd, Hkv * hd
     for b in range(3):
-        np.testing.assert_array_equal(k[b, :, LONG], qkv[b, nq:nq + nk].reshape(Hkv, hd))
-        np.testing.assert_array_equal(v[b, :, LONG], qkv[b, nq + nk:].reshape(Hkv, hd))
+        np.testing.assert_array_equal(k[b, :, LONG], qkv[b, nq:nq + nk].reshape(Hkv, hd).astype(kv))
+        np.testing.assert_array_equal(v[b, :, LONG], qkv[b, nq + nk:].reshape(Hkv, hd).astype(kv))
         seen = valid[b].copy()
         seen[LONG] = True
         for h in range(H):
@@ -134,14 +142,16 @@ def test_decode_attention_over_chunks_matches_float64(H: int, Hkv: int, hd: int)
             np.testing.assert_allclose(out[b, h * hd:(h + 1) * hd], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv", [np.float32, np.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("H,Hkv,hd", [(8, 2, 64), (6, 1, 40)], ids=["rep4", "rep6-hd40"])  # rep6: 4 + 2
-def test_decode_attention_over_chunks_same_bits_every_way(H: int, Hkv: int, hd: int) -> None:
+def test_decode_attention_over_chunks_same_bits_every_way(H: int, Hkv: int, hd: int, kv: type) -> None:
     """Over several chunks: serial or parallel, alone or in a batch, a head in a block of four or
     alone (every head asking the same q): the same bits."""
-    batch = _attend(H, Hkv, hd, LONG, [0, 1, 2], same_q=True)[0]
-    assert np.array_equal(_attend(H, Hkv, hd, LONG, [0, 1, 2], att._decode_attention_par, same_q=True)[0], batch)
+    batch = _attend(H, Hkv, hd, LONG, [0, 1, 2], same_q=True, kv=kv)[0]
+    assert np.array_equal(_attend(H, Hkv, hd, LONG, [0, 1, 2], att._decode_attention_par, same_q=True, kv=kv)[0],
+                          batch)
     for b in range(3):
-        assert np.array_equal(_attend(H, Hkv, hd, LONG, [b], same_q=True)[0][0], batch[b])
+        assert np.array_equal(_attend(H, Hkv, hd, LONG, [b], same_q=True, kv=kv)[0][0], batch[b])
     heads, rep = batch.reshape(3, H, hd), H // Hkv
     for h in range(H):  # the heads of one kv head see the same keys
         assert np.array_equal(heads[:, h], heads[:, h - h % rep])

@@ -112,6 +112,9 @@ def test_cli_resident(tiny_model, capsys):
     (["--model", "MODEL", "--resident"], "no prompt given"),
     (["--model", "MODEL", "--resident", "--prompt", "x", "--top-p", "2"], "top_p"),
     (["--model", "MODEL", "--resident", "--prompt", "x", "--device", "cuda:7"], "cuda"),
+    (["--model", "MODEL", "--resident", "--prompt", "x", "--kv-dtype", "int8"], "kv_dtype must be auto or one of"),
+    (["--model", "MODEL", "--resident", "--prompt", "x", "--device", "cpu", "--kv-dtype", "bfloat16"],
+     "a bfloat16 KV cache is for CUDA"),
 ])
 def test_cli_errors_are_one_line(tiny_model, capsys, args, message):
     if "cuda" in message and torch.cuda.is_available():
@@ -180,3 +183,19 @@ def test_config_toml_then_cli(tmp_path, tiny_model):
         DecoderConfig.build(toml)
     with pytest.raises(ConfigError, match="slots must be an integer >= 1"):
         DecoderConfig(model="m", resident=True, prompts=["a"], slots=0)
+
+
+def test_float16_kv_cache_decodes_close_to_float32(tiny_model):
+    """--kv-dtype float16: the caches hold float16 (half the bytes), prefill (torch) and decode steps
+    (the compiled attention) read them, and the logits stay within float16's rounding of float32's."""
+    layout = ModelLayout(tiny_model)
+    experts = ResidentExperts(layout)
+    logits = {}
+    for kv in (torch.float32, torch.float16):
+        model = load_model(layout, kv_dtype=kv).with_bank(ExpertBank(experts))
+        assert model.new_cache(1, 4).k[0].dtype == kv
+        res = generate(model, [PROMPTS[0]], 12, keep_logits=True)
+        logits[kv] = torch.stack(res.logits)  # [steps, 1, V]
+    diff = (logits[torch.float16] - logits[torch.float32]).abs().max().item()
+    scale = logits[torch.float32].abs().max().item()
+    assert 0 < diff <= 2e-2 * scale, (diff, scale)

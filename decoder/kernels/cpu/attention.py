@@ -93,7 +93,8 @@ def _rope(v, cos, sin, style):
 @njit(**_JIT)
 def _prepare(qkv, n_head, n_kv, hd, qn, kn, qk_norm, eps, cos, sin, style, kc, vc, start, q):
     """Sequence rows of qkv [B, (H + 2 Hkv) hd]: q [B, H, hd] normed and roped; k normed and
-    roped, then k and v written to the caches kc, vc [B, Hkv, C, hd] at index `start`."""
+    roped, then k and v written to the caches kc, vc [B, Hkv, C, hd] (float32, or float16 as int16
+    bits) at index `start`."""
     nq, nk = n_head * hd, n_kv * hd
     for b in range(qkv.shape[0]):
         qs, ks = qkv[b, :nq].copy(), qkv[b, nq:nq + nk].copy()
@@ -101,45 +102,47 @@ def _prepare(qkv, n_head, n_kv, hd, qn, kn, qk_norm, eps, cos, sin, style, kc, v
             _norm_in_place(qs, qn, eps)
             _norm_in_place(ks, kn, eps)
         for h in range(n_head):
-            v = qs[h * hd:(h + 1) * hd]
+            x = qs[h * hd:(h + 1) * hd]
             if qk_norm == QK_HEAD:
-                _norm_in_place(v, qn, eps)
-            _rope(v, cos[b], sin[b], style)
-            q[b, h] = v
+                _norm_in_place(x, qn, eps)
+            _rope(x, cos[b], sin[b], style)
+            q[b, h] = x
         for g in range(n_kv):
-            v = ks[g * hd:(g + 1) * hd]
+            x = ks[g * hd:(g + 1) * hd]
             if qk_norm == QK_HEAD:
-                _norm_in_place(v, kn, eps)
-            _rope(v, cos[b], sin[b], style)
-            kc[b, g, start] = v
-            vc[b, g, start] = qkv[b, nq + nk + g * hd:nq + nk + (g + 1) * hd]
+                _norm_in_place(x, kn, eps)
+            _rope(x, cos[b], sin[b], style)
+            ka, va, v0 = v.addr(kc[b, g, start]), v.addr(vc[b, g, start]), nq + nk + g * hd
+            for i in range(hd):
+                v.set_row(kc, ka, i, x[i])
+                v.set_row(vc, va, i, qkv[b, v0 + i])
 
 
 @njit(**_JIT)
-def _dots4(qa, ka, row, end, sa, s):
+def _dots4(kc, qa, ka, row, end, sa, s):
     """sa[s .. s + 3] = q . k for the 4 keys at ka, ka + row, ... over the first `end` (a multiple
     of 16) float32: per key 16 lanes of fused multiply-adds summed in hsum's tree (explicit
     vectors, so the same bits whatever code it is compiled into, and as one key at a time)."""
     a0, a1, a2, a3 = v.zero(), v.zero(), v.zero(), v.zero()
     for i in range(0, end, v.LANES):
         qv = v.ld_f32(qa, i)
-        a0 = v.fma(qv, v.ld_f32(ka, i), a0)
-        a1 = v.fma(qv, v.ld_f32(ka + row, i), a1)
-        a2 = v.fma(qv, v.ld_f32(ka + 2 * row, i), a2)
-        a3 = v.fma(qv, v.ld_f32(ka + 3 * row, i), a3)
+        a0 = v.fma(qv, v.ld_row(kc, ka, i), a0)
+        a1 = v.fma(qv, v.ld_row(kc, ka + row, i), a1)
+        a2 = v.fma(qv, v.ld_row(kc, ka + 2 * row, i), a2)
+        a3 = v.fma(qv, v.ld_row(kc, ka + 3 * row, i), a3)
     v.st_hsum4(sa, s, a0, a1, a2, a3)
 
 
 @njit(**_JIT)
-def _dot(qa, ka, end):
+def _dot(kc, qa, ka, end):
     acc = v.zero()
     for i in range(0, end, v.LANES):
-        acc = v.fma(v.ld_f32(qa, i), v.ld_f32(ka, i), acc)
+        acc = v.fma(v.ld_f32(qa, i), v.ld_row(kc, ka, i), acc)
     return v.hsum(acc)
 
 
 @njit(**_JIT)
-def _dots4x4(qa, qrow, ka, row, end, sa, srow, s):
+def _dots4x4(kc, qa, qrow, ka, row, end, sa, srow, s):
     """_dots4 for 4 query heads at once (q rows qa, qa + qrow, ...; their scores at sa, sa + srow,
     ...): 16 chains over the 4 heads x 4 keys, 8 loads per 16 fused multiply-adds (one head at a
     time is 5 per 4). Each score's chain and tree are _dots4's: the same bits."""
@@ -148,7 +151,7 @@ def _dots4x4(qa, qrow, ka, row, end, sa, srow, s):
     a20, a21, a22, a23, a30, a31, a32, a33 = z, z, z, z, z, z, z, z
     for i in range(0, end, v.LANES):
         q0, q1, q2, q3 = v.ld_f32(qa, i), v.ld_f32(qa + qrow, i), v.ld_f32(qa + 2 * qrow, i), v.ld_f32(qa + 3 * qrow, i)
-        k0, k1, k2, k3 = v.ld_f32(ka, i), v.ld_f32(ka + row, i), v.ld_f32(ka + 2 * row, i), v.ld_f32(ka + 3 * row, i)
+        k0, k1, k2, k3 = v.ld_row(kc, ka, i), v.ld_row(kc, ka + row, i), v.ld_row(kc, ka + 2 * row, i), v.ld_row(kc, ka + 3 * row, i)
         a00, a01, a02, a03 = v.fma(q0, k0, a00), v.fma(q0, k1, a01), v.fma(q0, k2, a02), v.fma(q0, k3, a03)
         a10, a11, a12, a13 = v.fma(q1, k0, a10), v.fma(q1, k1, a11), v.fma(q1, k2, a12), v.fma(q1, k3, a13)
         a20, a21, a22, a23 = v.fma(q2, k0, a20), v.fma(q2, k1, a21), v.fma(q2, k2, a22), v.fma(q2, k3, a23)
@@ -185,21 +188,21 @@ def _scores(q, kc, c0, n, sc, keep, masked):
     while h + 4 <= heads:
         s = 0
         while s + 4 <= n:
-            _dots4x4(qa + h * qrow, qrow, ka + s * row, row, vec_end, sa + h * srow, srow, s)
+            _dots4x4(kc, qa + h * qrow, qrow, ka + s * row, row, vec_end, sa + h * srow, srow, s)
             s += 4
         h += 4
     for h in range(heads - heads % 4, heads):
         s = 0
         while s + 4 <= n:
-            _dots4(qa + h * qrow, ka + s * row, row, vec_end, sa + h * srow, s)
+            _dots4(kc, qa + h * qrow, ka + s * row, row, vec_end, sa + h * srow, s)
             s += 4
     for h in range(heads):
         for s in range(n - n % 4, n):
-            sc[h, s] = _dot(qa + h * qrow, ka + s * row, vec_end)
+            sc[h, s] = _dot(kc, qa + h * qrow, ka + s * row, vec_end)
         if vec_end < hd:  # head dims past the last 16
             for s in range(n):
                 for i in range(vec_end, hd):
-                    sc[h, s] += q[h, i] * kc[c0 + s, i]
+                    sc[h, s] += q[h, i] * v.row_at(kc, ka + s * row, i)
         scale = np.float32(1.0 / np.sqrt(hd))
         for s in range(sc.shape[1]):
             seen = s < n and not (masked and keep[s] == np.float32(0.0))
@@ -226,7 +229,7 @@ def _weights(sc, keep, n):
 
 
 @njit(**_JIT)
-def _values4(pa, prow, va, row, end, oa, orow):
+def _values4(vc, pa, prow, va, row, end, oa, orow):
     """o[h] += p[h, s] * v[s] for 4 heads (p at pa, pa + prow, ...; o at oa, oa + orow, ...) and
     the 4 keys at va, va + row, ...: per head the keys' fused multiply-adds in key order, as
     _values does one head at a time (the same bits), 8 loads per 16."""
@@ -238,7 +241,7 @@ def _values4(pa, prow, va, row, end, oa, orow):
     pb += prow
     p30, p31, p32, p33 = v.splat(v.f32_at(pb, 0)), v.splat(v.f32_at(pb, 4)), v.splat(v.f32_at(pb, 8)), v.splat(v.f32_at(pb, 12))
     for i in range(0, end, v.LANES):
-        v0, v1, v2, v3 = v.ld_f32(va, i), v.ld_f32(va + row, i), v.ld_f32(va + 2 * row, i), v.ld_f32(va + 3 * row, i)
+        v0, v1, v2, v3 = v.ld_row(vc, va, i), v.ld_row(vc, va + row, i), v.ld_row(vc, va + 2 * row, i), v.ld_row(vc, va + 3 * row, i)
         o = v.ld_f32(oa, i)
         v.st_f32(oa, i, v.fma(p03, v3, v.fma(p02, v2, v.fma(p01, v1, v.fma(p00, v0, o)))))
         o = v.ld_f32(oa + orow, i)
@@ -250,19 +253,19 @@ def _values4(pa, prow, va, row, end, oa, orow):
 
 
 @njit(**_JIT)
-def _values1(pa, va, row, end, oa, keys):
+def _values1(vc, pa, va, row, end, oa, keys):
     """o += p[s] * v[s] for one head and `keys` (1 to 4) keys, in key order."""
     if keys == 4:
         p0, p1 = v.splat(v.f32_at(pa, 0)), v.splat(v.f32_at(pa, 4))
         p2, p3 = v.splat(v.f32_at(pa, 8)), v.splat(v.f32_at(pa, 12))
         for i in range(0, end, v.LANES):
-            o = v.fma(p1, v.ld_f32(va + row, i), v.fma(p0, v.ld_f32(va, i), v.ld_f32(oa, i)))
-            v.st_f32(oa, i, v.fma(p3, v.ld_f32(va + 3 * row, i), v.fma(p2, v.ld_f32(va + 2 * row, i), o)))
+            o = v.fma(p1, v.ld_row(vc, va + row, i), v.fma(p0, v.ld_row(vc, va, i), v.ld_f32(oa, i)))
+            v.st_f32(oa, i, v.fma(p3, v.ld_row(vc, va + 3 * row, i), v.fma(p2, v.ld_row(vc, va + 2 * row, i), o)))
         return
     for k in range(keys):
         ps, ks = v.splat(v.f32_at(pa, 4 * k)), va + k * row
         for i in range(0, end, v.LANES):
-            v.st_f32(oa, i, v.fma(ps, v.ld_f32(ks, i), v.ld_f32(oa, i)))
+            v.st_f32(oa, i, v.fma(ps, v.ld_row(vc, ks, i), v.ld_f32(oa, i)))
 
 
 @njit(**_JIT)
@@ -277,15 +280,15 @@ def _values(p, vc, c0, n, o):
     for s in range(0, n, 4):
         keys, h = min(4, n - s), 0
         while keys == 4 and h + 4 <= heads:
-            _values4(pa + h * prow + 4 * s, prow, va + s * row, row, vec_end, oa + h * orow, orow)
+            _values4(vc, pa + h * prow + 4 * s, prow, va + s * row, row, vec_end, oa + h * orow, orow)
             h += 4
         for h in range(h, heads):
-            _values1(pa + h * prow + 4 * s, va + s * row, row, vec_end, oa + h * orow, keys)
+            _values1(vc, pa + h * prow + 4 * s, va + s * row, row, vec_end, oa + h * orow, keys)
     if vec_end < hd:  # head dims past the last 16
         for h in range(heads):
             for i in range(vec_end, hd):
                 for s in range(n):
-                    o[h, i] += p[h, s] * vc[c0 + s, i]
+                    o[h, i] += p[h, s] * v.row_at(vc, va + s * row, i)
 
 
 @njit(**_JIT)
@@ -297,7 +300,7 @@ def _prefetch_chunk(item, kc, vc, start, n_kv, n_chunk):
     n = min(CHUNK, start + 1 - c0)
     row = kc.strides[2]
     prefetch_lines(v.addr(kc[b, g]), np.int64(c0) * row, n * row)
-    prefetch_lines(v.addr(vc[b, g]), np.int64(c0) * vc.strides[2], (n - 1) * vc.strides[2] + vc.shape[3] * 4)
+    prefetch_lines(v.addr(vc[b, g]), np.int64(c0) * vc.strides[2], (n - 1) * vc.strides[2] + vc.shape[3] * vc.itemsize)
 
 
 @njit(**_JIT)
@@ -385,11 +388,12 @@ def decode_attention(qkv: np.ndarray, n_head: int, n_kv: int, hd: int, qn: np.nd
                      vc: np.ndarray, valid: np.ndarray, start: int) -> np.ndarray:
     """Attention of one new token per sequence: qkv [B, (H + 2 Hkv) hd] float32 (the q, k, v
     projections side by side), rope tables cos/sin [B, rope_dim], caches kc/vc [B, Hkv, C, hd]
-    (this token's k and v are written at `start`), valid [B, C] bool (the cache's real tokens;
+    float32, or float16 as int16 bits (this token's k and v are written at `start`), valid [B, C] bool (the cache's real tokens;
     a token always sees itself). q/k norm weights qn/kn ([hd] per head, [H hd] / [Hkv hd] over
     all heads, ignored with QK_NONE). Returns [B, H hd]: head h used kv head h // (H / Hkv)."""
-    if kc.strides[-1] != 4 or vc.strides[-1] != 4:
-        raise ValueError("the key and value caches' rows must be contiguous float32")
+    for c in (kc, vc):
+        if c.dtype not in (np.float32, np.int16) or c.strides[-1] != c.itemsize:
+            raise ValueError("the key and value caches' rows must be contiguous float32, or float16 as int16 bits")
     out = np.empty((qkv.shape[0], n_head * hd), np.float32)  # [B, H*hd]
     work = qkv.shape[0] * n_head * (start + 1) * hd
     run = _decode_attention_par if work >= PARALLEL_WORK else _decode_attention

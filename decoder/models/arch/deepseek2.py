@@ -242,7 +242,7 @@ class Model(MoETransformer):
             self.v_bT.append(v_b.transpose(1, 2).contiguous().to(self.dtype))
 
     def new_cache(self, batch: int, capacity: int) -> LatentCache:
-        return LatentCache.latent(self.hparams.n_layer, batch, self.mla, capacity, self.device, self.dtype)
+        return LatentCache.latent(self.hparams.n_layer, batch, self.mla, capacity, self.device, self.kv_dtype)
 
     def prepare(self, cache: KVCache, valid: torch.Tensor) -> StepAttn:
         positions, start = cache.advance(valid)  # [B, T]
@@ -270,7 +270,7 @@ class Model(MoETransformer):
         q_pe = apply_rope_norm(q_pe, st.cos, st.sin)  # [B, H, T, rope]
         k_pe = apply_rope_norm(k_pe[:, None], st.cos, st.sin)[:, 0]  # [B, T, rope]
         cache.k[layer][:, 0, start:start + T] = torch.cat((c, k_pe), dim=-1)
-        lat = cache.k[layer][:, :, :start + T]  # [B, 1, S, kv_lora + rope]
+        lat = cache.k[layer][:, :, :start + T].to(q.dtype)  # [B, 1, S, kv_lora + rope]
         q_lat = torch.cat((q_nope @ self.k_bT[layer], q_pe), dim=-1)  # [B, H, T, kv_lora + rope]
         q_lat = q_lat.reshape(B, 1, H * T, m.kv_lora + m.rope)  # [B, 1, H*T, .]: heads folded into rows
         out = F.scaled_dot_product_attention(q_lat, lat, lat[..., :m.kv_lora], attn_mask=st.mask,

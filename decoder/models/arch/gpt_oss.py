@@ -172,9 +172,7 @@ class Model(MoETransformer):
         B, T, start = x.shape[0] // st.T, st.T, st.start
         q, k, v = _qkv(x, w, a, B, T)  # [B, H, T, hd], [B, Hkv, T, hd] x2 (biases included)
         q, k = apply_rope_neox(q, st.cos, st.sin), apply_rope_neox(k, st.cos, st.sin)
-        cache.k[layer][:, :, start:start + T] = k
-        cache.v[layer][:, :, start:start + T] = v
-        keys, vals = cache.k[layer][:, :, :start + T], cache.v[layer][:, :, :start + T]  # [B, Hkv, S, hd]
+        keys, vals = cache.store(layer, start, k, v)  # [B, Hkv, S, hd] x2
         q = q.reshape(B, a.n_head_kv, -1, a.head_dim)  # [B, Hkv, rep*T, hd]
         mask = st.swa_mask if self.sliding[layer] else st.mask  # [B, 1, rep*T, S]
         sinks = self.sinks[layer].expand(-1, -1, T).reshape(a.n_head_kv, -1)  # [Hkv, rep*T]

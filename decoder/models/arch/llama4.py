@@ -131,9 +131,7 @@ class Model(MoETransformer):
                 q, k = _l2(q, a.eps), _l2(k, a.eps)
         else:
             q = q * st.temp.to(q.dtype)  # [B, H, T, hd]
-        cache.k[layer][:, :, start:start + T] = k
-        cache.v[layer][:, :, start:start + T] = v
-        keys, vals = cache.k[layer][:, :, :start + T], cache.v[layer][:, :, :start + T]  # [B, Hkv, S, hd]
+        keys, vals = cache.store(layer, start, k, v)  # [B, Hkv, S, hd] x2
         mask = st.chunk_mask if self.chunked[layer] else st.mask
         q = q.reshape(B, Hkv, -1, hd)  # [B, Hkv, rep*T, hd]: query heads folded per kv head (layers.attention)
         out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=1.0 / math.sqrt(hd))

@@ -107,8 +107,8 @@ class Model(MoETransformer):
         hp, g, dev, dt = self.hparams, self.gdn, self.device, self.dtype
         kv = [(batch, hp.n_head_kv, 0 if rec else capacity, hp.head_dim) for rec in hp.recurrent]
         return HybridCache(
-            k=[torch.zeros(s, device=dev, dtype=dt) for s in kv],
-            v=[torch.zeros(s, device=dev, dtype=dt) for s in kv],
+            k=[torch.zeros(s, device=dev, dtype=self.kv_dtype) for s in kv],
+            v=[torch.zeros(s, device=dev, dtype=self.kv_dtype) for s in kv],
             valid=torch.zeros(batch, capacity, dtype=torch.bool, device=dev),
             next_pos=torch.zeros(batch, dtype=torch.int64, device=dev),
             conv=[torch.zeros((batch, g.conv_kernel - 1, g.conv_dim) if rec else (0,), device=dev, dtype=dt)
@@ -147,9 +147,7 @@ def gated_attention(x: torch.Tensor, w: Weights, m: Model, layer: int, cache: KV
     k = rms_norm(k, w["attn_k_norm"], a.eps).transpose(1, 2)  # [B, Hkv, T, hd]
     v = linear(x, w["attn_v"]).reshape(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
     q, k = partial_rope(q, st), partial_rope(k, st)
-    cache.k[layer][:, :, start:start + T] = k
-    cache.v[layer][:, :, start:start + T] = v
-    keys, vals = cache.k[layer][:, :, :start + T], cache.v[layer][:, :, :start + T]  # [B, Hkv, S, hd]
+    keys, vals = cache.store(layer, start, k, v)  # [B, Hkv, S, hd] x2
     q = q.reshape(B, Hkv, -1, hd)  # [B, Hkv, rep*T, hd]: the query heads of one kv head folded (see layers.attention)
     out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=st.mask)  # [B, Hkv, rep*T, hd]
     out = out.reshape(B, H, T, hd).transpose(1, 2).reshape(B * T, H * hd)  # [N, H*hd]

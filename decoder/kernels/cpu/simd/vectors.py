@@ -164,6 +164,62 @@ def f32_at(typingctx, p, off):
     return types.float32(p, off), codegen
 
 
+# -- rows of float32 or float16 (a KV cache) ------------------------------------------------------
+# numba has no float16 on the CPU: a float16 array arrives as its int16 bit patterns. These take
+# the array only for its type and read or write its element idx at address p as float32, so one
+# kernel source compiles for either cache.
+def _row_elem(arr) -> ir.Type | None:
+    if not isinstance(arr, types.Array):
+        return None
+    return {types.float32: _F32, types.int16: ir.HalfType()}.get(arr.dtype)
+
+
+@intrinsic
+def ld_row(typingctx, arr, p, idx):
+    """The 16 elements idx .. idx + 15 at address p of a float32 or float16 (int16 bits) row, as
+    float32 lanes (float16 widened exactly: vcvtph2ps with F16C)."""
+    elem = _row_elem(arr)
+    if elem is None or not _ints(p, idx):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vt = ir.VectorType(elem, LANES)
+        x = builder.load(builder.bitcast(_ptr(builder, args[1], args[2], elem), vt.as_pointer()), align=2)
+        return x if elem == _F32 else builder.fpext(x, _VF)
+
+    return vecf(arr, p, idx), codegen
+
+
+@intrinsic
+def row_at(typingctx, arr, p, idx):
+    """Element idx at address p of a float32 or float16 (int16 bits) row, as a float32."""
+    elem = _row_elem(arr)
+    if elem is None or not _ints(p, idx):
+        return None
+
+    def codegen(context, builder, sig, args):
+        x = builder.load(_ptr(builder, args[1], args[2], elem), align=2)
+        return x if elem == _F32 else builder.fpext(x, _F32)
+
+    return types.float32(arr, p, idx), codegen
+
+
+@intrinsic
+def set_row(typingctx, arr, p, idx, x):
+    """Element idx at address p of a float32 or float16 (int16 bits) row = x (a float32; to
+    float16 rounded to nearest even, as torch's conversion)."""
+    elem = _row_elem(arr)
+    if elem is None or not _ints(p, idx) or x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = args[3] if elem == _F32 else builder.fptrunc(args[3], elem)
+        builder.store(v, _ptr(builder, args[1], args[2], elem), align=2)
+        return context.get_dummy_value()
+
+    return types.void(arr, p, idx, x), codegen
+
+
 @intrinsic
 def ld_i32(typingctx, p, off):
     """The 16 int32 at address p + off (byte offset)."""
