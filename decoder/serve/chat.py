@@ -209,7 +209,8 @@ def _main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.min_p)  # validates them
     cfg = ServeConfig(model=args.model, iod=args.iod, resident=args.resident, device=args.device,
-                      dtype=args.dtype, kv_dtype=args.kv_dtype, prefetch=args.prefetch, max_model_len=args.max_model_len,
+                      dtype=args.dtype, kv_dtype=args.kv_dtype, prefetch=args.prefetch,
+                      max_model_len=args.max_model_len,
                       threads=args.threads, chat_template=args.chat_template,
                       **({"prefix_cache_mb": args.prefix_cache_mb} if args.prefix_cache_mb is not None else {}))
     _, tok, engine, limit = open_engine(cfg, "moestream-chat")

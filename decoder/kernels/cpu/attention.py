@@ -119,10 +119,23 @@ def _prepare(qkv, n_head, n_kv, hd, qn, kn, qk_norm, eps, cos, sin, style, kc, v
 
 
 @njit(**_JIT)
+def _rows4(arr, a, row, i):
+    """Elements i .. i + 15 of the 4 rows of `arr`'s type at a, a + row, a + 2 row, a + 3 row."""
+    return v.ld_row(arr, a, i), v.ld_row(arr, a + row, i), v.ld_row(arr, a + 2 * row, i), v.ld_row(arr, a + 3 * row, i)
+
+
+@njit(**_JIT)
+def _splat4(pa):
+    """The 4 float32 at address pa, each in every lane."""
+    return v.splat(v.f32_at(pa, 0)), v.splat(v.f32_at(pa, 4)), v.splat(v.f32_at(pa, 8)), v.splat(v.f32_at(pa, 12))
+
+
+@njit(**_JIT)
 def _dots4(kc, qa, ka, row, end, sa, s):
-    """sa[s .. s + 3] = q . k for the 4 keys at ka, ka + row, ... over the first `end` (a multiple
-    of 16) float32: per key 16 lanes of fused multiply-adds summed in hsum's tree (explicit
-    vectors, so the same bits whatever code it is compiled into, and as one key at a time)."""
+    """sa[s .. s + 3] = q . k for the 4 key rows (of kc's type) at ka, ka + row, ... over the
+    first `end` (a multiple of 16) dims: per key 16 lanes of fused multiply-adds summed in hsum's
+    tree (explicit vectors, so the same bits whatever code it is compiled into, and as one key at a
+    time)."""
     a0, a1, a2, a3 = v.zero(), v.zero(), v.zero(), v.zero()
     for i in range(0, end, v.LANES):
         qv = v.ld_f32(qa, i)
@@ -135,6 +148,7 @@ def _dots4(kc, qa, ka, row, end, sa, s):
 
 @njit(**_JIT)
 def _dot(kc, qa, ka, end):
+    """q . k for one key row (a chunk's last 1 to 3): _dots4's chain and tree."""
     acc = v.zero()
     for i in range(0, end, v.LANES):
         acc = v.fma(v.ld_f32(qa, i), v.ld_row(kc, ka, i), acc)
@@ -151,7 +165,7 @@ def _dots4x4(kc, qa, qrow, ka, row, end, sa, srow, s):
     a20, a21, a22, a23, a30, a31, a32, a33 = z, z, z, z, z, z, z, z
     for i in range(0, end, v.LANES):
         q0, q1, q2, q3 = v.ld_f32(qa, i), v.ld_f32(qa + qrow, i), v.ld_f32(qa + 2 * qrow, i), v.ld_f32(qa + 3 * qrow, i)
-        k0, k1, k2, k3 = v.ld_row(kc, ka, i), v.ld_row(kc, ka + row, i), v.ld_row(kc, ka + 2 * row, i), v.ld_row(kc, ka + 3 * row, i)
+        k0, k1, k2, k3 = _rows4(kc, ka, row, i)
         a00, a01, a02, a03 = v.fma(q0, k0, a00), v.fma(q0, k1, a01), v.fma(q0, k2, a02), v.fma(q0, k3, a03)
         a10, a11, a12, a13 = v.fma(q1, k0, a10), v.fma(q1, k1, a11), v.fma(q1, k2, a12), v.fma(q1, k3, a13)
         a20, a21, a22, a23 = v.fma(q2, k0, a20), v.fma(q2, k1, a21), v.fma(q2, k2, a22), v.fma(q2, k3, a23)
@@ -233,15 +247,12 @@ def _values4(vc, pa, prow, va, row, end, oa, orow):
     """o[h] += p[h, s] * v[s] for 4 heads (p at pa, pa + prow, ...; o at oa, oa + orow, ...) and
     the 4 keys at va, va + row, ...: per head the keys' fused multiply-adds in key order, as
     _values does one head at a time (the same bits), 8 loads per 16."""
-    p00, p01, p02, p03 = v.splat(v.f32_at(pa, 0)), v.splat(v.f32_at(pa, 4)), v.splat(v.f32_at(pa, 8)), v.splat(v.f32_at(pa, 12))
-    pb = pa + prow
-    p10, p11, p12, p13 = v.splat(v.f32_at(pb, 0)), v.splat(v.f32_at(pb, 4)), v.splat(v.f32_at(pb, 8)), v.splat(v.f32_at(pb, 12))
-    pb += prow
-    p20, p21, p22, p23 = v.splat(v.f32_at(pb, 0)), v.splat(v.f32_at(pb, 4)), v.splat(v.f32_at(pb, 8)), v.splat(v.f32_at(pb, 12))
-    pb += prow
-    p30, p31, p32, p33 = v.splat(v.f32_at(pb, 0)), v.splat(v.f32_at(pb, 4)), v.splat(v.f32_at(pb, 8)), v.splat(v.f32_at(pb, 12))
+    p00, p01, p02, p03 = _splat4(pa)
+    p10, p11, p12, p13 = _splat4(pa + prow)
+    p20, p21, p22, p23 = _splat4(pa + 2 * prow)
+    p30, p31, p32, p33 = _splat4(pa + 3 * prow)
     for i in range(0, end, v.LANES):
-        v0, v1, v2, v3 = v.ld_row(vc, va, i), v.ld_row(vc, va + row, i), v.ld_row(vc, va + 2 * row, i), v.ld_row(vc, va + 3 * row, i)
+        v0, v1, v2, v3 = _rows4(vc, va, row, i)
         o = v.ld_f32(oa, i)
         v.st_f32(oa, i, v.fma(p03, v3, v.fma(p02, v2, v.fma(p01, v1, v.fma(p00, v0, o)))))
         o = v.ld_f32(oa + orow, i)
@@ -256,11 +267,10 @@ def _values4(vc, pa, prow, va, row, end, oa, orow):
 def _values1(vc, pa, va, row, end, oa, keys):
     """o += p[s] * v[s] for one head and `keys` (1 to 4) keys, in key order."""
     if keys == 4:
-        p0, p1 = v.splat(v.f32_at(pa, 0)), v.splat(v.f32_at(pa, 4))
-        p2, p3 = v.splat(v.f32_at(pa, 8)), v.splat(v.f32_at(pa, 12))
+        p0, p1, p2, p3 = _splat4(pa)
         for i in range(0, end, v.LANES):
-            o = v.fma(p1, v.ld_row(vc, va + row, i), v.fma(p0, v.ld_row(vc, va, i), v.ld_f32(oa, i)))
-            v.st_f32(oa, i, v.fma(p3, v.ld_row(vc, va + 3 * row, i), v.fma(p2, v.ld_row(vc, va + 2 * row, i), o)))
+            v0, v1, v2, v3 = _rows4(vc, va, row, i)
+            v.st_f32(oa, i, v.fma(p3, v3, v.fma(p2, v2, v.fma(p1, v1, v.fma(p0, v0, v.ld_f32(oa, i))))))
         return
     for k in range(keys):
         ps, ks = v.splat(v.f32_at(pa, 4 * k)), va + k * row
@@ -388,8 +398,8 @@ def decode_attention(qkv: np.ndarray, n_head: int, n_kv: int, hd: int, qn: np.nd
                      vc: np.ndarray, valid: np.ndarray, start: int) -> np.ndarray:
     """Attention of one new token per sequence: qkv [B, (H + 2 Hkv) hd] float32 (the q, k, v
     projections side by side), rope tables cos/sin [B, rope_dim], caches kc/vc [B, Hkv, C, hd]
-    float32, or float16 as int16 bits (this token's k and v are written at `start`), valid [B, C] bool (the cache's real tokens;
-    a token always sees itself). q/k norm weights qn/kn ([hd] per head, [H hd] / [Hkv hd] over
+    float32, or float16 as int16 bits (this token's k and v are written at `start`), valid
+    [B, C] bool (the cache's real tokens; a token always sees itself). q/k norm weights qn/kn ([hd] per head, [H hd] / [Hkv hd] over
     all heads, ignored with QK_NONE). Returns [B, H hd]: head h used kv head h // (H / Hkv)."""
     for c in (kc, vc):
         if c.dtype not in (np.float32, np.int16) or c.strides[-1] != c.itemsize:
