@@ -141,11 +141,12 @@ def _run_step_kernels(x) -> None:
 
     att.rms_norm_rows(x, x[0], 1e-6)
     qkv, rope = np.ones((1, 96), np.float32), np.ones((1, 32), np.float32)  # [B, 3 hd], [B, hd]
-    kv = np.zeros((1, 1, 1, 32), np.float32)  # [B, Hkv, C, hd]
     valid = np.ones((1, 1), np.bool_)
-    for run in (att._decode_attention, att._decode_attention_par):
-        run(qkv, 1, 1, 32, x[0], x[0], att.QK_HEAD, 1e-6, rope, rope, att.ROPE_NEOX, kv, kv.copy(), valid, 0,
-            np.empty((1, 32), np.float32))
+    for cache in (np.float32, np.int16):  # a float32 KV cache, or a float16 one as its int16 bits (--kv-dtype)
+        kv = np.zeros((1, 1, 1, 32), cache)  # [B, Hkv, C, hd]
+        for run in (att._decode_attention, att._decode_attention_par):
+            run(qkv, 1, 1, 32, x[0], x[0], att.QK_HEAD, 1e-6, rope, rope, att.ROPE_NEOX, kv, kv.copy(), valid, 0,
+                np.empty((1, 32), np.float32))
     moe.route(x[:, :8].copy(), 2, moe.ROUTE_SOFTMAX, True)
 
 

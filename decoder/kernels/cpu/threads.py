@@ -31,6 +31,9 @@ class ThreadTuner:
         self.explore = explore
         self.avg: dict[int, float] = {}
         self.steps = 0
+        # The first step is not a sample: it may load a kernel (a float16 KV cache's attention took
+        # 60 ms against 11) and it finds the caches cold, which once made the tuner keep one thread.
+        self.unsampled = 1
 
     def pick(self) -> int:
         """The count for the next step: each candidate once, then the fastest, another every
@@ -61,7 +64,10 @@ class ThreadTuner:
         try:
             yield n
         finally:
-            self.record(n, time.perf_counter() - t0)
+            if self.unsampled:
+                self.unsampled -= 1
+            else:
+                self.record(n, time.perf_counter() - t0)
             torch.set_num_threads(before)
 
 
