@@ -33,6 +33,7 @@ class ThreadTuner:
         self.steps = 0
         # The first step is not a sample: it may load a kernel (a float16 KV cache's attention took
         # 60 ms against 11) and it finds the caches cold, which once made the tuner keep one thread.
+        # It runs on one thread: the cheap choice beside a busy neighbour, one slower step idle.
         self.unsampled = 1
 
     def pick(self) -> int:
@@ -55,8 +56,9 @@ class ThreadTuner:
 
     @contextmanager
     def step(self):
-        """One decode step on the picked count (numba's for this thread, torch's until it ends), timed."""
-        n = self.pick()
+        """One decode step on the picked count (numba's for this thread, torch's until it ends), timed
+        (the first on one thread, not timed)."""
+        n = self.options[-1] if self.unsampled else self.pick()
         numba.set_num_threads(n)
         before = torch.get_num_threads()
         torch.set_num_threads(min(n, before))
