@@ -185,17 +185,30 @@ def test_config_toml_then_cli(tmp_path, tiny_model):
         DecoderConfig(model="m", resident=True, prompts=["a"], slots=0)
 
 
-def test_float16_kv_cache_decodes_close_to_float32(tiny_model):
-    """--kv-dtype float16: the caches hold float16 (half the bytes), prefill (torch) and decode steps
-    (the compiled attention) read them, and the logits stay within float16's rounding of float32's."""
-    layout = ModelLayout(tiny_model)
+def _architectures() -> list[str]:
+    from moestream.decoder.models import architectures
+
+    return architectures()
+
+
+@pytest.mark.parametrize("arch", _architectures())
+def test_float16_kv_cache_decodes_close_to_float32(make_tiny_model, arch):
+    """--kv-dtype float16, every family's own cache and attention (GQA, the latent of MLA, the
+    hybrid's full-attention layers): the caches hold float16 (half the bytes), prefill and decode
+    steps read them, and the logits stay within float16's rounding of float32's."""
+    from moestream.decoder.generation.loop import forward_step
+
+    layout = ModelLayout(make_tiny_model(arch=arch))
     experts = ResidentExperts(layout)
     logits = {}
     for kv in (torch.float32, torch.float16):
         model = load_model(layout, kv_dtype=kv).with_bank(ExpertBank(experts))
-        assert model.new_cache(1, 4).k[0].dtype == kv
-        res = generate(model, [PROMPTS[0]], 12, keep_logits=True)
-        logits[kv] = torch.stack(res.logits)  # [steps, 1, V]
+        cache = model.new_cache(1, 16)
+        assert cache.k[-1].dtype == kv
+        with torch.inference_mode():  # the prompt, then the same 3 tokens one at a time (decode steps)
+            steps = [forward_step(model, torch.tensor([PROMPTS[0]]), cache, last_only=True)]
+            steps += [forward_step(model, torch.tensor([[t]]), cache, last_only=True) for t in (7, 300, 12)]
+        logits[kv] = torch.stack(steps)  # [4, 1, V]
     diff = (logits[torch.float16] - logits[torch.float32]).abs().max().item()
     scale = logits[torch.float32].abs().max().item()
     assert 0 < diff <= 2e-2 * scale, (diff, scale)
