@@ -29,7 +29,7 @@ from numba import njit, prange
 from . import rows_base  # noqa: F401  (first: the cache stamp covers simd/vectors.py, inlined here)
 from .rows import exp16
 from .simd import vectors as v
-from .simd.integer import prefetch_lines
+from .simd.integer import f32_at, prefetch_lines
 
 _JIT = {"cache": True, "nogil": True}
 
@@ -127,7 +127,7 @@ def _rows4(arr, a, row, i):
 @njit(**_JIT)
 def _splat4(pa):
     """The 4 float32 at address pa, each in every lane."""
-    return v.splat(v.f32_at(pa, 0)), v.splat(v.f32_at(pa, 4)), v.splat(v.f32_at(pa, 8)), v.splat(v.f32_at(pa, 12))
+    return v.splat(f32_at(pa, 0)), v.splat(f32_at(pa, 4)), v.splat(f32_at(pa, 8)), v.splat(f32_at(pa, 12))
 
 
 @njit(**_JIT)
@@ -210,6 +210,7 @@ def _scores(q, kc, c0, n, sc, keep, masked):
         while s + 4 <= n:
             _dots4(kc, qa + h * qrow, ka + s * row, row, vec_end, sa + h * srow, s)
             s += 4
+    scale = np.float32(1.0 / np.sqrt(hd))
     for h in range(heads):
         for s in range(n - n % 4, n):
             sc[h, s] = _dot(kc, qa + h * qrow, ka + s * row, vec_end)
@@ -217,7 +218,6 @@ def _scores(q, kc, c0, n, sc, keep, masked):
             for s in range(n):
                 for i in range(vec_end, hd):
                     sc[h, s] += q[h, i] * v.row_at(kc, ka + s * row, i)
-        scale = np.float32(1.0 / np.sqrt(hd))
         for s in range(sc.shape[1]):
             seen = s < n and not (masked and keep[s] == np.float32(0.0))
             sc[h, s] = sc[h, s] * scale if seen else np.float32(-np.inf)
@@ -273,7 +273,7 @@ def _values1(vc, pa, va, row, end, oa, keys):
             v.st_f32(oa, i, v.fma(p3, v3, v.fma(p2, v2, v.fma(p1, v1, v.fma(p0, v0, v.ld_f32(oa, i))))))
         return
     for k in range(keys):
-        ps, ks = v.splat(v.f32_at(pa, 4 * k)), va + k * row
+        ps, ks = v.splat(f32_at(pa, 4 * k)), va + k * row
         for i in range(0, end, v.LANES):
             v.st_f32(oa, i, v.fma(ps, v.ld_row(vc, ks, i), v.ld_f32(oa, i)))
 
@@ -302,12 +302,18 @@ def _values(p, vc, c0, n, o):
 
 
 @njit(**_JIT)
+def _item(item, n_kv, n_chunk, start):
+    """Work item `item`'s sequence b, kv head g, chunk c, first key c0 and key count n."""
+    b, g, c = item // (n_kv * n_chunk), item // n_chunk % n_kv, item % n_chunk
+    c0 = c * CHUNK
+    return b, g, c, c0, min(CHUNK, start + 1 - c0)
+
+
+@njit(**_JIT)
 def _prefetch_chunk(item, kc, vc, start, n_kv, n_chunk):
     """Ask for the cache lines of work item `item`'s keys and values: they arrive while this item
     computes (a chunk's rows are contiguous; without it every chunk began with a memory wait)."""
-    b, g, c = item // (n_kv * n_chunk), item // n_chunk % n_kv, item % n_chunk
-    c0 = c * CHUNK
-    n = min(CHUNK, start + 1 - c0)
+    b, g, _, c0, n = _item(item, n_kv, n_chunk, start)
     row = kc.strides[2]
     prefetch_lines(v.addr(kc[b, g]), np.int64(c0) * row, n * row)
     prefetch_lines(v.addr(vc[b, g]), np.int64(c0) * vc.strides[2], (n - 1) * vc.strides[2] + vc.shape[3] * vc.itemsize)
@@ -319,9 +325,7 @@ def _chunk(item, q, kc, vc, valid, start, rep, tops, sums, parts):
     the chunk's softmax top, numerator sum and unnormalized value sum (tops, sums [B, Hkv, n_chunk,
     rep], parts [..., hd])."""
     n_kv, n_chunk = tops.shape[1], tops.shape[2]
-    b, g, c = item // (n_kv * n_chunk), item // n_chunk % n_kv, item % n_chunk
-    c0 = c * CHUNK
-    n = min(CHUNK, start + 1 - c0)
+    b, g, c, c0, n = _item(item, n_kv, n_chunk, start)
     if item + 1 < tops.shape[0] * n_kv * n_chunk:  # the next item's keys and values (the same thread's, mostly)
         _prefetch_chunk(item + 1, kc, vc, start, n_kv, n_chunk)
     sc = np.empty((rep, CHUNK + v.LANES), np.float32)  # [rep, keys]: scores, then softmax numerators

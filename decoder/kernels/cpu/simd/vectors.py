@@ -151,19 +151,6 @@ def f16_at(typingctx, p, off):
     return types.float32(p, off), codegen
 
 
-@intrinsic
-def f32_at(typingctx, p, off):
-    """The float32 at address p + off (byte offset)."""
-    if not _ints(p, off):
-        return None
-
-    def codegen(context, builder, sig, args):
-        q = builder.bitcast(_ptr(builder, args[0], args[1], _I8), _F32.as_pointer())
-        return builder.load(q, align=4)
-
-    return types.float32(p, off), codegen
-
-
 # -- rows of float32 or float16 (a KV cache) ------------------------------------------------------
 # numba has no float16 on the CPU: a float16 array arrives as its int16 bit patterns. These take
 # the array only for its type and read or write its element idx at address p as float32, so one
