@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-ids", action="append", dest="prompt_ids", metavar="IDS", type=_ids,
                     help="a prompt as comma-separated token ids (e.g. 1,15,27); repeatable; instead of --prompt")
     ap.add_argument("-n", "--max-new-tokens", type=int, dest="max_new_tokens", help="tokens to generate per prompt (default 32)")
+    ap.add_argument("--prefill-chunk", type=int, dest="prefill_chunk", metavar="N",
+                    help="prefill the prompts N positions per forward pass (default 256): a pass holds buffers "
+                         "that grow with its positions (each token's expert rows, attention scores), so a long "
+                         "prompt in one pass would hold hundreds of MB; larger N prefills a little faster")
     ap.add_argument("--chat", action="store_true", default=None, help="wrap each prompt in the model's chat template")
     ap.add_argument("--temperature", type=float, help="0 = greedy (default)")
     ap.add_argument("--top-k", type=int, dest="top_k", help="sample from the k most likely tokens (0 = off)")
@@ -326,7 +330,7 @@ def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
     stream = TextStream(tok.decode, lambda _i, text: print(text, end="", flush=True)) if single else None
     with model.bank:
         result = generate(model, ids, cfg.max_new_tokens, cfg.sampling, tok.stop_ids, tok.pad_id,
-                          on_token=stream, observer=hook)
+                          on_token=stream, observer=hook, prefill_chunk=cfg.prefill_chunk)
         stats = model.bank.stats()
     if cfg.trace_out:
         recorder.write(cfg.trace_out, layout.hparams.n_layer, layout.hparams.n_expert)

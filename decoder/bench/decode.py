@@ -96,7 +96,8 @@ class Run:
         """Decode tok/s of one generation (EOS ignored: every run decodes the same count)."""
         from ..generation.loop import generate
 
-        result = generate(self.model.with_bank(bank), [self.prompt], self.args.tokens, self.cfg.sampling, observer=hook)
+        result = generate(self.model.with_bank(bank), [self.prompt], self.args.tokens, self.cfg.sampling, observer=hook,
+                          prefill_chunk=self.cfg.prefill_chunk)
         if self.cfg.torch_device.type == "cuda":
             torch.cuda.synchronize(self.cfg.torch_device)
         return result.decode_tok_s()

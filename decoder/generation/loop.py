@@ -94,22 +94,39 @@ def forward_step(model: MoEModel, tokens: torch.Tensor, cache: KVCache, valid: t
     return model.forward(tokens, cache, valid, observer, last_only)
 
 
+def prefill(model: MoEModel, tokens: torch.Tensor, valid: torch.Tensor, cache: KVCache,
+            observer: LayerObserver | None = None, chunk: int | None = None) -> torch.Tensor:
+    """The last position's logits [B, V] after the prompts tokens [B, L] (valid [B, L]) went
+    through the model `chunk` positions a pass: a pass's buffers (the MoE layer's per-pair rows,
+    attention's scores) grow with its positions, so a long prompt in one pass would hold
+    hundreds of MB that a chunk holds a fraction of."""
+    whole = bool(valid.all())  # no padding: the passes need no row selection (one check)
+    L = tokens.shape[1]
+    step = L if chunk is None else chunk
+    for a in range(0, L, step):
+        logits = forward_step(model, tokens[:, a:a + step], cache, None if whole else valid[:, a:a + step], observer,
+                              last_only=True)  # [B, V]
+    return logits
+
+
 @torch.inference_mode()
 def generate(model: MoEModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              sampling: SamplingParams = SamplingParams(), stop_ids: frozenset[int] = frozenset(),
              pad_id: int = 0, on_token: OnToken | None = None, observer: LayerObserver | None = None,
-             keep_logits: bool = False) -> GenerationResult:
+             keep_logits: bool = False, prefill_chunk: int | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` per prompt (token ids), stopping each on a stop id, with
-    the experts of the model's bank."""
+    the experts of the model's bank. The prompts are prefilled `prefill_chunk` positions a pass
+    (None: all at once)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     tokens, valid = left_pad(prompts, pad_id, model.device)  # [B, L]
     cache = model.new_cache(len(prompts), tokens.shape[1] + max_new_tokens)
     sampler, batch = Sampler(sampling), _Batch(len(prompts), max_new_tokens, stop_ids, on_token)
     result = GenerationResult(batch.tokens, batch.finish, [len(p) for p in prompts])
     t0 = time.perf_counter()
-    whole = bool(valid.all())  # no padding: the pass needs no row selection (one check, at the prefill)
-    logits = forward_step(model, tokens, cache, None if whole else valid, observer, last_only=True)  # [B, V]
+    logits = prefill(model, tokens, valid, cache, observer, prefill_chunk)  # [B, V]
     while True:
         if keep_logits:
             result.logits.append(logits.float().cpu())
