@@ -21,6 +21,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from .arch import EXPERT_PARTS, ArchSpec, arch_key, dense_shapes, get_arch, layer_tensors, mla_dims
+from .gguf_fields import CompactReader
 from .protocol import MODEL_IDENTITY
 from .split import ModelFile, SplitError, open_parts
 
@@ -509,9 +510,10 @@ def _sample_by_file(files: Sequence[ModelFile]) -> list[tuple[ModelFile, list[tu
     return out
 
 
-class _CheckedReader(GGUFReader):
+class _CheckedReader(CompactReader):
     """GGUFReader that names the tensor when the table points past the end of the file or
-    holds an unknown type (the stock reader fails later with a bare numpy reshape error)."""
+    holds an unknown type (the stock reader fails later with a bare numpy reshape error), and
+    keeps metadata arrays compact (`gguf_fields`: a vocabulary is not 300,000 numpy views)."""
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
         size = len(self.data)
