@@ -177,7 +177,7 @@ def _dp(U, W, B, K, a, e, j, mode):
     if mode == 1:
         x = s.b_sign(x, W[j])
     elif mode == 2:
-        x = s.b_sign(x, s.b_signs(B[j]))  # (+-1 bytes once per sub-block, one psignb per row)
+        x = s.b_negate(x, B[j])
     return s.dpbusd_k(U[j], x, K[j])
 
 

@@ -61,6 +61,11 @@ def has_avx2() -> bool:
     return "avx2" in cpu_features()
 
 
+def has_avx512bw() -> bool:
+    f = cpu_features()
+    return "avx512bw" in f and "avx512vl" in f
+
+
 def dot_path() -> str:
     """Which instructions `dpbusd` uses here: 'vnni', 'avx2' or 'generic'."""
     return "vnni" if has_vnni() else "avx2" if has_avx2() else "generic"
@@ -763,17 +768,25 @@ def b_bits(typingctx, bits):
 
 
 @intrinsic
-def b_signs(typingctx, bits):
-    """Bytes -1 where bit k of the 32-bit integer `bits` is set, else +1 (b_sign's sign operand)."""
-    if not isinstance(bits, types.Integer):
+def b_negate(typingctx, a, bits):
+    """a negated where bit k of the 32-bit integer `bits` is set. With AVX-512BW one masked
+    subtract (a mask register from the bits) instead of +-1 bytes (a blend) and a psignb: IQ2_XS
+    rows 1.15x, IQ2_XXS 1.05x on the Intel VM; elsewhere those two."""
+    if a != vb or not isinstance(bits, types.Integer):
         return None
 
     def codegen(context, builder, sig, args):
-        m = args[0]
+        m = args[1]
         m = builder.trunc(m, _I32) if m.type.width > 32 else builder.zext(m, _I32) if m.type.width < 32 else m
-        return builder.or_(builder.sext(builder.bitcast(m, _V1), _VB), ir.Constant(_VB, [1] * 32))
+        if has_avx512bw():
+            zero = ir.Constant(_VB, [0] * 32)
+            return builder.select(builder.bitcast(m, _V1), builder.sub(zero, args[0]), args[0])
+        signs = builder.or_(builder.sext(builder.bitcast(m, _V1), _VB), ir.Constant(_VB, [1] * 32))
+        return _call(builder, "llvm.x86.avx2.psign.b", _VB, [args[0], signs]) if has_avx2() else \
+            builder.select(builder.icmp_signed("<", signs, ir.Constant(_VB, [0] * 32)),
+                           builder.sub(ir.Constant(_VB, [0] * 32), args[0]), args[0])
 
-    return vb(bits), codegen
+    return vb(a, bits), codegen
 
 
 @intrinsic
