@@ -273,7 +273,9 @@ def _st_b(typingctx, p, off, v):
 def test_dpbusd_on_each_path(monkeypatch, features) -> None:
     """vpdpbusd, AVX2's vpmaddubsw + vpmaddwd, and plain IR give the same exact sums (unsigned
     bytes <= 128, as the kernels keep them), also with per-lane scales (dpbusd_k); the 16-entry
-    lookup (vpshufb or per byte) and the bit expansion agree; each compiled afresh per path."""
+    lookup (vpshufb or per byte), the bit expansion, the negation by bits (a masked subtract,
+    psignb or a select) and the TQ1_0 block dot (one masked load or three) agree; each compiled
+    afresh per path."""
     if features is not None:
         if "avx2" in features and not si.has_avx2():
             pytest.skip("the host has no AVX2")
@@ -302,9 +304,10 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
         out[0] = si.f8_hsum(si.f8_of_i(v))
 
     @njit(cache=False)
-    def bytes_of(t, i, bits, out):  # b_lut16, b_bits
+    def bytes_of(t, i, bits, a, out):  # b_lut16, b_bits, b_negate
         _st_b(addr(out), 0, si.b_lut16(si.ld_b(addr(t), 0), si.ld_b(addr(i), 0)))
         _st_b(addr(out), 32, si.b_bits(bits))
+        _st_b(addr(out), 64, si.b_negate(si.ld_b(addr(a), 0), bits))
 
     for _ in range(20):
         u = rng.integers(0, 129, 32).astype(np.uint8)
@@ -315,10 +318,11 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
         assert out[0] == float((u.astype(np.int64) * a * np.repeat(k, 4)).sum())
         t, i = np.tile(rng.integers(-128, 128, 16), 2).astype(np.int8), rng.integers(0, 16, 32).astype(np.uint8)
         bits = int(rng.integers(0, 1 << 32))
-        got = np.zeros(64, np.int8)
-        bytes_of(t, i, bits, got)
+        got = np.zeros(96, np.int8)
+        bytes_of(t, i, bits, a, got)
         np.testing.assert_array_equal(got[:32], t[i])
-        np.testing.assert_array_equal(got[32:], (bits >> np.arange(32)) & 1)
+        np.testing.assert_array_equal(got[32:64], (bits >> np.arange(32)) & 1)
+        np.testing.assert_array_equal(got[64:], np.where((bits >> np.arange(32)) & 1, -a, a))
 
     @njit(cache=False)
     def word_scaled(u, a, k, out):  # dpwssd_k: byte pair sums times a word each
@@ -364,6 +368,20 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
         want = init + (codes.astype(np.int64) * a).reshape(4, 16, 4).sum(axis=(0, 2))
         got = np.zeros(16, np.int32)
         tq2_lanes(qs, a, init, got)
+        np.testing.assert_array_equal(got, want)
+
+    @njit(cache=False)
+    def tq1_lanes(block, a, init, out):  # a TQ1_0 block's base-3 codes dotted, from the lanes `init`
+        sv.st_i32(addr(out), 0, si.tq1_dot256(sv.ld_i32(addr(init), 0), addr(block), 0, addr(a), 0))
+
+    for _ in range(20):
+        block = np.concatenate([rng.integers(0, 256, 52).astype(np.uint8), np.array([1.0], np.float16).view(np.uint8)])
+        codes = gq.dequantize(block, Q.TQ1_0).astype(np.int64) + 1  # gguf-py's digits (d = 1): 0..2, [256]
+        a = rng.integers(-127, 128, 256).astype(np.int8)
+        init = rng.integers(-5000, 5000, 16).astype(np.int32)
+        want = init + (codes * a).reshape(4, 16, 4).sum(axis=(0, 2))  # lane i: bytes 4i .. 4i + 3 of each 64
+        got = np.zeros(16, np.int32)
+        tq1_lanes(block, a, init, got)
         np.testing.assert_array_equal(got, want)
 
 

@@ -22,9 +22,9 @@ type what it takes, so a call may quantize its rows both ways. They are the type
 scale is per 128 or per 256, any finer one an integer (dpbusd_k's K): Q1_0, TQ1_0, TQ2_0, Q2_K,
 Q3_K, IQ2_XS, IQ2_S (IQ1_M would qualify: 5 % faster, not worth the coarser rounding). Their 8
 sub-block dots then add up as integers and are scaled once: the per-sub-block sums (hsum8x8)
-go. Q1_0 and TQ2_0 go further, on 64-byte vectors and 16 float lanes: a block's dot with its
-offset is one integer chain started from the activations' negated lane sums (pm_dot128,
-tq2_dot256 in simd/integer), so no offset term is left to scale. The activation rounding is
+go. Q1_0, TQ2_0 and TQ1_0 go further, on 64-byte vectors and 16 float lanes: a block's dot with
+its offset is one integer chain started from the activations' negated lane sums (pm_dot128,
+tq2_dot256, tq1_dot256 in simd/integer), so no offset term is left to scale. The activation rounding is
 llama.cpp's Q8_K's: the error per element is at most a 256-block's max |x| / 254 instead of its
 32-block's (a random expert's output: ~1.5x the error of per-32).
 
@@ -49,8 +49,8 @@ vpmaddwd by k instead of by 1 on AVX2):
   IQ3_S    grid bytes (odd, <= 15), signs on the activations            c = d (1 + 2 s)
   IQ1_S    grid + 1 (0..2), w = dl (g + delta) : c = dl, offset dl (delta - 1) x sum(a)
   IQ1_M    8 (g + delta) (|.| <= 9, delta per 8 weights) signed, k = 2 s + 1   c = d / 8
-  TQ2_0, TQ1_0  q in 0..2, w = d (q - 1)       : c = d, offset -d x sum(a) (TQ2_0: 64 bytes,
-                                                  the chain starts from -sum(a)'s lanes)
+  TQ2_0, TQ1_0  q in 0..2, w = d (q - 1)       : c = d, offset -d x sum(a) (64 bytes, the chain
+                                                  starts from -sum(a)'s lanes)
   MXFP4    E2M1 doubled (vpshufb, |.| <= 12) signed                     c = 2^(e - 128)
   NVFP4    E2M1 doubled signed: c per 16 weights (UE4M3 / 2, float: hsum4x8_halves)
 Every unsigned byte stays <= 128 (AVX2's int16 pair sums), every lane sum < 2^24 (exact as float).
@@ -539,17 +539,29 @@ def _tq2_0(p, off, n_in, R, nx):
 
 
 @njit(**_INL)
+def _tq1_0_row(i, R, p, o, e, sums, acc):
+    """acc + row i's dot with the TQ1_0 block at p + o (elements e .. e + 255), 16 lanes: the
+    integer sum_k (q_k - 1) a_k (tq1_dot256 from the activations' negated lane sums) scaled once."""
+    t = v.to_f(s.tq1_dot256(sums, p, o, R[i], e))
+    return v.fma(t, v.splat(f16_at(p, o + 52) * s.f32_at(R[4 + i], (e >> 5) * 4)), acc)
+
+
+@njit(**_INL)
 def _tq1_0(p, off, n_in, R, nx):
-    """54 B / 256: qs[48], qh[4] of base-3 codes (tq1_codes), f16 d: w = d (q - 1)."""
+    """54 B / 256: qs[48], qh[4] of base-3 digits, f16 d: w = d (q - 1), a block's dot d x one
+    integer (tq1_dot256, on 64-byte vectors), as TQ2_0's."""
     o = np.int64(off)
-    c0, c1, c2, c3 = _zeros()
+    c0, c1, c2, c3 = v.zero(), v.zero(), v.zero(), v.zero()
     for sb in range(n_in // 256):
         s.prefetch_lines(p, o + PREFETCH_BYTES, 54)
-        U = blk.tq1_codes(p, o)
-        c, cm = s.f8_splat(f16_at(p, o + 52)), s.f8_splat(-f16_at(p, o + 52))
-        c0, c1, c2, c3 = _sbw(U, c, c, cm, 256 * sb, nx, R, c0, c1, c2, c3)
+        e = 256 * sb
+        c0 = _tq1_0_row(0, R, p, o, e, _neg_sums256(R[0], e), c0)
+        if nx > 1:
+            c1 = _tq1_0_row(1, R, p, o, e, _neg_sums256(R[1], e), c1)
+            c2 = _tq1_0_row(2, R, p, o, e, _neg_sums256(R[2], e), c2)
+            c3 = _tq1_0_row(3, R, p, o, e, _neg_sums256(R[3], e), c3)
         o += 54
-    return _fin(c0, c1, c2, c3)
+    return v.hsum(c0), v.hsum(c1), v.hsum(c2), v.hsum(c3)
 
 
 @njit(**_INL)
@@ -600,11 +612,11 @@ def _q1_0_from(R, p, o, e, sums, acc):
 
 @njit(**_INL)
 def _rows1_from_sums(qtype, p, off, rb, n, n_in, R, out):
-    """int_rows1 for Q1_0 and TQ2_0: activation row 0's negated lane sums once per call
+    """int_rows1 for Q1_0, TQ2_0 and TQ1_0: activation row 0's negated lane sums once per call
     (_neg_sums_row), then each row 256 weights a step, each block's chain started from them."""
-    q1 = qtype == _Q1_0
+    q1, tq2 = qtype == _Q1_0, qtype == _TQ2_0
     sums = _neg_sums_row(R[0], n_in, 128 if q1 else 256)
-    nb = 36 if q1 else 66  # bytes per 256 weights
+    nb = 36 if q1 else 66 if tq2 else 54  # bytes per 256 weights
     for i in range(n):
         o = np.int64(off + i * rb)
         acc = v.zero()
@@ -612,8 +624,10 @@ def _rows1_from_sums(qtype, p, off, rb, n, n_in, R, out):
             s.prefetch_lines(p, o + PREFETCH_BYTES, nb)
             if q1:
                 acc = _q1_0_from(R, p, o, 256 * sb, addr(sums), acc)
-            else:
+            elif tq2:
                 acc = _tq2_0_row(0, R, p, o, 256 * sb, v.ld_i32(addr(sums), 64 * sb), acc)
+            else:
+                acc = _tq1_0_row(0, R, p, o, 256 * sb, v.ld_i32(addr(sums), 64 * sb), acc)
             o += nb
         out[i] = v.hsum(acc)
 
@@ -874,7 +888,7 @@ def int_rows1(qtype, p, off, rb, n, n_in, R, out):
     dispatch on the type is a predicted branch, not a call per row (2.7x int_dots' rate per row
     on 1024-wide Q8_0 rows)."""
     s.prefetch_lines(p, off, min(n * rb, PREFETCH_BYTES))  # (the span's head at once: its misses overlap)
-    if qtype == _Q1_0 or qtype == _TQ2_0:
+    if qtype == _Q1_0 or qtype == _TQ2_0 or qtype == _TQ1_0:
         _rows1_from_sums(qtype, p, off, rb, n, n_in, R, out)
         return
     for i in range(n):

@@ -1,5 +1,5 @@
 """Block-layout unpackers for the int8 dot kernels (rows_int.py): LLVM vector IR that turns
-one super-block's packed fields (grid indices, sign bits, 6-bit or 4-bit scales, base-3 digits)
+one super-block's packed fields (grid indices, sign bits, 6-bit or 4-bit scales)
 into the byte vectors and float scale vectors of simd/integer, 8 sub-blocks at a time.
 
 Written as IR, not numba loops: each is a handful of vector shifts, masks and shuffles (plus
@@ -207,52 +207,6 @@ def q2k_scales(typingctx, p, off):
                                                              context.make_tuple(builder, ty, M)])
 
     return types.UniTuple(types.UniTuple(vb, 8), 2)(p, off), codegen
-
-
-@intrinsic
-def tq1_codes(typingctx, p, off):
-    """A TQ1_0 super-block at p + off (qs[48], qh[4] of base-3 digits, 5 (4) per byte, the digit n
-    of byte b being the top of (b 3^n mod 256) x 3 / 256): its 256 codes (0..2) as 8 sub-blocks.
-    Elements 32n + m: digit n of qs[m] (n < 5); 160 + 16n + m: digit n of qs[32 + m]; 240 + 4n + m:
-    digit n of qh[m]. x86 has no byte multiply: b 3^n mod 256 is built by byte adds (3 x = x + x
-    + x, wrapping), and (x 3) >> 8 is (x >= 86) + (x >= 171), two unsigned compares (Intel VM, one
-    core, 1024-wide rows: 63 -> 56 ns a row against widening multiplies)."""
-    if not _ints(p, off):
-        return None
-
-    def codegen(context, builder, sig, args):
-        o = _i64(builder, args[1])
-        v4, v16 = ir.VectorType(_I8, 4), ir.VectorType(_I8, 16)
-        m16, v32 = ir.VectorType(_I32, 16), ir.VectorType(_I32, 32)  # shuffle masks
-
-        def times3(x):
-            return builder.add(builder.add(x, x), x)
-
-        def powers(x, n):  # x, 3 x, 9 x, .. (n of them, mod 256)
-            out = [x]
-            for _ in range(n - 1):
-                out.append(times3(out[-1]))
-            return out
-
-        def join(lo, hi):  # two 16-byte vectors as one 32-byte vector
-            return builder.shuffle_vector(lo, hi, _c(v32, list(range(32))))
-
-        def digit(x):
-            one = lambda t: builder.zext(builder.icmp_unsigned(">=", x, _c(_VB, [t] * 32)), _VB)  # noqa: E731
-            return builder.add(one(86), one(171))
-
-        a = powers(_ld_vec(builder, args[0], o, _VB), 5)  # qs[0:32] x 3^n
-        b = powers(_ld_vec(builder, args[0], builder.add(o, _c(_I64, 32)), v16), 5)  # qs[32:48] x 3^n
-        h = _ld_vec(builder, args[0], builder.add(o, _c(_I64, 48)), v4)
-        h = powers(builder.shuffle_vector(h, h, _c(m16, list(range(4)) * 4)), 4)  # qh four times, x 3^n
-        # bytes 4n + m of the last 16: qh[m] x 3^n
-        h01 = builder.shuffle_vector(h[0], h[1], _c(m16, list(range(4)) + list(range(20, 24)) + [0] * 8))
-        h23 = builder.shuffle_vector(h[2], h[3], _c(m16, list(range(8, 12)) + list(range(28, 32)) + [0] * 8))
-        hq = builder.shuffle_vector(h01, h23, _c(m16, list(range(8)) + list(range(16, 24))))
-        X = [*a, join(b[0], b[1]), join(b[2], b[3]), join(b[4], hq)]
-        return context.make_tuple(builder, sig.return_type, [digit(x) for x in X])
-
-    return types.UniTuple(vb, 8)(p, off), codegen
 
 
 @intrinsic

@@ -5,9 +5,10 @@ activations is `dpbusd`: unsigned weight bytes times signed activation bytes, ea
 products summed into one of 8 int32 lanes (`<8 x i32>`), then scaled as floats (`<8 x float>`).
 32 bytes rather than 64: every block layout of GGUF comes in 32-weight sub-blocks, and Zen 4
 runs a 512-bit operation as two 256-bit halves anyway. The exceptions are the types whose codes
-need no per-sub-block work (Q1_0, TQ2_0): their dots take 64 bytes at a time (`pm_dot128`,
-`tq2_dot256`, returning the 16-lane vectors of simd/vectors), which halves the instructions
-per weight (one 64-byte vpdpbusd with AVX512-VNNI, else two 32-byte dots as below).
+need no per-sub-block work (Q1_0, TQ2_0, TQ1_0): their dots take 64 bytes at a time
+(`pm_dot128`, `tq2_dot256`, `tq1_dot256`, returning the 16-lane vectors of simd/vectors), which
+halves the instructions per weight (one 64-byte vpdpbusd with AVX512-VNNI, else two 32-byte dots
+as below).
 
 `dpbusd` is emitted for the CPU numba compiles for (its name and features, read once here):
   AVX512-VNNI + VL or AVX-VNNI   one vpdpbusd
@@ -320,6 +321,75 @@ def pm_dot128_from(typingctx, sums, b0, b1, p, off):
         return acc
 
     return _veci(sums, b0, b1, p, off), codegen
+
+
+@intrinsic
+def tq1_dot256(typingctx, sums, p, off, a, e):
+    """sums + sum_k q_k a_k for the 256 TQ1_0 codes (0..2) of the block at p + off (qs[48], qh[4]:
+    base-3 digits, 5 (4) per byte) and the 256 activations at a + e, in pm_dot128's lanes.
+
+    Element 32 n + m is digit n of qs[m] (n < 5), 160 + 16 n + m digit n of qs[32 + m], 240 + 4 n
+    + m digit n of qh[m]; digit n of byte b is the top of (b 3^n mod 256) x 3 / 256. The 52 code
+    bytes are one 64-byte vector X; X 3^n (n = 0..4, byte adds: x86 has no byte multiply) hold
+    every digit plane of every byte at once, and the four 64-element runs of the block are their
+    16-byte lanes in element order (lane shuffles; qh's 16 digits one dword permute). A digit is
+    (x >= 86) + (x >= 171): two unsigned compares. One 64-byte vpdpbusd per run, as tq2_dot256."""
+    if sums != _veci or not _ints(p, off, a, e):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v64, d16 = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16)
+        o = _i64(builder, args[2])
+
+        def load(k, n):
+            q = _ptr(builder, args[1], builder.add(o, ir.Constant(_I64, k)), _I8)
+            return builder.load(builder.bitcast(q, ir.VectorType(_I8, n).as_pointer()), align=1)
+
+        # the block's 52 code bytes, read within its 54 (a 64-byte load could run past a mapping's end)
+        if has_avx512bw():  # one masked load
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                v64, [v64.as_pointer(), _I32, ir.VectorType(ir.IntType(1), 64), v64]), "llvm.masked.load.v64i8.p0v64i8")
+            q = builder.bitcast(_ptr(builder, args[1], o, _I8), v64.as_pointer())
+            x = builder.call(fn, [q, ir.Constant(_I32, 1), ir.Constant(ir.VectorType(ir.IntType(1), 64),
+                                                                         [1] * 52 + [0] * 12), ir.Constant(v64, [0] * 64)])
+        else:
+            lo, mid, qh = load(0, 32), load(32, 16), load(48, 4)
+            mq = builder.shuffle_vector(mid, builder.shuffle_vector(qh, qh, ir.Constant(ir.VectorType(_I32, 16),
+                                                                                       list(range(4)) + [0] * 12)),
+                                        ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+            x = builder.shuffle_vector(lo, mq, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+        P = [x]
+        for _ in range(4):
+            P.append(builder.add(builder.add(P[-1], P[-1]), P[-1]))  # x 3^n, wrapping
+        D = [builder.bitcast(q, d16) for q in P]  # as dwords: lane L = dwords 4L .. 4L + 3
+
+        def lanes(*picks):  # 16-byte lanes (plane, lane) side by side as one 64-byte vector
+            out = []
+            for n, L in picks:
+                out += [(n, 4 * L + k) for k in range(4)]
+            return out
+
+        def gather(picks):  # dwords (plane, index) in these places: one two-source shuffle per plane
+            m16 = ir.VectorType(_I32, 16)
+            planes = sorted({n for n, _ in picks})
+            acc = builder.shuffle_vector(D[planes[0]], D[planes[0]],
+                                         ir.Constant(m16, [k if n == planes[0] else 0 for n, k in picks]))
+            for m in planes[1:]:  # (places of later planes hold a placeholder until their turn)
+                acc = builder.shuffle_vector(acc, D[m], ir.Constant(m16, [16 + k if n == m else i
+                                                                          for i, (n, k) in enumerate(picks)]))
+            return builder.bitcast(acc, v64)
+
+        hq = [(n, 12) for n in range(4)]  # qh's digit n of its 4 bytes: dword 12 of plane n
+        runs = [lanes((0, 0), (0, 1), (1, 0), (1, 1)), lanes((2, 0), (2, 1), (3, 0), (3, 1)),
+                lanes((4, 0), (4, 1), (0, 2), (1, 2)), lanes((2, 2), (3, 2), (4, 2)) + hq]
+        acc = args[0]
+        for c, picks in enumerate(runs):
+            q = gather(picks)
+            one = [builder.zext(builder.icmp_unsigned(">=", q, ir.Constant(v64, [t] * 64)), v64) for t in (86, 171)]
+            acc = _dp512(builder, acc, builder.add(one[0], one[1]), _ld64(builder, args[3], args[4], 64 * c))
+        return acc
+
+    return _veci(sums, p, off, a, e), codegen
 
 
 @intrinsic
