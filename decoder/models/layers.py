@@ -119,8 +119,8 @@ class KVCache:
               device: torch.device, dtype: torch.dtype) -> "KVCache":
         shape = (batch, n_kv, capacity, head_dim)
         return cls(
-            k=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)],
-            v=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)],
+            k=[cache_zeros(shape, device, dtype) for _ in range(n_layer)],
+            v=[cache_zeros(shape, device, dtype) for _ in range(n_layer)],
             valid=torch.zeros(batch, capacity, dtype=torch.bool, device=device),
             next_pos=torch.zeros(batch, dtype=torch.int64, device=device),
         )
@@ -158,6 +158,20 @@ class KVCache:
         self.next_pos += valid.long().sum(1)
         self.length += T
         return positions.clamp(min=0), start
+
+
+def cache_zeros(shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed cache tensor whose CPU memory is committed as it is written. A cache is sized for
+    its whole capacity (a chat request without max_tokens: the model's context, 40-260k
+    positions) but fills a token at a time; torch.zeros writes every byte at once (a 262,144-position
+    cache of a 16-layer, 4-kv-head model: 4.3 GB resident before the first token), numpy's zeros is
+    calloc, whose large blocks are fresh zero pages, each resident once written (key and value
+    rows of a head are contiguous: memory grows with the positions used)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, device=device, dtype=dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(shape, {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size])
+    return torch.from_numpy(raw).view(dtype)
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:

@@ -235,3 +235,36 @@ def test_prefill_chunk_must_be_positive(setup):
     model, experts, _ = setup
     with pytest.raises(ValueError, match="prefill_chunk must be >= 1"):
         generate(model.with_bank(ExpertBank(experts)), PROMPTS, 2, prefill_chunk=0)
+
+
+def _rss_anon() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) << 10
+    return 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2", "qwen3next"])  # GQA, MLA's latent, the hybrid's
+def test_a_cache_takes_memory_as_it_fills(make_tiny_model, arch):
+    """A cache sized for a long context (a chat request without max_tokens gets the model's) is
+    resident only where written: 4,000,000 positions (GBs if committed) cost a few MB for a few
+    tokens, and decode the same bits as a cache of 16."""
+    from moestream.decoder.generation.loop import forward_step
+
+    layout = ModelLayout(make_tiny_model(arch=arch))
+    model = load_model(layout).with_bank(ExpertBank(ResidentExperts(layout)))
+    logits = {}
+    for capacity in (16, 4_000_000):
+        before = _rss_anon()
+        cache = model.new_cache(1, capacity)
+        full = sum(t.nbytes for t in cache.k) + sum(t.nbytes for t in cache.v if t.data_ptr() not in
+                                                     {k.data_ptr() for k in cache.k})
+        with torch.inference_mode():
+            steps = [forward_step(model, torch.tensor([PROMPTS[0]]), cache, last_only=True)]
+            steps += [forward_step(model, torch.tensor([[t]]), cache, last_only=True) for t in (7, 300, 12)]
+        logits[capacity] = torch.stack(steps)  # [4, 1, V]
+        if capacity > 16:
+            assert full > 512 << 20, full  # (the test means something: committed, this would be GBs)
+            assert _rss_anon() - before < 64 << 20, (_rss_anon() - before) >> 20
+        del cache
+    assert torch.equal(logits[16], logits[4_000_000])

@@ -43,6 +43,7 @@ from ..weights import QuantWeight
 from . import qwen3moe
 from ..layers import (
     KVCache,
+    cache_zeros,
     StepAttn,
     Weights,
     apply_rope_norm,
@@ -154,7 +155,7 @@ class LatentCache(KVCache):
     @classmethod
     def latent(cls, n_layer: int, batch: int, m: MLADims, capacity: int, device: torch.device,
                dtype: torch.dtype) -> LatentCache:
-        k = [torch.zeros(batch, 1, capacity, m.kv_lora + m.rope, device=device, dtype=dtype) for _ in range(n_layer)]
+        k = [cache_zeros((batch, 1, capacity, m.kv_lora + m.rope), device, dtype) for _ in range(n_layer)]
         return cls(k=k, v=[t[..., :m.kv_lora] for t in k],
                    valid=torch.zeros(batch, capacity, dtype=torch.bool, device=device),
                    next_pos=torch.zeros(batch, dtype=torch.int64, device=device))

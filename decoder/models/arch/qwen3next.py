@@ -37,6 +37,7 @@ from ....common.layout import HParams
 from . import qwen3moe
 from ..layers import (
     KVCache,
+    cache_zeros,
     StepAttn,
     Weights,
     apply_rope_neox,
@@ -107,8 +108,8 @@ class Model(MoETransformer):
         hp, g, dev, dt = self.hparams, self.gdn, self.device, self.dtype
         kv = [(batch, hp.n_head_kv, 0 if rec else capacity, hp.head_dim) for rec in hp.recurrent]
         return HybridCache(
-            k=[torch.zeros(s, device=dev, dtype=self.kv_dtype) for s in kv],
-            v=[torch.zeros(s, device=dev, dtype=self.kv_dtype) for s in kv],
+            k=[cache_zeros(s, dev, self.kv_dtype) for s in kv],
+            v=[cache_zeros(s, dev, self.kv_dtype) for s in kv],
             valid=torch.zeros(batch, capacity, dtype=torch.bool, device=dev),
             next_pos=torch.zeros(batch, dtype=torch.int64, device=dev),
             conv=[torch.zeros((batch, g.conv_kernel - 1, g.conv_dim) if rec else (0,), device=dev, dtype=dt)
