@@ -4,8 +4,8 @@ On a shared host the best count moves: idle, every core helps a memory-bound ker
 busy process, a parallel region waits for whichever of its threads was descheduled (a time
 slice, ~ms, per region, several regions per layer), and one thread was measured 10x faster than
 two. So `ThreadTuner` times each decode step, keeps an average per candidate count (all cores,
-half of them, one) and runs the fastest, trying another candidate every `explore` steps so it
-follows a neighbour that comes or goes. numba's count (the expert, dense and attention kernels:
+half of them, one) and runs the fastest, trying another candidate now and then so it follows a
+neighbour that comes or goes (every `explore` steps, less often while the tries lose clearly). numba's count (the expert, dense and attention kernels:
 the same bits for any count) follows the pick, and torch's too for the step's duration only:
 its few ops left in a decode step's forward (embedding, glue) give the same bits on any count
 (tests/decoder/test_threads.py), and its idle OpenMP threads, spinning beside a busy neighbour,
@@ -23,6 +23,8 @@ import torch
 
 _ALPHA = 0.3  # weight of a new step time in a candidate's average
 _MARGIN = 0.08  # how much faster a smaller count must be to be kept (step times vary with routing)
+_LOST = 1.5  # a candidate this much slower than the best lost clearly: try it half as often
+_BACKOFF = 16  # at most this many times `explore` steps between tries
 
 
 class ThreadTuner:
@@ -31,28 +33,48 @@ class ThreadTuner:
         self.explore = explore
         self.avg: dict[int, float] = {}
         self.steps = 0
+        # Steps between tries of another count: doubled each time the count tried loses clearly,
+        # back to `explore` when one comes close. Beside a busy neighbour a step on two threads
+        # of two cores took 74 ms against 9 on one: tried every 24 steps, those tries alone held
+        # the default at 0.72 of one thread's tok/s (Intel VM, `bench decode --neighbour`).
+        self.interval = explore
+        self.next_try = explore - 1
+        self.turn = 0
         # The first step is not a sample: it may load a kernel (a float16 KV cache's attention took
         # 60 ms against 11) and it finds the caches cold, which once made the tuner keep one thread.
         # It runs on one thread: the cheap choice beside a busy neighbour, one slower step idle.
         self.unsampled = 1
 
+    def best(self) -> int:
+        most = self.options[0]  # fewer threads must win by a margin: idle, all cores is the rule
+        return min(self.avg, key=lambda n: self.avg[n] * (1.0 if n == most else 1.0 + _MARGIN))
+
     def pick(self) -> int:
-        """The count for the next step: each candidate once, then the fastest, another every
-        `explore` steps (in turn)."""
+        """The count for the next step: each candidate once, then the fastest, another now and
+        then (in turn) so the tuner follows a neighbour that comes or goes."""
         untried = [n for n in self.options if n not in self.avg]
         if untried:
             return untried[0]
-        most = self.options[0]  # fewer threads must win by a margin: idle, all cores is the rule
-        best = min(self.avg, key=lambda n: self.avg[n] * (1.0 if n == most else 1.0 + _MARGIN))
-        if self.steps % self.explore == self.explore - 1:
+        best = self.best()
+        if self.steps >= self.next_try:
             others = [n for n in self.options if n != best]
-            return others[(self.steps // self.explore) % len(others)]
+            return others[self.turn % len(others)]
         return best
 
     def record(self, threads: int, seconds: float) -> None:
         old = self.avg.get(threads)
         self.avg[threads] = seconds if old is None else (1 - _ALPHA) * old + _ALPHA * seconds
         self.steps += 1
+        if len(self.avg) < len(self.options):
+            return
+        best = self.best()
+        if threads != best:  # a try of another count (or the last first one): how it fared sets the next
+            lost = seconds > _LOST * self.avg[best]
+            self.interval = min(self.interval * 2, _BACKOFF * self.explore) if lost else self.explore
+            self.next_try = self.steps + self.interval - 1
+            self.turn += 1
+        elif self.steps > self.next_try:  # (a try that won became the best)
+            self.interval, self.next_try = self.explore, self.steps + self.explore - 1
 
     @contextmanager
     def step(self):
