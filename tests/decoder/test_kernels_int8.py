@@ -274,8 +274,8 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
     """vpdpbusd, AVX2's vpmaddubsw + vpmaddwd, and plain IR give the same exact sums (unsigned
     bytes <= 128, as the kernels keep them), also with per-lane scales (dpbusd_k); the 16-entry
     lookup (vpshufb or per byte), the bit expansion, the negation by bits (a masked subtract,
-    psignb or a select) and the TQ1_0 block dot (one masked load or three) agree; each compiled
-    afresh per path."""
+    psignb or a select), the TQ1_0 block dot (one masked load or three) and Q2_K's (a vpshufb,
+    two or one per byte) agree; each compiled afresh per path."""
     if features is not None:
         if "avx2" in features and not si.has_avx2():
             pytest.skip("the host has no AVX2")
@@ -325,20 +325,6 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
         np.testing.assert_array_equal(got[64:], np.where((bits >> np.arange(32)) & 1, -a, a))
 
     @njit(cache=False)
-    def word_scaled(u, a, k, out):  # dpwssd_k: byte pair sums times a word each
-        _i8_st(addr(out), si.dpwssd_k(_i8_ld(addr(out)), si.ld_b(addr(u), 0), si.ld_b(addr(a), 0),
-                                       si.ld_b(addr(k), 0)))
-
-    for _ in range(20):
-        u = rng.integers(0, 4, 32).astype(np.uint8)  # (Q2_K's codes and 4-bit scales)
-        a = rng.integers(-127, 128, 32).astype(np.int8)
-        k = rng.integers(0, 16, 16).astype(np.int16)
-        out = rng.integers(-1000, 1000, 8).astype(np.int32)
-        want = out + (u.astype(np.int64) * a * np.repeat(k, 2)).reshape(8, 4).sum(axis=1)
-        word_scaled(u, a, k.view(np.uint8), out)
-        np.testing.assert_array_equal(out, want)
-
-    @njit(cache=False)
     def pm_lanes(a, b0, b1, out):  # both ways to a Q1_0 block's +-1 dot, 16 lanes each
         p = addr(a)
         sv.st_i32(addr(out), 0, si.pm_dot128(b0, b1, p, 0))
@@ -383,6 +369,30 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
         got = np.zeros(16, np.int32)
         tq1_lanes(block, a, init, got)
         np.testing.assert_array_equal(got, want)
+
+    @njit(cache=False)
+    def q2k_lanes(block, a, out):  # a Q2_K super-block's two dots, the group sums summed here and given
+        t1, t2 = si.q2k_dot256(addr(block), 0, addr(a), 0)
+        sv.st_i32(addr(out), 0, t1)
+        sv.st_i32(addr(out), 64, t2)
+        g = si.group_sums256(addr(a), 0)
+        sv.st_i32(addr(out), 128, g)
+        u1, u2 = si.q2k_dot256_from(addr(block), 0, addr(a), 0, addr(out) + 128)
+        sv.st_i32(addr(out), 192, u1)
+        sv.st_i32(addr(out), 256, u2)
+
+    one, zero = np.array([1.0], np.float16).view(np.uint8), np.array([0.0], np.float16).view(np.uint8)
+    for _ in range(20):
+        body = rng.integers(0, 256, 80).astype(np.uint8)  # scales[16], qs[64]
+        scq = gq.dequantize(np.concatenate([body, one, zero]), Q.Q2_K).astype(np.int64)  # sc q (d 1, dmin 0)
+        m = -gq.dequantize(np.concatenate([body, zero, one]), Q.Q2_K).astype(np.int64)  # m per weight
+        a = rng.integers(-127, 128, 256).astype(np.int8)
+        got = np.zeros(80, np.int32)
+        q2k_lanes(np.concatenate([body, one, one]), a, got)
+        np.testing.assert_array_equal(got[:16], (scq * a).reshape(4, 16, 4).sum(axis=(0, 2)))
+        np.testing.assert_array_equal(got[16:32], (m * a).reshape(16, 16).sum(axis=1))  # lane g: m_g x its sum
+        np.testing.assert_array_equal(got[32:48], a.astype(np.int64).reshape(16, 16).sum(axis=1))
+        np.testing.assert_array_equal(got[48:], got[:32])  # from the group sums: the same integers
 
 
 

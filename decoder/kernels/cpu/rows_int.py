@@ -37,7 +37,7 @@ vpmaddwd by k instead of by 1 on AVX2):
   Q4_1     nibble n, w = d n + m              : c = d, offset m x sum(a)
   Q5_0/Q5_1  n + 16 x fifth bit, w = d (n - 16) or d n + m: c = d, offset -16 d or m
   Q4_K/Q5_K  n (+16 x fifth bit), w = d sc n - dmin m: c = d sc, offset -dmin m x sum(a)
-  Q2_K     q, its pair sums times sc (dpwssd_k); a second dot, the mins m as bytes: w = d sc q - dmin m
+  Q2_K     sc q (64 bytes, a lookup); a second dot, the sums per 16 times m: w = d sc q - dmin m
   Q3_K     q (-4..3) signed, k = sc - 32 (-32..31)                      c = d
   Q6_K     q - 32 signed: c per 16 weights (float: hsum4x8_halves)
   Q1_0     bits b (0/1), w = d (2 b - 1)      : 64 bytes: a added or negated by b  c = d
@@ -251,15 +251,6 @@ def _sbw_k_row(i, R, U, W, B, K, mode, c, e, acc):
 
 
 @njit(**_INL)
-def _sbw1_row(i, R, U, c, e, acc):
-    """_sbw_k_row with unsigned weights and no per-16 scales: the 8 dots as two chains of 4 added
-    once (the same integer lanes as 8 dots from zero summed, in 12 fewer instructions)."""
-    a = R[i]
-    isum = s.i8_add(_half(U, a, e, 0), _half(U, a, e, 1))
-    return s.f8_fma(s.f8_of_i(isum), s.f8_mul(s.f8_ld(R[4 + i], (e >> 5) * 4), c), acc)
-
-
-@njit(**_INL)
 def _sbw_k(U, W, B, K, mode, c, e, nx, R, c0, c1, c2, c3):
     c0 = _sbw_k_row(0, R, U, W, B, K, mode, c, e, c0)
     if nx > 1:
@@ -411,47 +402,36 @@ def _q6_k(p, off, n_in, R, nx):
 
 
 @njit(**_INL)
-def _q2k_half(Q, S, a, e, h):
-    """The scaled dot of sub-blocks 4h .. 4h + 3 (codes Q, per-word scales S) with the
-    activations at a + e: one chain of dpwssd_k (8 lanes)."""
-    t = s.dpwssd_k(s.i8_zero(), Q[4 * h], s.ld_b(a, e + 128 * h), S[4 * h])
-    t = s.dpwssd_k(t, Q[4 * h + 1], s.ld_b(a, e + 128 * h + 32), S[4 * h + 1])
-    t = s.dpwssd_k(t, Q[4 * h + 2], s.ld_b(a, e + 128 * h + 64), S[4 * h + 2])
-    return s.dpwssd_k(t, Q[4 * h + 3], s.ld_b(a, e + 128 * h + 96), S[4 * h + 3])
+def _q2k_scaled(t, p, o, da, acc):
+    """acc + t1 (d da) + t2 (-dmin da): a Q2_K super-block's two integer dots (q2k_dot256) scaled."""
+    acc = v.fma(v.to_f(t[0]), v.splat(f16_at(p, o + 80) * da), acc)
+    return v.fma(v.to_f(t[1]), v.splat(-f16_at(p, o + 82) * da), acc)
 
 
 @njit(**_INL)
-def _q2k_row(i, R, Q, S, M, c, cm, e, acc):
-    """Row i's acc + c (sc q . a) + cm (m . a) for one super-block, the first as two chains of
-    4 (_q2k_half), the mins as _sbw1's."""
-    isum = s.i8_add(_q2k_half(Q, S, R[i], e, 0), _q2k_half(Q, S, R[i], e, 1))
-    acc = s.f8_fma(s.f8_of_i(isum), s.f8_mul(s.f8_ld(R[4 + i], (e >> 5) * 4), c), acc)
-    return _sbw1_row(i, R, M, cm, e, acc)
+def _q2_k_row(i, R, p, o, e, acc):
+    return _q2k_scaled(s.q2k_dot256(p, o, R[i], e), p, o, s.f32_at(R[4 + i], (e >> 5) * 4), acc)
 
 
 @njit(**_INL)
 def _q2_k(p, off, n_in, R, nx):
     """84 B / 256: 16 scale bytes (low nibble scale, high min, per 16 weights), qs[64] of 2-bit
-    codes (element 128 h + 32 j + l: bits 2j.. of qs[32 h + l]), f16 d, f16 dmin:
-    w = d sc q - dmin m. The codes meet the activations in int16 pair sums (vpmaddubsw) that the
-    4-bit scales multiply as they are summed (vpdpwssd: dpwssd_k), and the mins are dotted as
-    bytes of their own: two integer dots, no per-16 float work and no byte multiplies."""
+    codes (as TQ2_0's), f16 d, f16 dmin: w = d sc q - dmin m, a super-block's dot d x sum sc q a
+    - dmin x sum m a, two integer dots on 64-byte vectors (q2k_dot256). The one-row kernel
+    (_rows1_from_sums) takes the activations' lane sums precomputed once per call, the same
+    integers."""
     o = np.int64(off)
-    c0, c1, c2, c3 = _zeros()
+    c0, c1, c2, c3 = v.zero(), v.zero(), v.zero(), v.zero()
     for sb in range(n_in // 256):
         s.prefetch_lines(p, o + PREFETCH_BYTES, 84)
-        S, M = blk.q2k_scales(p, o)
-        a, b = s.ld_b(p, o + 16), s.ld_b(p, o + 48)
-        Q = (s.b_and(a, 3), s.b_and(s.b_shr(a, 2), 3), s.b_and(s.b_shr(a, 4), 3), s.b_shr(a, 6),
-             s.b_and(b, 3), s.b_and(s.b_shr(b, 2), 3), s.b_and(s.b_shr(b, 4), 3), s.b_shr(b, 6))
-        e, c, cm = 256 * sb, s.f8_splat(f16_at(p, o + 80)), s.f8_splat(-f16_at(p, o + 82))
-        c0 = _q2k_row(0, R, Q, S, M, c, cm, e, c0)
+        e = 256 * sb
+        c0 = _q2_k_row(0, R, p, o, e, c0)
         if nx > 1:
-            c1 = _q2k_row(1, R, Q, S, M, c, cm, e, c1)
-            c2 = _q2k_row(2, R, Q, S, M, c, cm, e, c2)
-            c3 = _q2k_row(3, R, Q, S, M, c, cm, e, c3)
+            c1 = _q2_k_row(1, R, p, o, e, c1)
+            c2 = _q2_k_row(2, R, p, o, e, c2)
+            c3 = _q2_k_row(3, R, p, o, e, c3)
         o += 84
-    return _fin(c0, c1, c2, c3)
+    return v.hsum(c0), v.hsum(c1), v.hsum(c2), v.hsum(c3)
 
 
 @njit(**_INL)
@@ -503,6 +483,16 @@ def _tq2_0_row(i, R, p, o, e, sums, acc):
 def _neg_sums256(a, e):
     """-(the activations' lane sums) over elements e .. e + 255 in tq2_dot256's lanes."""
     return v.iadd(s.pm_sums128(a, e), s.pm_sums128(a, e + 128))
+
+
+@njit(**_INL)
+def _group_sums_row(a, n_in):
+    """The activations at a's sums per 16 (group_sums256: Q2_K's mins), 64 bytes per 256, in a
+    64-byte aligned buffer (addr() of it inside the callers' loops keeps it alive)."""
+    buf = _aligned_bytes(1, n_in // 4)
+    for b in range(n_in // 256):
+        v.st_i32(addr(buf), 64 * b, s.group_sums256(a, 256 * b))
+    return buf
 
 
 @njit(**_INL)
@@ -612,11 +602,11 @@ def _q1_0_from(R, p, o, e, sums, acc):
 
 @njit(**_INL)
 def _rows1_from_sums(qtype, p, off, rb, n, n_in, R, out):
-    """int_rows1 for Q1_0, TQ2_0 and TQ1_0: activation row 0's negated lane sums once per call
-    (_neg_sums_row), then each row 256 weights a step, each block's chain started from them."""
-    q1, tq2 = qtype == _Q1_0, qtype == _TQ2_0
-    sums = _neg_sums_row(R[0], n_in, 128 if q1 else 256)
-    nb = 36 if q1 else 66 if tq2 else 54  # bytes per 256 weights
+    """int_rows1 for Q1_0, TQ2_0, TQ1_0 and Q2_K: activation row 0's (negated) lane sums once per
+    call (_neg_sums_row, _group_sums_row), then each row 256 weights a step."""
+    q1, tq2, q2k = qtype == _Q1_0, qtype == _TQ2_0, qtype == _Q2_K
+    sums = _group_sums_row(R[0], n_in) if q2k else _neg_sums_row(R[0], n_in, 128 if q1 else 256)
+    nb = 36 if q1 else 66 if tq2 else 84 if q2k else 54  # bytes per 256 weights
     for i in range(n):
         o = np.int64(off + i * rb)
         acc = v.zero()
@@ -626,6 +616,10 @@ def _rows1_from_sums(qtype, p, off, rb, n, n_in, R, out):
                 acc = _q1_0_from(R, p, o, 256 * sb, addr(sums), acc)
             elif tq2:
                 acc = _tq2_0_row(0, R, p, o, 256 * sb, v.ld_i32(addr(sums), 64 * sb), acc)
+            elif q2k:
+                e = 256 * sb
+                acc = _q2k_scaled(s.q2k_dot256_from(p, o, R[0], e, addr(sums) + e // 4), p, o,
+                                  s.f32_at(R[4], (e >> 5) * 4), acc)
             else:
                 acc = _tq1_0_row(0, R, p, o, 256 * sb, v.ld_i32(addr(sums), 64 * sb), acc)
             o += nb
@@ -888,7 +882,7 @@ def int_rows1(qtype, p, off, rb, n, n_in, R, out):
     dispatch on the type is a predicted branch, not a call per row (2.7x int_dots' rate per row
     on 1024-wide Q8_0 rows)."""
     s.prefetch_lines(p, off, min(n * rb, PREFETCH_BYTES))  # (the span's head at once: its misses overlap)
-    if qtype == _Q1_0 or qtype == _TQ2_0 or qtype == _TQ1_0:
+    if qtype == _Q1_0 or qtype == _TQ2_0 or qtype == _TQ1_0 or qtype == _Q2_K:
         _rows1_from_sums(qtype, p, off, rb, n, n_in, R, out)
         return
     for i in range(n):

@@ -184,32 +184,6 @@ def q6_scales(typingctx, p, off):
 
 
 @intrinsic
-def q2k_scales(typingctx, p, off):
-    """Q2_K's 16 scale bytes at p + off (low nibble: scale, high: min, one per 16 weights) as the
-    8 sub-blocks' per-word scales and per-byte mins: (S, M), S[j] = 8 x scale 2j then 8 x scale
-    2j + 1 as int16 words (dpwssd_k's k, in a byte vector's register), M[j] = 16 x min 2j then 16 x
-    min 2j + 1 as bytes."""
-    if not _ints(p, off):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v16 = ir.VectorType(_I8, 16)
-        v = _ld_vec(builder, args[0], args[1], v16)
-        lo, hi = builder.and_(v, _c(v16, [15] * 16)), builder.lshr(v, _c(v16, [4] * 16))
-        v32 = ir.VectorType(_I32, 32)
-        w16 = builder.zext(lo, ir.VectorType(_I16, 16))
-        m16 = ir.VectorType(_I32, 16)
-        S = [builder.bitcast(builder.shuffle_vector(w16, w16, _c(m16, [2 * j] * 8 + [2 * j + 1] * 8)), _VB)
-             for j in range(8)]
-        M = [builder.shuffle_vector(hi, hi, _c(v32, [2 * j] * 16 + [2 * j + 1] * 16)) for j in range(8)]
-        ty = sig.return_type[0]
-        return context.make_tuple(builder, sig.return_type, [context.make_tuple(builder, ty, S),
-                                                             context.make_tuple(builder, ty, M)])
-
-    return types.UniTuple(types.UniTuple(vb, 8), 2)(p, off), codegen
-
-
-@intrinsic
 def iq2xs_prep(typingctx, p, off, table):
     """An IQ2_XS super-block at p + off (f16 d, u16 qs[32]: 9-bit grid index, 7-bit ksigns index;
     scales[8]: a nibble per 16 weights): (U: the 8 sub-blocks' grid bytes, their 32 sign bits

@@ -323,6 +323,131 @@ def pm_dot128_from(typingctx, sums, b0, b1, p, off):
     return _veci(sums, b0, b1, p, off), codegen
 
 
+def _q2k_dots(builder, p, off, a, e, gsums):
+    """Q2_K's two integer dots of a super-block (q2k_dot256): t1 = sum_k sc_g(k) q_k a_k in
+    pm_dot128's lanes and t2 = m_g gsum_g in lane g (gsum_g: the sum of activations 16 g ..
+    16 g + 15; `gsums` the address of the 16 as int32, or None: summed here)."""
+    v64, d16 = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16)
+    o = _i64(builder, off)
+    sc = _ld_vec_at(builder, p, o, 0, ir.VectorType(_I8, 16))
+    lo = builder.zext(builder.and_(sc, ir.Constant(sc.type, [15] * 16)), d16)  # [16] a scale per 16 weights
+    hi = builder.zext(builder.lshr(sc, ir.Constant(sc.type, [4] * 16)), d16)  # [16] their mins
+    table = builder.bitcast(builder.mul(lo, ir.Constant(d16, [0x03020100] * 16)), v64)  # group g: 0, sc, 2 sc, 3 sc
+    t1 = ir.Constant(d16, [0] * 16)
+    for c in range(4):  # run c: elements 64 c .. 64 c + 63, groups 4 c .. 4 c + 3 (a 16-byte lane each)
+        j, sh = c // 2, 4 * (c % 2)
+        q32 = _ld_vec_at(builder, p, o, 16 + 32 * j, _VB)
+        both = builder.bitcast(builder.shuffle_vector(q32, q32, ir.Constant(ir.VectorType(_I32, 64),
+                                                                            list(range(32)) * 2)), _W32)
+        shifted = builder.lshr(both, ir.Constant(_W32, [sh] * 16 + [sh + 2] * 16))
+        codes = builder.and_(builder.bitcast(shifted, v64), ir.Constant(v64, [3] * 64))
+        lane_tables = builder.shuffle_vector(table, table, ir.Constant(ir.VectorType(_I32, 64),
+                                                                       [16 * c + 4 * (i // 16) + i % 4 for i in range(64)]))
+        t1 = _dp512(builder, t1, _lut64(builder, lane_tables, codes), _ld64(builder, a, e, 64 * c))  # sc q . a
+    if gsums is None:
+        g = _group_sums(builder, [_lane_sums(builder, a, e, 64 * c) for c in range(4)])
+    else:
+        g = builder.load(builder.bitcast(_ptr(builder, gsums, ir.Constant(_I64, 0), _I8), d16.as_pointer()), align=1)
+    return t1, _mul16(builder, g, hi)
+
+
+_W32 = ir.VectorType(_I16, 32)
+
+
+def _ld_vec_at(builder, p, o, k, vty):
+    q = _ptr(builder, p, builder.add(o, ir.Constant(_I64, k)), _I8)
+    return builder.load(builder.bitcast(q, vty.as_pointer()), align=1)
+
+
+def _lut64(builder, table, idx):
+    """table[idx] per byte within each 16-byte lane, idx bytes 0..15 (vpshufb)."""
+    if has_avx512bw():
+        return _call(builder, "llvm.x86.avx512.pshuf.b.512", table.type, [table, idx])
+    if has_avx2():
+        m32 = ir.VectorType(_I32, 32)
+        halves = [_call(builder, "llvm.x86.avx2.pshuf.b", _VB,
+                        [builder.shuffle_vector(table, table, ir.Constant(m32, list(range(h, h + 32)))),
+                         builder.shuffle_vector(idx, idx, ir.Constant(m32, list(range(h, h + 32))))]) for h in (0, 32)]
+        return builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+    out = table
+    for i in range(64):  # (no byte shuffle: one lookup per byte)
+        k = builder.add(builder.zext(builder.extract_element(idx, ir.Constant(_I32, i)), _I32),
+                        ir.Constant(_I32, 16 * (i // 16)))
+        out = builder.insert_element(out, builder.extract_element(table, k), ir.Constant(_I32, i))
+    return out
+
+
+def _lane_sums(builder, a, e, k):
+    """The lane sums of the 64 activations at a + e + k: lane i = bytes 4i .. 4i + 3."""
+    v64 = ir.VectorType(_I8, 64)
+    return _dp512(builder, ir.Constant(ir.VectorType(_I32, 16), [0] * 16), ir.Constant(v64, [1] * 64),
+                  _ld64(builder, a, e, k))
+
+
+def _group_sums(builder, runs):
+    """The 16 sums of 16 activations (4 lanes each) of four runs' lane sums, group g in lane g."""
+    m16 = ir.VectorType(_I32, 16)
+
+    def pairs(x, y):  # lanes 2i + 2i + 1 of x then of y
+        ev = builder.shuffle_vector(x, y, ir.Constant(m16, list(range(0, 32, 2))))
+        od = builder.shuffle_vector(x, y, ir.Constant(m16, list(range(1, 32, 2))))
+        return builder.add(ev, od)
+
+    return pairs(pairs(runs[0], runs[1]), pairs(runs[2], runs[3]))
+
+
+def _mul16(builder, x, k):
+    """x * k on <16 x i32> whose values fit an int16 and k >= 0 does: one vpmaddwd (the high
+    halves: x's sign and k's zero) with AVX-512BW, else a lane multiply."""
+    if has_avx512bw():
+        return _call(builder, "llvm.x86.avx512.pmaddw.d.512", x.type, [builder.bitcast(x, _W32), builder.bitcast(k, _W32)])
+    return builder.mul(x, k)
+
+
+@intrinsic
+def q2k_dot256(typingctx, p, off, a, e):
+    """The Q2_K super-block at p + off (scales[16]: low nibble a scale, high a min per 16 weights;
+    qs[64]: element 128 j + 32 l + m bits 2 l of qs[32 j + m], as TQ2_0's; f16 d, dmin) against
+    the 256 activations at a + e: (sum sc q a, m . group sums) as two 16-lane integer vectors.
+    The scales are multiplied into the codes by a lookup (a 16-byte lane is one group of 16:
+    0, sc, 2 sc, 3 sc), so a run of 64 codes is one vpshufb and one 64-byte vpdpbusd; the weights
+    are d sc q - dmin m, so the caller scales the two by d and -dmin."""
+    if not _ints(p, off, a, e):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return context.make_tuple(builder, sig.return_type, list(_q2k_dots(builder, args[0], args[1], args[2],
+                                                                          args[3], None)))
+
+    return types.UniTuple(_veci, 2)(p, off, a, e), codegen
+
+
+@intrinsic
+def q2k_dot256_from(typingctx, p, off, a, e, gsums):
+    """q2k_dot256 with the activations' group sums read from `gsums` (the super-block's 16 int32:
+    the one-row kernel's, made once per call), the same integers."""
+    if not _ints(p, off, a, e, gsums):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return context.make_tuple(builder, sig.return_type, list(_q2k_dots(builder, args[0], args[1], args[2],
+                                                                          args[3], args[4])))
+
+    return types.UniTuple(_veci, 2)(p, off, a, e, gsums), codegen
+
+
+@intrinsic
+def group_sums256(typingctx, a, e):
+    """The 16 sums of 16 activations of the 256 at a + e, group g in lane g (q2k_dot256_from's)."""
+    if not _ints(a, e):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _group_sums(builder, [_lane_sums(builder, args[0], args[1], 64 * c) for c in range(4)])
+
+    return _veci(a, e), codegen
+
+
 @intrinsic
 def tq1_dot256(typingctx, sums, p, off, a, e):
     """sums + sum_k q_k a_k for the 256 TQ1_0 codes (0..2) of the block at p + off (qs[48], qh[4]:
@@ -573,18 +698,6 @@ def f8_mul_i2(typingctx, i, c0, c1):
 
 
 @intrinsic
-def i8_add(typingctx, a, b):
-    """a + b, int32 lane-wise."""
-    if a != vi8 or b != vi8:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.add(*args)
-
-    return vi8(a, b), codegen
-
-
-@intrinsic
 def f8_add(typingctx, a, b):
     if a != vf8 or b != vf8:
         return None
@@ -755,37 +868,6 @@ def f8_ld4x2(typingctx, p, off):
         return builder.shuffle_vector(v4, v4, _c(_VI, [0, 1, 2, 3, 0, 1, 2, 3]))
 
     return vf8(p, off), codegen
-
-
-@intrinsic
-def dpwssd_k(typingctx, acc, u, s, k):
-    """acc + (the pair sums of unsigned bytes u times signed bytes s, vpmaddubsw: int16 words)
-    each times its int16 word of k, summed in pairs into 8 int32 lanes (vpdpwssd): lane i is
-    k[2i] (u s)[4i .. 4i + 1] + k[2i + 1] (u s)[4i + 2 .. 4i + 3], dpbusd's lanes with a scale per
-    word (k: 16 int16 words carried in a byte vector). Exact while the pair sums fit int16 and
-    the callers' |k| < 2^15: Q2_K's codes (<= 3) times its 4-bit scales."""
-    if acc != vi8 or u != vb or s != vb or k != vb:
-        return None
-
-    def codegen(context, builder, sig, args):
-        a, uu, ss, kk = args
-        if has_vnni() or has_avx2():
-            pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _VW, [uu, ss])
-            if has_vnni():
-                return _call(builder, "llvm.x86.avx512.vpdpwssd.256", _VI,
-                             [a, builder.bitcast(pairs, _VI), builder.bitcast(kk, _VI)])
-            return builder.add(a, _call(builder, "llvm.x86.avx2.pmadd.wd", _VI, [pairs, builder.bitcast(kk, _VW)]))
-        wide = ir.VectorType(_I32, 32)
-        prod = builder.mul(builder.zext(uu, wide), builder.sext(ss, wide))
-        kw = builder.sext(builder.bitcast(kk, _VW), ir.VectorType(_I32, 16))
-        out = a
-        for q in range(4):
-            lane = builder.shuffle_vector(prod, prod, ir.Constant(_VI, list(range(q, 32, 4))))
-            scale = builder.shuffle_vector(kw, kw, ir.Constant(_VI, [2 * i + q // 2 for i in range(8)]))
-            out = builder.add(out, builder.mul(lane, scale))
-        return out
-
-    return vi8(acc, u, s, k), codegen
 
 
 # -- per-16 integer scales, bit masks, 16-entry tables ----------------------------------------------
