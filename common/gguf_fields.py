@@ -36,7 +36,8 @@ class ArrayField:
         if self.starts is None:
             return self.data.tolist()
         data = self.data
-        return [str(data[s:s + n].tobytes(), encoding="utf-8") for s, n in zip(self.starts.tolist(), self.lengths.tolist())]
+        return [str(data[s:s + n].tobytes(), encoding="utf-8")
+                for s, n in zip(self.starts.tolist(), self.lengths.tolist())]
 
 
 class CompactReader(GGUFReader):

@@ -115,7 +115,8 @@ def test_cli_resident(tiny_model, capsys):
     (["--model", "MODEL", "--resident", "--prompt", "x", "--kv-dtype", "int8"], "kv_dtype must be auto or one of"),
     (["--model", "MODEL", "--resident", "--prompt", "x", "--device", "cpu", "--kv-dtype", "bfloat16"],
      "a bfloat16 KV cache is for CUDA"),
-    (["--model", "MODEL", "--resident", "--prompt", "x", "--prefill-chunk", "0"], "prefill_chunk must be an integer >= 1"),
+    (["--model", "MODEL", "--resident", "--prompt", "x", "--prefill-chunk", "0"],
+     "prefill_chunk must be an integer >= 1"),
 ])
 def test_cli_errors_are_one_line(tiny_model, capsys, args, message):
     if "cuda" in message and torch.cuda.is_available():

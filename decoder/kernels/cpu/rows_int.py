@@ -472,11 +472,13 @@ def _iq1_s(p, off, n_in, R, nx):
 
 
 @njit(**_INL)
-def _tq2_0_row(i, R, p, o, e, sums, acc):
-    """acc + row i's dot with the super-block at p + o (elements e .. e + 255), 16 lanes: the
-    integer sum_k (q_k - 1) a_k (tq2_dot256 from the activations' negated lane sums) scaled once."""
-    t = v.to_f(s.tq2_dot256(sums, p, o, R[i], e))
-    return v.fma(t, v.splat(f16_at(p, o + 64) * s.f32_at(R[4 + i], (e >> 5) * 4)), acc)
+def _ternary_row(i, R, p, o, e, sums, acc, tq1):
+    """acc + row i's dot with the TQ2_0 (tq1: TQ1_0) block at p + o (elements e .. e + 255), 16
+    lanes: the integer sum_k (q_k - 1) a_k (tq2_dot256 / tq1_dot256 from the activations' negated
+    lane sums) scaled once by the block's d (after its 64 / 52 code bytes)."""
+    t = s.tq1_dot256(sums, p, o, R[i], e) if tq1 else s.tq2_dot256(sums, p, o, R[i], e)
+    d = f16_at(p, o + (52 if tq1 else 64))
+    return v.fma(v.to_f(t), v.splat(d * s.f32_at(R[4 + i], (e >> 5) * 4)), acc)
 
 
 @njit(**_INL)
@@ -509,48 +511,23 @@ def _neg_sums_row(a, n_in, span):
 
 
 @njit(**_INL)
-def _tq2_0(p, off, n_in, R, nx):
-    """66 B / 256: qs[64] of 2-bit codes, f16 d: element 128 j + 32 l + m is bits 2l.. of
-    qs[32 j + m]; w = d (q - 1), so a super-block's dot is d x (sum q a - sum a), one integer
-    (tq2_dot256, on 64-byte vectors). The one-row kernel (_rows1_from_sums) takes the sums of a
-    precomputed once per call, the same integers."""
-    o = np.int64(off)
+def _ternary(p, off, n_in, R, nx, tq1):
+    """TQ2_0: 66 B / 256: qs[64] of 2-bit codes, f16 d; element 128 j + 32 l + m is bits 2l.. of
+    qs[32 j + m]. TQ1_0 (tq1): 54 B / 256: qs[48], qh[4] of base-3 digits, f16 d. Both w = d (q -
+    1), so a block's dot is d x (sum q a - sum a), one integer (tq2_dot256 / tq1_dot256, on
+    64-byte vectors). The one-row kernel (_rows1_from_sums) takes the sums of a precomputed once
+    per call, the same integers."""
+    o, nb = np.int64(off), 54 if tq1 else 66
     c0, c1, c2, c3 = v.zero(), v.zero(), v.zero(), v.zero()
     for sb in range(n_in // 256):
-        s.prefetch_lines(p, o + PREFETCH_BYTES, 66)
+        s.prefetch_lines(p, o + PREFETCH_BYTES, nb)
         e = 256 * sb
-        c0 = _tq2_0_row(0, R, p, o, e, _neg_sums256(R[0], e), c0)
+        c0 = _ternary_row(0, R, p, o, e, _neg_sums256(R[0], e), c0, tq1)
         if nx > 1:
-            c1 = _tq2_0_row(1, R, p, o, e, _neg_sums256(R[1], e), c1)
-            c2 = _tq2_0_row(2, R, p, o, e, _neg_sums256(R[2], e), c2)
-            c3 = _tq2_0_row(3, R, p, o, e, _neg_sums256(R[3], e), c3)
-        o += 66
-    return v.hsum(c0), v.hsum(c1), v.hsum(c2), v.hsum(c3)
-
-
-@njit(**_INL)
-def _tq1_0_row(i, R, p, o, e, sums, acc):
-    """acc + row i's dot with the TQ1_0 block at p + o (elements e .. e + 255), 16 lanes: the
-    integer sum_k (q_k - 1) a_k (tq1_dot256 from the activations' negated lane sums) scaled once."""
-    t = v.to_f(s.tq1_dot256(sums, p, o, R[i], e))
-    return v.fma(t, v.splat(f16_at(p, o + 52) * s.f32_at(R[4 + i], (e >> 5) * 4)), acc)
-
-
-@njit(**_INL)
-def _tq1_0(p, off, n_in, R, nx):
-    """54 B / 256: qs[48], qh[4] of base-3 digits, f16 d: w = d (q - 1), a block's dot d x one
-    integer (tq1_dot256, on 64-byte vectors), as TQ2_0's."""
-    o = np.int64(off)
-    c0, c1, c2, c3 = v.zero(), v.zero(), v.zero(), v.zero()
-    for sb in range(n_in // 256):
-        s.prefetch_lines(p, o + PREFETCH_BYTES, 54)
-        e = 256 * sb
-        c0 = _tq1_0_row(0, R, p, o, e, _neg_sums256(R[0], e), c0)
-        if nx > 1:
-            c1 = _tq1_0_row(1, R, p, o, e, _neg_sums256(R[1], e), c1)
-            c2 = _tq1_0_row(2, R, p, o, e, _neg_sums256(R[2], e), c2)
-            c3 = _tq1_0_row(3, R, p, o, e, _neg_sums256(R[3], e), c3)
-        o += 54
+            c1 = _ternary_row(1, R, p, o, e, _neg_sums256(R[1], e), c1, tq1)
+            c2 = _ternary_row(2, R, p, o, e, _neg_sums256(R[2], e), c2, tq1)
+            c3 = _ternary_row(3, R, p, o, e, _neg_sums256(R[3], e), c3, tq1)
+        o += nb
     return v.hsum(c0), v.hsum(c1), v.hsum(c2), v.hsum(c3)
 
 
@@ -614,14 +591,12 @@ def _rows1_from_sums(qtype, p, off, rb, n, n_in, R, out):
             s.prefetch_lines(p, o + PREFETCH_BYTES, nb)
             if q1:
                 acc = _q1_0_from(R, p, o, 256 * sb, addr(sums), acc)
-            elif tq2:
-                acc = _tq2_0_row(0, R, p, o, 256 * sb, v.ld_i32(addr(sums), 64 * sb), acc)
             elif q2k:
                 e = 256 * sb
                 acc = _q2k_scaled(s.q2k_dot256_from(p, o, R[0], e, addr(sums) + e // 4), p, o,
                                   s.f32_at(R[4], (e >> 5) * 4), acc)
             else:
-                acc = _tq1_0_row(0, R, p, o, 256 * sb, v.ld_i32(addr(sums), 64 * sb), acc)
+                acc = _ternary_row(0, R, p, o, 256 * sb, v.ld_i32(addr(sums), 64 * sb), acc, not tq2)
             o += nb
         out[i] = v.hsum(acc)
 
@@ -908,7 +883,7 @@ def _int_dot(qtype, p, off, n_in, R, nx):
     if qtype == _IQ1_S:
         return _iq1_s(p, off, n_in, R, nx)
     if qtype == _TQ1_0:
-        return _tq1_0(p, off, n_in, R, nx)
+        return _ternary(p, off, n_in, R, nx, True)
     if qtype == _Q1_0:
         return _q1_0(p, off, n_in, R, nx)
     if qtype == _IQ2_XS:
@@ -937,7 +912,7 @@ def _int_dot(qtype, p, off, n_in, R, nx):
         return _mxfp4(p, off, n_in, R, nx)
     if qtype == _NVFP4:
         return _nvfp4(p, off, n_in, R, nx)
-    return _tq2_0(p, off, n_in, R, nx)
+    return _ternary(p, off, n_in, R, nx, False)
 
 
 @njit(**_INL)

@@ -5,12 +5,13 @@ busy process, a parallel region waits for whichever of its threads was deschedul
 slice, ~ms, per region, several regions per layer), and one thread was measured 10x faster than
 two. So `ThreadTuner` times each decode step, keeps an average per candidate count (all cores,
 half of them, one) and runs the fastest, trying another candidate now and then so it follows a
-neighbour that comes or goes (every `explore` steps, less often while the tries lose clearly). numba's count (the expert, dense and attention kernels:
-the same bits for any count) follows the pick, and torch's too for the step's duration only:
-its few ops left in a decode step's forward (embedding, glue) give the same bits on any count
-(tests/decoder/test_threads.py), and its idle OpenMP threads, spinning beside a busy neighbour,
-held the default at 0.69 of the best fixed count, now 0.91-0.94 (Intel VM, `bench decode
---neighbour`). Prefill and sampling, outside the step, keep torch's count as set.
+neighbour that comes or goes (every `explore` steps, less often while the tries lose clearly).
+numba's count (the expert, dense and attention kernels: the same bits for any count) follows
+the pick, and torch's too for the step's duration only: its few ops left in a decode step's
+forward (embedding, glue) give the same bits on any count (tests/decoder/test_threads.py), and
+its idle OpenMP threads, spinning beside a busy neighbour, held the default at 0.69 of the best
+fixed count, then 0.91-0.94 (Intel VM, `bench decode --neighbour`). Prefill and sampling,
+outside the step, keep torch's count as set.
 """
 
 from __future__ import annotations

@@ -341,8 +341,8 @@ def _q2k_dots(builder, p, off, a, e, gsums):
                                                                             list(range(32)) * 2)), _W32)
         shifted = builder.lshr(both, ir.Constant(_W32, [sh] * 16 + [sh + 2] * 16))
         codes = builder.and_(builder.bitcast(shifted, v64), ir.Constant(v64, [3] * 64))
-        lane_tables = builder.shuffle_vector(table, table, ir.Constant(ir.VectorType(_I32, 64),
-                                                                       [16 * c + 4 * (i // 16) + i % 4 for i in range(64)]))
+        picks = [16 * c + 4 * (i // 16) + i % 4 for i in range(64)]  # byte i: group 4 c + i // 16's table
+        lane_tables = builder.shuffle_vector(table, table, ir.Constant(ir.VectorType(_I32, 64), picks))
         t1 = _dp512(builder, t1, _lut64(builder, lane_tables, codes), _ld64(builder, a, e, 64 * c))  # sc q . a
     if gsums is None:
         g = _group_sums(builder, [_lane_sums(builder, a, e, 64 * c) for c in range(4)])
@@ -400,7 +400,8 @@ def _mul16(builder, x, k):
     """x * k on <16 x i32> whose values fit an int16 and k >= 0 does: one vpmaddwd (the high
     halves: x's sign and k's zero) with AVX-512BW, else a lane multiply."""
     if has_avx512bw():
-        return _call(builder, "llvm.x86.avx512.pmaddw.d.512", x.type, [builder.bitcast(x, _W32), builder.bitcast(k, _W32)])
+        return _call(builder, "llvm.x86.avx512.pmaddw.d.512", x.type,
+                     [builder.bitcast(x, _W32), builder.bitcast(k, _W32)])
     return builder.mul(x, k)
 
 
@@ -475,8 +476,8 @@ def tq1_dot256(typingctx, sums, p, off, a, e):
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
                 v64, [v64.as_pointer(), _I32, ir.VectorType(ir.IntType(1), 64), v64]), "llvm.masked.load.v64i8.p0v64i8")
             q = builder.bitcast(_ptr(builder, args[1], o, _I8), v64.as_pointer())
-            x = builder.call(fn, [q, ir.Constant(_I32, 1), ir.Constant(ir.VectorType(ir.IntType(1), 64),
-                                                                         [1] * 52 + [0] * 12), ir.Constant(v64, [0] * 64)])
+            mask = ir.Constant(ir.VectorType(ir.IntType(1), 64), [1] * 52 + [0] * 12)
+            x = builder.call(fn, [q, ir.Constant(_I32, 1), mask, ir.Constant(v64, [0] * 64)])
         else:
             lo, mid, qh = load(0, 32), load(32, 16), load(48, 4)
             mq = builder.shuffle_vector(mid, builder.shuffle_vector(qh, qh, ir.Constant(ir.VectorType(_I32, 16),
