@@ -2,7 +2,7 @@
 
 gguf-py's reader turns every element of a metadata array into its own numpy view (a string is
 two: its length and its bytes). A 151,936-token vocabulary (Qwen3's; DeepSeek-V3's is 129,280)
-with its token types and ~151,000 merges is ~750,000 views: 327 MiB of anonymous memory that
+with its token types and ~151,000 merges is ~760,000 views: 466 MiB (tracemalloc) that
 both processes held for as long as the model was open, more than all the rest of a decoder on a
 small model. Here an array of numbers is one view of the file's map, and an array of strings is
 the start and length of each string (16 bytes each); `contents()` decodes them when asked, as

@@ -9,8 +9,8 @@ Measured on a CPU decoder (RssAnon / RssFile, MB) as it starts:
 | import numba                 |  +19 |  +96 | llvmlite's LLVM (libllvmlite.so, ~104 MB touched) |
 | kernels compiled / loaded    |  +27 |  +12 | the JIT code and its cache                        |
 | dense weights, KV            | +15  |  +17 | (a 512-wide model; scales with the model)         |
-| GGUF metadata, 152k vocab    |   +3 |      | (gguf-py's reader: +327; see common/gguf_fields)  |
-| tokenizer, 152k vocab        |  +71 |      | `tokenizers`' BPE (vocab, merges), after trim()   |
+| GGUF metadata, 152k vocab    |   +3 |      | gguf-py's reader: +327 to +466 (gguf_fields)      |
+| tokenizer, 152k vocab        |  +71 |      | a made vocabulary (124k control tokens), trimmed  |
 
 Once the kernels are compiled or loaded, LLVM is not run again (a new signature would fault its
 pages back in), and most of libtorch's text is never touched by a CPU decode. `trim()` pages both
