@@ -168,6 +168,14 @@ def test_report_shows_both_sides_the_ratios_and_the_failures():
     json.dumps(r)  # --json prints it
 
 
+def test_the_forecast_is_also_given_at_the_runs_own_disk_speed():
+    r = _result(with_llamacpp=True)
+    r["caps"][0]["forecast"] = {"tok_s": 2.5, "basis": "b", "tok_s_at_run_disk": 4.0, "run_disk_bytes_per_s": 1.3e9}
+    text = report.format_report(r)
+    assert "measured / forecast 2.00" in text  # 5.0 tok/s measured
+    assert "the runs' own disk speed (1.30 GB/s" in text and "4.00 tok/s, measured / that 1.25" in text
+
+
 def test_the_bound_takes_the_uncapped_compute_rate_when_measured():
     r = _result(with_llamacpp=True)
     r["uncapped"] = {"moestream": {"decode_tok_s": 8.0}, "llamacpp": {"decode_tok_s": 400.0}, "ratio": 0.02}

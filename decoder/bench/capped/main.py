@@ -355,16 +355,18 @@ def measure(args: argparse.Namespace, layout: Any, caps: list[tuple[str, int]], 
     runs = capped_runs(plan, layout, parent, splits, caps, args, cold, notes)
     out["caps"] = [summarize(text, splits[text], runs[text], out) for text, _ in caps]
     for cap in out["caps"]:
-        cap["forecast"] = cap_forecast(layout, splits[cap["cap"]], warm, out, args.compute_tok_s, plan.prefetch > 0)
+        cap["forecast"] = cap_forecast(layout, splits[cap["cap"]], warm, out, cap, args.compute_tok_s,
+                                       plan.prefetch > 0)
     return out
 
 
-def cap_forecast(layout: Any, split: Split, warm: dict[str, Any], out: dict[str, Any],
+def cap_forecast(layout: Any, split: Split, warm: dict[str, Any], out: dict[str, Any], cap: dict[str, Any],
                  given_tok_s: float | None = None, prefetch: bool = True) -> dict[str, Any]:
     """`moestream plan`'s arithmetic for this cap's arena, from this run's own inputs: the disk
     bandwidth measured above, the warm-up's routing replayed through the daemon's policy on the
     arena's slots, and the resident compute rate (--uncapped, --compute-tok-s), else the kernels'
-    rate on this file (`plan --probe`'s)."""
+    rate on this file (`plan --probe`'s); and again at the disk speed of the cap's own runs
+    (`cap`: its summary)."""
     s = shape_of(layout)
     resident = given_tok_s or out.get("uncapped", {}).get("moestream", {}).get("decode_tok_s")
     probe = out.get("compute_probe")
@@ -381,9 +383,15 @@ def cap_forecast(layout: Any, split: Split, warm: dict[str, Any], out: dict[str,
     # reads as deep as one layer's demand without prefetch; with it, the daemon keeps its queue full
     bw = out["bandwidth"] if prefetch else out["bandwidth_demand"]
     f = forecast_slots(s, split.cap, split.slots, hit, bw["bytes_per_s"], compute_s)
+    # The same arithmetic at the disk speed the runs themselves got (the daemon's bytes over its
+    # seconds with a read in flight): a virtual disk's speed moved 0.67-1.6 GB/s between a probe
+    # and the runs a minute later, which this separates from the model's own error.
+    run_bps = (cap.get("moestream") or {}).get("daemon_read_bytes_per_s")
+    at_run = forecast_slots(s, split.cap, split.slots, hit, run_bps, compute_s) if run_bps else None
     # a run that prefetches overlaps its reads with compute; forced routing runs without prefetch
-    return {"tok_s": f.tok_s_prefetched if prefetch else f.tok_s, "hit_rate": f.hit_rate, "io_s": f.io_s,
-            "compute_s": f.compute_s,
+    pick = (lambda g: g.tok_s_prefetched if prefetch else g.tok_s)  # noqa: E731
+    return {"tok_s": pick(f), "hit_rate": f.hit_rate, "io_s": f.io_s, "compute_s": f.compute_s,
+            "tok_s_at_run_disk": pick(at_run) if at_run else None, "run_disk_bytes_per_s": run_bps,
             "basis": f"the arena's policy hits {f.hit_rate:.2f} on the warm-up's routing, reads at "
                      f"{bw['bytes_per_s'] / 1e9:.2f} GB/s ({bw['depth']} in flight; "
                      f"{'prefetching: max(compute, I/O)' if prefetch else 'compute + I/O'}), "

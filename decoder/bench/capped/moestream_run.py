@@ -165,9 +165,11 @@ def _daemon_figures(status: dict, steps: list, layout: Any) -> dict[str, Any]:
     arena = status["arena"]
     ex = layout.experts
     lru = ideal_lru(steps, arena["n_slots"], ex.total_bytes / ex.n_blobs)
+    busy = status.get("reader", {}).get("in_flight", {}).get("busy_s")  # seconds with a read in flight
     return {"arena_slots": arena["n_slots"], "arena_bytes": arena["arena_bytes"], "daemon_hit_rate": status["hit_rate"],
             "daemon_read_bytes": status["bytes_read"], "daemon_reads": _reads(status), "lru": lru,
-            "lru_missed_per_token": lru.get("missed_bytes_per_token")}
+            "lru_missed_per_token": lru.get("missed_bytes_per_token"),
+            "daemon_read_bytes_per_s": status["bytes_read"] / busy if busy else None}
 
 
 def _reads(status: dict) -> str:

@@ -179,9 +179,14 @@ def cap_table(cap: dict[str, Any], r: dict[str, Any]) -> list[str]:
     row("peak memory (cgroup) MiB", "peak_memory", lambda v: _num(v / 2**20 if v is not None else None, ".0f"))
     row("OOM kills", "oom_kills", lambda v: _num(v, ".0f"))
     if "forecast" in cap:
-        lines.append(f"  forecast (moestream plan) tok/s: {_num(cap['forecast'].get('tok_s'))}, measured / forecast "
-                     f"{_num(ratio(ms.get('decode_tok_s'), cap['forecast'].get('tok_s')))}; "
-                     f"{cap['forecast'].get('basis', '')}")
+        fc = cap["forecast"]
+        lines.append(f"  forecast (moestream plan) tok/s: {_num(fc.get('tok_s'))}, measured / forecast "
+                     f"{_num(ratio(ms.get('decode_tok_s'), fc.get('tok_s')))}; {fc.get('basis', '')}")
+        at_run = fc.get("tok_s_at_run_disk")
+        if at_run:
+            lines.append(f"  the same at the runs' own disk speed ({fc['run_disk_bytes_per_s'] / 1e9:.2f} GB/s: the "
+                         f"daemon's bytes over its seconds with a read in flight): {_num(at_run)} tok/s, "
+                         f"measured / that {_num(ratio(ms.get('decode_tok_s'), at_run))}")
     return lines + _lru_notes(cap, ms, r) + _moestream_notes(ms, r) + _side_notes(ms, ll, extra)
 
 
