@@ -347,7 +347,7 @@ def _q2k_dots(builder, p, off, a, e, gsums):
     if gsums is None:
         g = _group_sums(builder, [_lane_sums(builder, a, e, 64 * c) for c in range(4)])
     else:
-        g = builder.load(builder.bitcast(_ptr(builder, gsums, ir.Constant(_I64, 0), _I8), d16.as_pointer()), align=1)
+        g = _ld_vec(builder, gsums, ir.Constant(_I64, 0), d16)
     return t1, _mul16(builder, g, hi)
 
 
@@ -355,8 +355,8 @@ _W32 = ir.VectorType(_I16, 32)
 
 
 def _ld_vec_at(builder, p, o, k, vty):
-    q = _ptr(builder, p, builder.add(o, ir.Constant(_I64, k)), _I8)
-    return builder.load(builder.bitcast(q, vty.as_pointer()), align=1)
+    """The `vty` at p + o + k (o an i64 value, k a constant)."""
+    return _ld_vec(builder, p, builder.add(o, ir.Constant(_I64, k)), vty)
 
 
 def _lut64(builder, table, idx):
@@ -468,8 +468,7 @@ def tq1_dot256(typingctx, sums, p, off, a, e):
         o = _i64(builder, args[2])
 
         def load(k, n):
-            q = _ptr(builder, args[1], builder.add(o, ir.Constant(_I64, k)), _I8)
-            return builder.load(builder.bitcast(q, ir.VectorType(_I8, n).as_pointer()), align=1)
+            return _ld_vec_at(builder, args[1], o, k, ir.VectorType(_I8, n))
 
         # the block's 52 code bytes, read within its 54 (a 64-byte load could run past a mapping's end)
         if has_avx512bw():  # one masked load
