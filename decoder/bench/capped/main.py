@@ -384,7 +384,7 @@ def cap_forecast(layout: Any, split: Split, warm: dict[str, Any], out: dict[str,
     bw = out["bandwidth"] if prefetch else out["bandwidth_demand"]
     f = forecast_slots(s, split.cap, split.slots, hit, bw["bytes_per_s"], compute_s)
     # The same arithmetic at the disk speed the runs themselves got (the daemon's bytes over its
-    # seconds with a read in flight): a virtual disk's speed moved 0.67-1.6 GB/s between a probe
+    # seconds with a read in flight): a virtual disk's speed moved 0.67-1.93 GB/s between a probe
     # and the runs a minute later, which this separates from the model's own error.
     run_bps = (cap.get("moestream") or {}).get("daemon_read_bytes_per_s")
     at_run = forecast_slots(s, split.cap, split.slots, hit, run_bps, compute_s) if run_bps else None
