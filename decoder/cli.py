@@ -88,9 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="predict layer L+1's experts after layer L (more accurate) or after layer L's "
                          "attention (the fetch then overlaps all of layer L's experts; default with the quant format)")
     ap.add_argument("--prefetch-top", type=int, dest="prefetch_top", metavar="N",
-                    help="prefetch each token's N most likely experts per predicted layer (default: 1 with the "
-                         "quant format, where a wrong guess costs a disk read and an eviction in the shared arena; "
-                         "else the model's top-k)")
+                    help="prefetch each token's N most likely experts per predicted layer (default with the "
+                         "quant format: all k when the daemon's arena holds a whole token's routed experts, MoE "
+                         "layers x k, else 1, since a wrong guess costs a disk read and an eviction in the shared "
+                         "arena; else the model's top-k)")
     ap.add_argument("--reconnect-wait", type=float, dest="reconnect_s", metavar="SECONDS",
                     help="when the daemon restarts, wait this long for it to come back (default 30; 0 = give up "
                          "at once); the decoder then re-requests what was in flight and finishes with the same tokens")
@@ -253,7 +254,7 @@ def prefetcher(cfg: DecoderConfig, model: MoEModel) -> Prefetcher | None:
         return None
     from .experts.prefetch import Prefetcher
 
-    return Prefetcher(model, model.bank, cfg.prefetch, top_k=cfg.resolved_prefetch_top, at=cfg.resolved_prefetch_at)
+    return Prefetcher(model, model.bank, cfg.prefetch, top_k=cfg.prefetch_top, at=cfg.resolved_prefetch_at)
 
 
 def prompt_ids(cfg: DecoderConfig, tok: GGUFTokenizer, n_vocab: int) -> list[list[int]]:

@@ -46,7 +46,7 @@ class DecoderConfig:
     gpu_experts: str = "slots"  # streamed on a GPU: a device slot cache, or the arena read in place (zero copy)
     prefetch: int = 1  # layers of router look-ahead (0 = off)
     prefetch_at: str | None = None  # predict after a layer or after its attention (default: see below)
-    prefetch_top: int | None = None  # experts per token and layer to prefetch (default: the model's top-k)
+    prefetch_top: int | None = None  # experts per token and layer to prefetch (None: the expert source's width)
     max_new_tokens: int = 32
     prefill_chunk: int = PREFILL_CHUNK  # prompt positions per prefill pass (its buffers grow with them)
     temperature: float = 0.0
@@ -157,16 +157,6 @@ class DecoderConfig:
         if self.prefetch_at is not None:
             return self.prefetch_at
         return "attention" if self.resolved_slot_format == "quant" else "layer"
-
-    @property
-    def resolved_prefetch_top(self) -> int | None:
-        """1 with the quant format: each wrong guess is a disk read and an eviction in the arena that
-        every decoder shares; a token's top-1 prediction was right 58 % of the time against 44 % for
-        its top-4 (random 64-expert model), and kept disk bytes within 1.05x an ideal LRU under a 50 %
-        cap at the same tok/s. None (the model's top-k) for device slot caches."""
-        if self.prefetch_top is not None:
-            return self.prefetch_top
-        return 1 if self.resolved_slot_format == "quant" else None
 
     @property
     def sampling(self) -> SamplingParams:

@@ -126,7 +126,7 @@ class Run:
                                    name="bench-decode", landing=landing)
             status = None
         self.stack.enter_context(source)
-        top = self.cfg.resolved_prefetch_top
+        top = self.cfg.prefetch_top
         at = self.args.prefetch_at or self.cfg.resolved_prefetch_at
         hook = Prefetcher(self.model, source, prefetch, top, at) if prefetch else None
         return source, hook, status

@@ -66,6 +66,10 @@ class ExpertBank:
         """Experts these layers will probably want (see `ExpertBackend.prefetch_ahead`)."""
         self.backend.prefetch_ahead(predictions, defer, if_cached)
 
+    def prefetch_top(self, k: int) -> int:
+        """The backend's default prefetch width (see `ExpertBackend.prefetch_top`)."""
+        return self.backend.prefetch_top(k)
+
     def stats(self) -> BankStats:
         """The backend's counters, typed (`describe()`, `as_dict()`, `traffic()`)."""
         return self.backend.stats()

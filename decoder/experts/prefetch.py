@@ -163,7 +163,8 @@ class Prefetcher(LayerObserver):
         hp = model.hparams
         self.model, self.bank, self.depth, self.at = model, bank, depth, at
         self.k = hp.n_expert_used
-        self.top_k = min(top_k or self.k, self.k)  # fetched ahead; the rest of the top-k only if cached
+        # fetched ahead (default: the source's width); the rest of the top-k only if cached
+        self.top_k = min(top_k or bank.prefetch_top(self.k), self.k)
         self.n_layer = hp.n_layer
         self.predictions = 0  # (layer, expert) keys predicted
         self.predict_s = 0.0

@@ -85,6 +85,11 @@ class ExpertBackend(ABC):
         hint waits until the next `mix` has requested its own experts. `if_cached`: less likely
         ones, worth having at hand only where that costs no read (a source may ignore them)."""
 
+    def prefetch_top(self, k: int) -> int:
+        """How many of each token's k guesses per predicted layer to fetch ahead when the user did
+        not say (`--prefetch-top`): all of them, into a cache of this decoder's own."""
+        return k
+
     @abstractmethod
     def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_j weights[:, j] * expert_{ids[:, j]}(x) for rows x [N, d], weights/ids [N, k] -> [N, d]."""

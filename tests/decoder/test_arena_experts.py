@@ -83,6 +83,17 @@ def test_streamed_equals_resident_bit_for_bit(setups, start_daemon, quant, slots
         assert st.prefetch.prefetch_sent > 0
 
 
+@pytest.mark.parametrize("slots, width", [(5, 1), (6, 2), (24, 2)])
+def test_prefetch_width_follows_the_arena(setups, start_daemon, slots, width):
+    """Every guess is read ahead once the arena holds a whole token's routed experts (3 layers x
+    top 2 = 6 slots), else each token's top-1; a width given by the user wins."""
+    s = setups("Q8_0")
+    daemon = start_daemon(s.path, arena_slots=slots)
+    with open_arena(s.layout, daemon.endpoint) as src:
+        assert Prefetcher(s.model, src, 1).top_k == width
+        assert Prefetcher(s.model, src, 1, top_k=2 if width == 1 else 1).top_k == 3 - width
+
+
 def test_token_by_token_equals_one_prompt(setups, start_daemon):
     s = setups("Q8_0")
     daemon = start_daemon(s.path, arena_slots=6)
