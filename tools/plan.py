@@ -16,7 +16,7 @@ The arithmetic (one decoded token, CPU decoder computing from the daemon's arena
 | I/O s / token          | missed bytes / the disk's bandwidth for random expert reads as deep as one    |
 |                        | layer's demand fetch (top-k experts x their parts in flight): --probe         |
 |                        | measures it (a few seconds of cold reads through the daemon's own reader:     |
-|                        | io_uring, O_DIRECT), else --bandwidth (stated)                                |
+|                        | io_uring, O_DIRECT; the median of 3 rounds), else --bandwidth (stated)        |
 | compute s / token      | 1 / --compute-tok-s (a measured resident rate), or --probe's: one token       |
 |                        | through the CPU kernels on top-k experts of one layer x MoE layers,           |
 |                        | the dense bytes at the same rate, LAYER_GLUE_S per layer (stated); else       |
@@ -51,6 +51,7 @@ DEFAULT_COMPUTE_RATE = 8.0e9  # bytes/s of quantized weights the CPU kernels get
 LAYER_GLUE_S = 0.4e-3  # a decode step's time per layer beside its expert call and dense bytes, assumed:
 # 2-core VM, 1024-wide qwen3moe top-8, resident 35.8 ms/token = 16 x 1.7-2.0 ms (the probe's layer call)
 # + 3.5 ms (dense bytes at that rate) + ~0.4 ms a layer
+PROBE_ROUNDS = 3  # bandwidth probe rounds, the median reported
 DAEMON_DEPTH = 32  # the daemon's reads in flight (moestream-iod --queue-depth) when it fills the arena
 DEFAULT_CURVE = "qwen3-235b"
 DEFAULT_SIZES = ("25%", "50%", "75%", "100%")
@@ -153,32 +154,42 @@ def trace_hit_rate(path: str, expert_bytes: float):
     return lambda slots, _f: arena_policy(steps, slots, expert_bytes).get("hit_rate", 0.0)
 
 
-def probe_bandwidth(layout: Any, seed: int, min_bytes: int, depth: int, direct: bool = True) -> dict[str, Any]:
+def probe_bandwidth(layout: Any, seed: int, min_bytes: int, depth: int, direct: bool = True,
+                    rounds: int = PROBE_ROUNDS) -> dict[str, Any]:
     """Cold reads of random experts' exact parts, `depth` in flight, through the daemon's own
     reader (io_uring where it works, O_DIRECT as `moestream-iod --direct`): what the daemon's
     misses cost. (A pool of buffered preads measured 0.6-0.7 of it on the development VM's disk.)
-    At least `min_bytes` and 4 x `depth` parts: with experts of tens of MB a few would never fill
-    the depth (a 40 GiB file's 20 MB experts read 1.02 GB/s from 64 MiB, the daemon got 1.46)."""
+    At least `min_bytes` and 4 x `depth` parts a round: with experts of tens of MB a few would never
+    fill the depth (a 40 GiB file's 20 MB experts read 1.02 GB/s from 64 MiB, the daemon got 1.46).
+    The median of `rounds` rounds, each on other experts: a virtual disk that dips for a second
+    (one 256 MiB probe read 0.70 GB/s, the runs after it 2.0) moves one round, not the figure."""
     from ..iod.bench import evict, pick_keys, raw_cold_reads
 
     ex = layout.experts
-    picked, total, parts = [], 0, 0
-    for key in pick_keys(layout, None, seed):
-        if total >= min_bytes and parts >= 4 * depth:
+    keys, results, n_experts = iter(pick_keys(layout, None, seed)), [], 0
+    for _ in range(rounds):
+        picked, total, parts = [], 0, 0
+        for key in keys:
+            picked.append(key)
+            total += ex.blob_bytes(key[0])
+            parts += len(ex.parts(*key))
+            if total >= min_bytes and parts >= 4 * depth:
+                break
+        if not picked:  # a small model: every expert read already
             break
-        picked.append(key)
-        total += ex.blob_bytes(key[0])
-        parts += len(ex.parts(*key))
-    evict(layout)
-    try:
-        r = raw_cold_reads(layout, picked, depth, direct, backend="auto")
-    except OSError:  # O_DIRECT refused (tmpfs, some network file systems): the daemon's buffered reads
-        if not direct:
-            raise
-        direct = False
-        r = raw_cold_reads(layout, picked, depth, direct, backend="auto")
-    return {"bytes": r["bytes"], "seconds": r["seconds"], "bytes_per_s": r["bytes"] / r["seconds"], "depth": depth,
-            "reader": r["tool"], "direct": direct, "experts": len(picked)}
+        n_experts += len(picked)
+        evict(layout)
+        try:
+            results.append(raw_cold_reads(layout, picked, depth, direct, backend="auto"))
+        except OSError:  # O_DIRECT refused (tmpfs, some network file systems): the daemon's buffered reads
+            if not direct:
+                raise
+            direct = False
+            results.append(raw_cold_reads(layout, picked, depth, direct, backend="auto"))
+    rates = sorted(r["bytes"] / r["seconds"] for r in results)
+    return {"bytes": sum(r["bytes"] for r in results), "seconds": sum(r["seconds"] for r in results),
+            "bytes_per_s": rates[len(rates) // 2], "rounds": [round(x) for x in rates], "depth": depth,
+            "reader": results[0]["tool"], "direct": direct, "experts": n_experts}
 
 
 def probe_compute(layout: Any, groups: int = 6) -> dict[str, Any]:
@@ -252,7 +263,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         fill = probe_bandwidth(layout, 0, 256 << 20, DAEMON_DEPTH)["bytes_per_s"]
         demand = probe_bandwidth(layout, 1, 64 << 20, s.demand_depth)
         bw = demand["bytes_per_s"]
-        bw_basis = (f"measured (--probe: {demand['reader']}{', O_DIRECT' if demand['direct'] else ''}) with "
+        bw_basis = (f"measured (--probe, the median of {len(demand['rounds'])} rounds: {demand['reader']}{', O_DIRECT' if demand['direct'] else ''}) with "
                     f"{s.demand_depth} reads in flight; "
                     f"{fill / 1e9:.2f} GB/s with {DAEMON_DEPTH}")
     else:

@@ -83,3 +83,13 @@ def test_a_split_model_is_planned_from_every_part(make_tiny_model, capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["shape"]["file_bytes"] == sum(p.stat().st_size for p in parts)
     assert r["shape"]["n_expert"] * r["shape"]["moe_layers"] == 16 and r["bandwidth"] > 0
+
+
+def test_the_probe_is_the_median_of_rounds_on_other_experts(make_tiny_model):
+    layout = ModelLayout(make_tiny_model(layers=2, experts=8, top_k=2))  # 16 experts
+    one = layout.experts.blob_bytes(0)
+    r = pl.probe_bandwidth(layout, 0, 5 * one, depth=1, rounds=3)  # 5 experts a round, 16 in all
+    assert r["experts"] == 15 and r["bytes"] >= 15 * one
+    assert len(r["rounds"]) == 3 and r["rounds"] == sorted(r["rounds"]) and abs(r["bytes_per_s"] - r["rounds"][1]) <= 1
+    short = pl.probe_bandwidth(layout, 0, 12 * one, depth=1, rounds=3)  # the second round takes what is left
+    assert short["experts"] == 16 and len(short["rounds"]) == 2
