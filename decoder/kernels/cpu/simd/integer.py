@@ -297,10 +297,7 @@ def pm_sums128(typingctx, p, off):
         return None
 
     def codegen(context, builder, sig, args):
-        v64 = ir.VectorType(_I8, 64)
-        acc = ir.Constant(ir.VectorType(_I32, 16), [0] * 16)
-        for h in (0, 1):
-            acc = _dp512(builder, acc, ir.Constant(v64, [1] * 64), _ld64(builder, args[0], args[1], 64 * h))
+        acc = builder.add(_lane_sums(builder, args[0], args[1], 0), _lane_sums(builder, args[0], args[1], 64))
         return builder.sub(ir.Constant(ir.VectorType(_I32, 16), [0] * 16), acc)
 
     return _veci(p, off), codegen
