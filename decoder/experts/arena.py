@@ -107,14 +107,16 @@ class ArenaExperts(ExpertBackend):
             self._send(predictions, if_cached or {})
 
     def prefetch_top(self, k: int) -> int:
-        """All k guesses when the arena holds a whole token's routed experts (MoE layers x k), else
-        each token's top-1. A wrong guess is a disk read and an eviction in the arena every decoder
-        shares; a right one is a read overlapped with compute. On the chain-routed bench model (16
-        layers, top 8, a 50 % cap: 359 slots, 2.8 tokens' worth) all 8 two layers ahead gave +24 %
-        tok/s for +14 % disk bytes; at a 25 % cap (100 slots, under one token's worth, where
-        every expert is evicted before its next use) it lost 10 %, so there the top-1 stays."""
+        """All of each token's guesses but the least likely (k - 1) when the arena holds a whole
+        token's routed experts (MoE layers x k), else its top-1. A wrong guess is a disk read and
+        an eviction in the arena every decoder shares; a right one is a read overlapped with
+        compute. Chain-routed bench model (16 layers, top 8), 50 % cap (359 slots, 2.8 tokens'
+        worth), four interleaved runs each: top-1 3.97-4.41 tok/s at 1.02-1.03x an ideal LRU's disk
+        bytes; top-6 4.32-4.84 at 1.02-1.04; top-7 4.97-5.06 at 1.04-1.05; top-8 4.89-5.11 at
+        1.10-1.14 (its last guess is the one most often wrong). At a 25 % cap (100 slots, under one
+        token's worth: every expert is evicted before its next use) top-8 lost 10 %."""
         n_slots = self.client.arena.n_slots if self.client.arena is not None else 0
-        return k if n_slots >= len(self.layout.experts.moe_layers) * k else 1
+        return max(1, k - 1) if n_slots >= len(self.layout.experts.moe_layers) * k else 1
 
     def _send(self, predictions: Predictions, if_cached: Predictions) -> None:
         arena = self.client.arena

@@ -83,15 +83,22 @@ def test_streamed_equals_resident_bit_for_bit(setups, start_daemon, quant, slots
         assert st.prefetch.prefetch_sent > 0
 
 
-@pytest.mark.parametrize("slots, width", [(5, 1), (6, 2), (24, 2)])
-def test_prefetch_width_follows_the_arena(setups, start_daemon, slots, width):
-    """Every guess is read ahead once the arena holds a whole token's routed experts (3 layers x
-    top 2 = 6 slots), else each token's top-1; a width given by the user wins."""
-    s = setups("Q8_0")
+@pytest.mark.parametrize("slots, width", [(11, 1), (12, 3), (24, 3)])
+def test_prefetch_width_follows_the_arena(make_tiny_model, start_daemon, slots, width):
+    """All guesses but the least likely are read ahead once the arena holds a whole token's routed
+    experts (3 layers x top 4 = 12 slots), else each token's top-1; a width given by the user wins."""
+    s = Setup(make_tiny_model(quant="Q8_0", arch="qwen3moe", layers=3, experts=8, top_k=4))
     daemon = start_daemon(s.path, arena_slots=slots)
+    with QuantResidentExperts(s.layout) as resident:
+        want = s.run(resident)
     with open_arena(s.layout, daemon.endpoint) as src:
-        assert Prefetcher(s.model, src, 1).top_k == width
-        assert Prefetcher(s.model, src, 1, top_k=2 if width == 1 else 1).top_k == 3 - width
+        hook = Prefetcher(s.model, src, 1)
+        assert hook.top_k == width
+        assert Prefetcher(s.model, src, 1, top_k=2).top_k == 2
+        assert Prefetcher(s.model, src, 1, top_k=9).top_k == 4  # never more than the model routes to
+        got = s.run(src, hook)  # however wide the prefetch, the same logits bit for bit
+        assert src.stats().prefetch.prefetch_sent > 0
+    assert same_run(got, want)
 
 
 def test_token_by_token_equals_one_prompt(setups, start_daemon):
