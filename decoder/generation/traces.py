@@ -204,6 +204,9 @@ class RoutingRecorder(ExpertBackend):
                        if_cached: Predictions | None = None) -> None:
         self.inner.prefetch_ahead(predictions, defer, if_cached)
 
+    def prefetch_top(self, k: int) -> int:
+        return self.inner.prefetch_top(k)
+
     def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         self.steps[-1].extend((layer, e) for e in sorted(set(ids.flatten().tolist())))  # one sync, tracing only
         return self.inner.mix(layer, x, weights, ids)

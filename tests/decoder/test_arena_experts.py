@@ -20,6 +20,7 @@ from moestream.decoder.experts.source import ResidentExperts
 from moestream.decoder.generation.loop import generate, forward_step
 from moestream.decoder.models import get_model_module
 from moestream.decoder.experts.prefetch import Prefetcher
+from moestream.decoder.generation.traces import RoutingRecorder
 from moestream.decoder.experts.resident import QuantResidentExperts
 from moestream.decoder.models.weights import load_dense
 
@@ -96,6 +97,7 @@ def test_prefetch_width_follows_the_arena(make_tiny_model, start_daemon, slots, 
         assert hook.top_k == width
         assert Prefetcher(s.model, src, 1, top_k=2).top_k == 2
         assert Prefetcher(s.model, src, 1, top_k=9).top_k == 4  # never more than the model routes to
+        assert Prefetcher(s.model, RoutingRecorder(src), 1).top_k == width  # `generate --trace-out` wraps it
         got = s.run(src, hook)  # however wide the prefetch, the same logits bit for bit
         assert src.stats().prefetch.prefetch_sent > 0
     assert same_run(got, want)
