@@ -163,11 +163,16 @@ class Prefetcher(LayerObserver):
         hp = model.hparams
         self.model, self.bank, self.depth, self.at = model, bank, depth, at
         self.k = hp.n_expert_used
-        # fetched ahead (default: the source's width); the rest of the top-k only if cached
-        self.top_k = min(top_k or bank.prefetch_top(self.k), self.k)
+        self._top_k = top_k  # fetched ahead (None: the source's width, asked each time); the rest if cached
         self.n_layer = hp.n_layer
         self.predictions = 0  # (layer, expert) keys predicted
         self.predict_s = 0.0
+        self.hints = self.wide = 0  # hints made, and those that fetched more than each token's top-1
+
+    @property
+    def top_k(self) -> int:
+        """Each token's guesses per predicted layer fetched ahead: the user's, else the source's now."""
+        return min(self._top_k or self.bank.prefetch_top(self.k), self.k)
 
     def after_layer(self, layer: int, h: torch.Tensor) -> None:
         """After `layer`: h [n, d] are the real tokens' hidden rows."""
@@ -190,12 +195,15 @@ class Prefetcher(LayerObserver):
         # top-k of the router logits: softmax keeps their order
         ids = [torch.topk(self.model.router_logits(nxt, h), self.k, dim=-1).indices for nxt in layers]  # [n, k]
         picked = torch.stack(ids).tolist()  # [layers][n][k]: one host sync for all of them
-        predictions = {nxt: sorted({e for row in rows for e in row[:self.top_k]}) for nxt, rows in zip(layers, picked)}
-        if_cached = {nxt: sorted({e for row in rows for e in row[self.top_k:]} - set(predictions[nxt]))
+        top = self.top_k
+        predictions = {nxt: sorted({e for row in rows for e in row[:top]}) for nxt, rows in zip(layers, picked)}
+        if_cached = {nxt: sorted({e for row in rows for e in row[top:]} - set(predictions[nxt]))
                      for nxt, rows in zip(layers, picked)}
         self.predictions += sum(len(es) for es in predictions.values())
+        self.hints += 1
+        self.wide += top > 1
         self.bank.prefetch_ahead(predictions, defer=defer, if_cached=if_cached)
         self.predict_s += time.perf_counter() - t0
 
     def stats(self) -> PrefetcherStats:
-        return PrefetcherStats(self.depth, self.at, self.predictions, self.predict_s)
+        return PrefetcherStats(self.depth, self.at, self.predictions, self.predict_s, self.hints, self.wide)

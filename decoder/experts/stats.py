@@ -211,12 +211,20 @@ class ArenaStats:
     @property
     def hidden_share(self) -> float:
         """Of the experts that would have been fetched `now`, those a prefetch had landed in time."""
-        would_miss = self.counts.demand + self.prefetch.useful
+        would_miss = self.counts.demand + self.prefetch.hidden  # a late prefetch is fetched now: in demand
         return self.prefetch.hidden / would_miss if would_miss else 0.0
+
+    @property
+    def miss_share(self) -> float:
+        """Of the experts the layers used, those not in the arena when asked for (fetched now, or
+        prefetched in time): what the prefetch width follows (`arena.MissShare`, over recent steps)."""
+        c = self.counts
+        return (c.demand + self.prefetch.hidden) / c.acquired if c.acquired else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"source": "streamed", "slot_format": "quant", **asdict(self.counts), "recalls": dict(self.recalls),
-                "prefetch": asdict(self.prefetch), "hidden_share": self.hidden_share, "kind": self.kind}
+                "prefetch": asdict(self.prefetch), "hidden_share": self.hidden_share, "miss_share": self.miss_share,
+                "kind": self.kind}
 
     def describe(self) -> str:
         c, p = self.counts, self.prefetch
@@ -240,8 +248,9 @@ class ArenaStats:
 
     def traffic(self) -> Traffic:
         c = self.counts
+        # a late prefetch was cancelled and fetched now (a miss): only those in time were of use
         return Traffic(hits=c.acquired - c.demand, misses=c.demand, bytes_fetched=c.bytes_fetched, stall_s=c.stall_s,
-                       prefetch_hidden=self.prefetch.hidden, prefetch_useful=self.prefetch.useful)
+                       prefetch_hidden=self.prefetch.hidden, prefetch_useful=self.prefetch.hidden)
 
 
 @dataclass
@@ -276,10 +285,12 @@ class PrefetcherStats:
     at: str
     predictions: int = 0  # (layer, expert) keys predicted
     predict_s: float = 0.0  # time spent applying the routers ahead
+    hints: int = 0  # predictions made (one per layer and pass)
+    wide: int = 0  # of them, those that fetched more than each token's top-1 guess
 
     def describe(self) -> str:
         return f"prefetcher: depth {self.depth} at {self.at}, {self.predictions} predictions, " \
-               f"{self.predict_s * 1e3:.1f} ms"
+               f"{self.predict_s * 1e3:.1f} ms, {self.wide} of {self.hints} wide"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -15,7 +15,7 @@ import torch
 from moestream.decoder.experts.bank import ExpertBank
 from moestream.common.client import IodRequestError
 from moestream.common.layout import ModelLayout
-from moestream.decoder.experts.arena import open_arena
+from moestream.decoder.experts.arena import WIDE_MISS_SHARE, MissShare, open_arena
 from moestream.decoder.experts.source import ResidentExperts
 from moestream.decoder.generation.loop import generate, forward_step
 from moestream.decoder.models import get_model_module
@@ -84,23 +84,38 @@ def test_streamed_equals_resident_bit_for_bit(setups, start_daemon, quant, slots
         assert st.prefetch.prefetch_sent > 0
 
 
-@pytest.mark.parametrize("slots, width", [(11, 1), (12, 3), (24, 3)])
-def test_prefetch_width_follows_the_arena(make_tiny_model, start_daemon, slots, width):
-    """All guesses but the least likely are read ahead once the arena holds a whole token's routed
-    experts (3 layers x top 4 = 12 slots), else each token's top-1; a width given by the user wins."""
+@pytest.mark.parametrize("slots, width", [(24, 1), (6, 3)])
+def test_prefetch_width_follows_the_misses(make_tiny_model, start_daemon, slots, width):
+    """All guesses but the least likely are read ahead while most wanted experts miss the arena (a
+    cold one; one of 6 slots for 24 experts), each token's top-1 once they hit (every expert fits
+    in 24): same logits bit for bit either way; a width the user gives wins."""
     s = Setup(make_tiny_model(quant="Q8_0", arch="qwen3moe", layers=3, experts=8, top_k=4))
-    daemon = start_daemon(s.path, arena_slots=slots)
     with QuantResidentExperts(s.layout) as resident:
-        want = s.run(resident)
+        want = s.run(resident, prompts=(PROMPT[:4],))
+    daemon = start_daemon(s.path, arena_slots=slots)
     with open_arena(s.layout, daemon.endpoint) as src:
         hook = Prefetcher(s.model, src, 1)
+        assert hook.top_k == 3  # nothing measured yet: as if everything missed
+        got = s.run(src, hook, prompts=(PROMPT[:4],))
+        st = hook.stats()
         assert hook.top_k == width
+        assert (0 < st.wide < st.hints) if width == 1 else st.wide == st.hints  # wide at first, or throughout
+        assert Prefetcher(s.model, RoutingRecorder(src), 1).top_k == width  # `generate --trace-out` wraps it
         assert Prefetcher(s.model, src, 1, top_k=2).top_k == 2
         assert Prefetcher(s.model, src, 1, top_k=9).top_k == 4  # never more than the model routes to
-        assert Prefetcher(s.model, RoutingRecorder(src), 1).top_k == width  # `generate --trace-out` wraps it
-        got = s.run(src, hook)  # however wide the prefetch, the same logits bit for bit
-        assert src.stats().prefetch.prefetch_sent > 0
     assert same_run(got, want)
+
+
+def test_the_miss_share_decays_per_step():
+    m = MissShare()
+    assert m.share == 1.0  # a cold arena: as if everything missed
+    m.step(400, 400)  # a prefill: all missed
+    m.step(400, 400)  # a step that used nothing counts for nothing
+    assert m.share == 1.0
+    m.step(410, 460)  # decode steps, each 10 of 60 missed
+    m.step(420, 520)
+    assert m.share == pytest.approx(0.25 + 0.25 * (1 / 6) + 0.5 * (1 / 6))
+    assert m.share < WIDE_MISS_SHARE
 
 
 def test_token_by_token_equals_one_prompt(setups, start_daemon):

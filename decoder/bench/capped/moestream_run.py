@@ -152,6 +152,8 @@ def _moestream_figures(result: dict, sampler: Sampler, status: dict | None, layo
         "load_s": result.get("load_s"), "new_tokens": result["new_tokens"], "tokens": result["tokens"],
         "stall_s": stats.get("stall_s"), "fetched_bytes": stats.get("bytes_fetched"),
         "compute_s": stats.get("compute_s"), "peak_decoder": sampler.peak.get("decoder"), "trace_path": str(trace),
+        "miss_share": stats.get("miss_share"), "prefetch_hints": (result.get("prefetch") or {}).get("hints"),
+        "prefetch_wide": (result.get("prefetch") or {}).get("wide"),
         "peak_daemon": sampler.peak.get("daemon"), "need_decoder": sampler.need("decoder"),
         "need_daemon": sampler.need("daemon"), "spread": routing_spread(steps, hp.n_layer, hp.n_expert)}
     out.update(_moestream_disk(sampler, result["prefill_s"], decode_tokens, disk_counter))

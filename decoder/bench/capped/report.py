@@ -230,8 +230,15 @@ def _moestream_notes(ms: dict, r: dict[str, Any]) -> list[str]:
         out.append(f"  moestream counters: stall {_num(ms.get('stall_s'))} s, delivered from the arena "
                    f"{fmt_bytes(ms.get('fetched_bytes'))}"
                    f", compute {_num(ms.get('compute_s'))} s, daemon read {fmt_bytes(ms.get('daemon_read_bytes'))}, "
-                   f"daemon hit rate {_num(ms.get('daemon_hit_rate'), '.1%')}")
+                   f"daemon hit rate {_num(ms.get('daemon_hit_rate'), '.1%')}{_prefetch_note(ms)}")
     return out
+
+
+def _prefetch_note(ms: dict) -> str:
+    """"; wanted experts not in the arena 64.2 %, prefetches wide in 250 of 256 hints" where known."""
+    share, hints = ms.get("miss_share"), ms.get("prefetch_hints")
+    out = f"; wanted experts not in the arena {share:.1%}" if share is not None else ""
+    return out + (f", prefetches wide in {ms.get('prefetch_wide', 0):.0f} of {hints:.0f} hints" if hints else "")
 
 
 def _side_notes(ms: dict, ll: dict | None, extra: dict | None = None) -> list[str]:
