@@ -343,7 +343,7 @@ def run(cfg: DecoderConfig, *, echo_prompt: bool = False,
     else:
         print_results(result, tok, single)
     if cfg.stats:
-        print_stats(result, load_s, stats)
+        print_stats(result, load_s, stats, prefetch)
     return 0
 
 
@@ -365,12 +365,15 @@ def print_results(result: GenerationResult, tok: GGUFTokenizer, streamed: bool) 
         print(tok.decode(ids))
 
 
-def print_stats(result: GenerationResult, load_s: float, bank_stats: BankStats) -> None:
+def print_stats(result: GenerationResult, load_s: float, bank_stats: BankStats,
+                prefetch: PrefetcherStats | None = None) -> None:
     """Counters for people, on stderr (stdout carries the text)."""
     out = sys.stderr
     print(f"stats: decode {result.decode_tok_s():.1f} tok/s ({result.new_tokens} tokens, {result.steps} decode steps), "
           f"prefill {result.prefill_s * 1e3:.1f} ms, load {load_s:.2f} s", file=out)
     print(bank_stats.describe(), file=out)
+    if prefetch is not None:
+        print(prefetch.describe(), file=out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -230,7 +230,7 @@ class ArenaStats:
         c, p = self.counts, self.prefetch
         lines = [f"experts: {c.acquired} used, {c.direct} read straight from the arena (no request), {c.demand} "
                  f"fetched now, {c.bytes_fetched / 2**20:.1f} MiB delivered, stall {c.stall_s * 1e3:.1f} ms, compute "
-                 f"{c.compute_s * 1e3:.1f} ms"
+                 f"{c.compute_s * 1e3:.1f} ms, {self.miss_share:.0%} not in the arena when asked for"
                  + (f", {c.refetched} refetched" if c.refetched else "")
                  + (f", {c.changed} computed again (their slot was reloaded meanwhile)" if c.changed else "")]
         if c.deadlines:
