@@ -89,9 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "attention (the fetch then overlaps all of layer L's experts; default with the quant format)")
     ap.add_argument("--prefetch-top", type=int, dest="prefetch_top", metavar="N",
                     help="prefetch each token's N most likely experts per predicted layer (default with the "
-                         "quant format: all but the least likely, k - 1, when the daemon's arena holds a whole "
-                         "token's routed experts, MoE layers x k, else 1, since a wrong guess costs a disk read and "
-                         "an eviction in the shared arena; else the model's top-k)")
+                         "quant format: all but the least likely, k - 1, while at least half of the experts wanted "
+                         "over the last steps were not in the daemon's arena when asked for, else 1, since a wrong "
+                         "guess costs a disk read and an eviction in the shared arena; else the model's top-k)")
     ap.add_argument("--reconnect-wait", type=float, dest="reconnect_s", metavar="SECONDS",
                     help="when the daemon restarts, wait this long for it to come back (default 30; 0 = give up "
                          "at once); the decoder then re-requests what was in flight and finishes with the same tokens")

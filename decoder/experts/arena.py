@@ -12,9 +12,9 @@ A decoder on CPU keeps no expert memory of its own. For each layer, `ArenaExpert
 4. sends the predictions deferred until now (`prefetch_ahead(..., defer=True)`), so they queue
    behind this layer's demand at the daemon, which reads `now` before `ahead`. With a
    directory, predicted experts the arena holds are not asked for at all; without one,
-   predictions come in two strengths: `ahead` (read from disk if need be: each token's top-1
-   guess by default) and `cached` (the rest of the top-k: leased only if the arena already
-   holds them, never read);
+   predictions come in two strengths: `ahead` (read from disk if need be: each token's
+   `prefetch_top` best guesses) and `cached` (the rest of the top-k: leased only if the arena
+   already holds them, never read);
 5. computes the hits (one kernel call), then checks each hit's slot sequence number: a slot the
    daemon began to overwrite meanwhile (another decoder's miss evicted it) is fetched `now` and
    computed again from a lease; the step's hits go to the daemon's decayed LFU in one `touch`
@@ -139,7 +139,7 @@ class ArenaExperts(ExpertBackend):
         not in the arena when asked for (`MissShare`), else its top-1. A wrong guess is a disk read
         and an eviction in the arena every decoder shares; a right one a read overlapped with
         compute, which pays when reads bound the step. Measured in interleaved runs (`bench capped`):
-        - chain-routed model (16 layers, top 8; 62-90 % would miss): at a 50 % cap top-1 3.97-4.41
+        - chain-routed model (16 layers, top 8; 76 % / 95 % missed): at a 50 % cap top-1 3.97-4.41
           tok/s at 1.02-1.03x an ideal LRU's disk bytes, top-7 4.97-5.06 at 1.04-1.05, top-8
           4.89-5.11 at 1.10-1.14 (its last guess is the one most often wrong); at 25 % top-1
           3.05-3.33, top-7 3.26-3.47, top-8 3.24-3.34;
