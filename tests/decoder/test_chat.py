@@ -44,8 +44,7 @@ def test_chat_replies_with_the_template_and_answers_commands():
     assert "[conversation cleared]" in r.stdout and "unknown command /nope" in r.stdout
 
 
-def _interrupt_a_reply() -> tuple[int, str, str]:
-    """One chat session: a prompt, Ctrl-C once its reply streams, /stats, /quit -> (code, stdout, stderr)."""
+def test_ctrl_c_stops_the_reply_not_the_program():
     proc = subprocess.Popen(CHAT + ["--max-tokens", "200"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     out: list[str] = []
@@ -67,17 +66,10 @@ def _interrupt_a_reply() -> tuple[int, str, str]:
             proc.kill()
             proc.wait()
     reader.join(10)
-    return proc.returncode, "".join(out), proc.stderr.read()
-
-
-def test_ctrl_c_stops_the_reply_not_the_program():
-    for _ in range(3):  # the tiny model writes 200 tokens in well under a second: on a busy machine
-        code, text, err = _interrupt_a_reply()  # the reply may end before the signal lands; then again
-        assert code == 0, err
-        tokens = int(text.split("last reply: ")[1].split(" tokens")[0])
-        if " [stopped]" in text or tokens < 200:
-            break
+    text = "".join(out)
+    assert proc.returncode == 0, proc.stderr.read()
     assert " [stopped]" in text
+    tokens = int(text.split("last reply: ")[1].split(" tokens")[0])
     assert 0 < tokens < 200
 
 
