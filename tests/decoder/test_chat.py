@@ -45,8 +45,11 @@ def test_chat_replies_with_the_template_and_answers_commands():
 
 
 def test_ctrl_c_stops_the_reply_not_the_program():
+    # as from a terminal: a suite started in the background (`.ci/run &`) ignores SIGINT, and its
+    # children would inherit that (Python then installs no KeyboardInterrupt handler)
     proc = subprocess.Popen(CHAT + ["--max-tokens", "200"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
     reader.start()
