@@ -64,7 +64,7 @@ from .ahead import AheadPrefetches
 from .leases import LeasePipeline, Owed
 from .resident import expert_mats
 from .source import ExpertBackend, Predictions
-from .stats import ArenaCounters, ArenaStats
+from .stats import ArenaCounters, ArenaStats, would_miss
 
 
 
@@ -120,7 +120,7 @@ class ArenaExperts(ExpertBackend):
 
     # -- ExpertBackend ----------------------------------------------------------------------
     def begin_step(self) -> None:
-        self.misses.step(self.counts.demand + self.prefetches.counts.hidden, self.counts.acquired)
+        self.misses.step(would_miss(self.counts, self.prefetches.counts), self.counts.acquired)
         self._deferred.clear()
         self.leases.begin_step()
         self.prefetches.end_step()

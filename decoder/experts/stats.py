@@ -199,6 +199,12 @@ class ArenaCounters(LeaseCounters):
     compute_s: float = 0.0
 
 
+def would_miss(counts: ArenaCounters, prefetch: AheadCounters) -> int:
+    """The experts a `cpu-arena` backend's layers found not in the arena when they asked: fetched
+    `now` (a late prefetch is cancelled and fetched now: counted there), or prefetched in time."""
+    return counts.demand + prefetch.hidden
+
+
 @dataclass
 class ArenaStats:
     """The `cpu-arena` backend: its layers, its prefetches, and the daemon's recalls."""
@@ -211,15 +217,14 @@ class ArenaStats:
     @property
     def hidden_share(self) -> float:
         """Of the experts that would have been fetched `now`, those a prefetch had landed in time."""
-        would_miss = self.counts.demand + self.prefetch.hidden  # a late prefetch is fetched now: in demand
-        return self.prefetch.hidden / would_miss if would_miss else 0.0
+        missed = would_miss(self.counts, self.prefetch)
+        return self.prefetch.hidden / missed if missed else 0.0
 
     @property
     def miss_share(self) -> float:
-        """Of the experts the layers used, those not in the arena when asked for (fetched now, or
-        prefetched in time): what the prefetch width follows (`arena.MissShare`, over recent steps)."""
-        c = self.counts
-        return (c.demand + self.prefetch.hidden) / c.acquired if c.acquired else 0.0
+        """Of the experts the layers used, those not in the arena when asked for: what the prefetch
+        width follows (`arena.MissShare`, over recent steps)."""
+        return would_miss(self.counts, self.prefetch) / self.counts.acquired if self.counts.acquired else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"source": "streamed", "slot_format": "quant", **asdict(self.counts), "recalls": dict(self.recalls),
