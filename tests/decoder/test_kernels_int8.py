@@ -161,6 +161,19 @@ def test_linear_matches_float64_references(qtype: Q, n: int) -> None:
     assert_within(got, x.astype(np.float64) @ w.T, loose(qtype), f"{qtype.name} vs float reference")
 
 
+@pytest.mark.parametrize("n_in", [1024, 1536, 2304])
+def test_q1_0_wide_rows_one_at_a_time_and_four(n_in: int) -> None:
+    """Q1_0's one-row kernel takes each row's block scales 8 at a time (the rest one by one):
+    rows of 8, 12 and 18 blocks, alone and four at once (the other kernel), the same bits and
+    the int8-activation reference's values."""
+    m = random_bytes(Q.Q1_0, 24, n_in, seed=n_in)
+    x = activations(4, n_in, seed=5)  # [4, n_in]
+    four = qk.linear(x, m)  # [4, 24]
+    alone = np.concatenate([qk.linear(x[[i]], m) for i in range(4)])  # [4, 24]
+    np.testing.assert_array_equal(alone.view(np.uint32), four.view(np.uint32))
+    assert_within(alone, dequant_acts(x, Q.Q1_0) @ weights64(m).T, TIGHT, f"Q1_0 rows of {n_in}")
+
+
 @pytest.mark.parametrize("qtype", INT_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("source", ["encoded", "bytes"])
 def test_encoded_and_random_byte_weights(qtype: Q, source: str) -> None:

@@ -532,66 +532,91 @@ def _ternary(p, off, n_in, R, nx, tq1):
 
 
 @njit(**_INL)
-def _q1_0_scaled(t_lo, t_hi, p, o, da, acc):
-    """acc + t_lo (d_lo da) + t_hi (d_hi da): the integer dots of the two blocks at p + o scaled by
-    their d and the activations' wide scale, in 16 lanes. (Scalar scale products, broadcast:
-    faster than vcvtph2ps of a broadcast f16 on the Intel VM, 14.0 vs 14.6 ns per 1024-wide row.)"""
-    acc = v.fma(v.to_f(t_lo), v.splat(f16_at(p, o) * da), acc)
-    return v.fma(v.to_f(t_hi), v.splat(f16_at(p, o + 18) * da), acc)
-
-
-@njit(**_INL)
-def _q1_0_row(i, R, p, o, e, acc):
-    a = R[i]
-    t_lo = s.pm_dot128(s.u64_at(p, o + 2), s.u64_at(p, o + 10), a, e)
-    t_hi = s.pm_dot128(s.u64_at(p, o + 20), s.u64_at(p, o + 28), a, e + 128)
-    return _q1_0_scaled(t_lo, t_hi, p, o, s.f32_at(R[4 + i], (e >> 5) * 4), acc)
+def _q1_0_row(i, R, p, o, e, lo, hi):
+    """(lo, hi) + activation row i's integer dots with the two blocks at p + o (elements e ..
+    e + 255), each scaled by its d x the activations' wide scale: one accumulator per block of
+    the pair, so each FMA chain is one FMA a step (the one-row kernel's two, in the same order)."""
+    da = s.f32_at(R[4 + i], (e >> 5) * 4)
+    t_lo = s.pm_dot128(s.u64_at(p, o + 2), s.u64_at(p, o + 10), R[i], e)
+    t_hi = s.pm_dot128(s.u64_at(p, o + 20), s.u64_at(p, o + 28), R[i], e + 128)
+    return (v.fma(v.to_f(t_lo), v.splat(f16_at(p, o) * da), lo),
+            v.fma(v.to_f(t_hi), v.splat(f16_at(p, o + 18) * da), hi))
 
 
 @njit(**_INL)
 def _q1_0(p, off, n_in, R, nx):
     """18 B / 128: f16 d, 16 B of bits (weight j: bit j % 8 of byte j // 8): w = d (2 b - 1), so a
     block's dot is d x an integer, the activations added where the bit is set and subtracted
-    where not (pm_dot128); two blocks per 256 weights. The one-row kernel (_q1_0_from) gets
-    the same integers another way, so both give the same sums."""
+    where not (pm_dot128); two blocks per 256 weights. The one-row kernel (_q1_0_rows1) gets
+    the same integers and scale products another way, so both give the same sums."""
     o = np.int64(off)
     c0, c1, c2, c3 = v.zero(), v.zero(), v.zero(), v.zero()
+    h0, h1, h2, h3 = v.zero(), v.zero(), v.zero(), v.zero()
     for sb in range(n_in // 256):
         s.prefetch_lines(p, o + PREFETCH_BYTES, 36)
         e = 256 * sb
-        c0 = _q1_0_row(0, R, p, o, e, c0)
+        c0, h0 = _q1_0_row(0, R, p, o, e, c0, h0)
         if nx > 1:
-            c1 = _q1_0_row(1, R, p, o, e, c1)
-            c2 = _q1_0_row(2, R, p, o, e, c2)
-            c3 = _q1_0_row(3, R, p, o, e, c3)
+            c1, h1 = _q1_0_row(1, R, p, o, e, c1, h1)
+            c2, h2 = _q1_0_row(2, R, p, o, e, c2, h2)
+            c3, h3 = _q1_0_row(3, R, p, o, e, c3, h3)
         o += 36
-    return v.hsum(c0), v.hsum(c1), v.hsum(c2), v.hsum(c3)
+    return v.hsum(v.add(c0, h0)), v.hsum(v.add(c1, h1)), v.hsum(v.add(c2, h2)), v.hsum(v.add(c3, h3))
 
 
 @njit(**_INL)
-def _q1_0_from(R, p, o, e, sums, acc):
-    """The one-row step of Q1_0: _q1_0_row's sums by pm_dot128_from, from the precomputed
-    negated lane sums at address `sums` (no negation of the activations)."""
-    t_lo = s.pm_dot128_from(v.ld_i32(sums, e // 2), s.u64_at(p, o + 2), s.u64_at(p, o + 10), R[0], e)
-    t_hi = s.pm_dot128_from(v.ld_i32(sums, e // 2 + 64), s.u64_at(p, o + 20), s.u64_at(p, o + 28), R[0], e + 128)
-    return _q1_0_scaled(t_lo, t_hi, p, o, s.f32_at(R[4], (e >> 5) * 4), acc)
+def _q1_0_scales(p, o, nb, das, sc):
+    """sc[j] = d_j x das[j] for the nb blocks of the Q1_0 row at p + o: 8 a step (q1_scales8),
+    the rest one by one."""
+    j = 0
+    while j + 8 <= nb:
+        s.q1_scales8(p, o + 18 * j, addr(das) + 4 * j, addr(sc) + 4 * j)
+        j += 8
+    for k in range(j, nb):
+        sc[k] = f16_at(p, o + 18 * k) * das[k]
+
+
+@njit(**_INL)
+def _q1_0_rows1(p, off, rb, n, n_in, R, out):
+    """int_rows1 for Q1_0. Once per call: the activations' negated lane sums (pm_dot128_from
+    adds 2 a where a bit is set to them: no negation in the loop) and each block's activation
+    scale; once per row: its blocks' scale products (_q1_0_scales). The loop then takes each
+    product as a broadcast operand of its FMA, where a scale taken apart per block cost 5 of a
+    step's 18 vector uops (one-thread 1024-wide matrix: see docs/BENCHMARKS.md)."""
+    sums = _neg_sums_row(R[0], n_in, 128)
+    nb = n_in // 128
+    das, sc = np.empty(nb, np.float32), np.empty(nb, np.float32)
+    for j in range(nb):
+        das[j] = s.f32_at(R[4], 16 * j)  # block j's: the wide scale of elements 128 j .. (repeated per 32)
+    for i in range(n):
+        o = np.int64(off + i * rb)
+        _q1_0_scales(p, o, nb, das, sc)
+        lo, hi = v.zero(), v.zero()
+        for sb in range(n_in // 256):
+            s.prefetch_lines(p, o + PREFETCH_BYTES, 36)
+            e = 256 * sb
+            t_lo = s.pm_dot128_from(v.ld_i32(addr(sums), e // 2), s.u64_at(p, o + 2), s.u64_at(p, o + 10), R[0], e)
+            t_hi = s.pm_dot128_from(v.ld_i32(addr(sums), e // 2 + 64), s.u64_at(p, o + 20), s.u64_at(p, o + 28),
+                                    R[0], e + 128)
+            lo = v.fma(v.to_f(t_lo), v.splat(sc[2 * sb]), lo)
+            hi = v.fma(v.to_f(t_hi), v.splat(sc[2 * sb + 1]), hi)
+            o += 36
+        out[i] = v.hsum(v.add(lo, hi))
 
 
 @njit(**_INL)
 def _rows1_from_sums(qtype, p, off, rb, n, n_in, R, out):
-    """int_rows1 for Q1_0, TQ2_0, TQ1_0 and Q2_K: activation row 0's (negated) lane sums once per
-    call (_neg_sums_row, _group_sums_row), then each row 256 weights a step."""
-    q1, tq2, q2k = qtype == _Q1_0, qtype == _TQ2_0, qtype == _Q2_K
-    sums = _group_sums_row(R[0], n_in) if q2k else _neg_sums_row(R[0], n_in, 128 if q1 else 256)
-    nb = 36 if q1 else 66 if tq2 else 84 if q2k else 54  # bytes per 256 weights
+    """int_rows1 for TQ2_0, TQ1_0 and Q2_K: activation row 0's (negated) lane sums once per call
+    (_neg_sums_row, _group_sums_row), then each row 256 weights a step."""
+    tq2, q2k = qtype == _TQ2_0, qtype == _Q2_K
+    sums = _group_sums_row(R[0], n_in) if q2k else _neg_sums_row(R[0], n_in, 256)
+    nb = 66 if tq2 else 84 if q2k else 54  # bytes per 256 weights
     for i in range(n):
         o = np.int64(off + i * rb)
         acc = v.zero()
         for sb in range(n_in // 256):
             s.prefetch_lines(p, o + PREFETCH_BYTES, nb)
-            if q1:
-                acc = _q1_0_from(R, p, o, 256 * sb, addr(sums), acc)
-            elif q2k:
+            if q2k:
                 e = 256 * sb
                 acc = _q2k_scaled(s.q2k_dot256_from(p, o, R[0], e, addr(sums) + e // 4), p, o,
                                   s.f32_at(R[4], (e >> 5) * 4), acc)
@@ -857,7 +882,10 @@ def int_rows1(qtype, p, off, rb, n, n_in, R, out):
     dispatch on the type is a predicted branch, not a call per row (2.7x int_dots' rate per row
     on 1024-wide Q8_0 rows)."""
     s.prefetch_lines(p, off, min(n * rb, PREFETCH_BYTES))  # (the span's head at once: its misses overlap)
-    if qtype == _Q1_0 or qtype == _TQ2_0 or qtype == _TQ1_0 or qtype == _Q2_K:
+    if qtype == _Q1_0:
+        _q1_0_rows1(p, off, rb, n, n_in, R, out)
+        return
+    if qtype == _TQ2_0 or qtype == _TQ1_0 or qtype == _Q2_K:
         _rows1_from_sums(qtype, p, off, rb, n, n_in, R, out)
         return
     for i in range(n):

@@ -320,6 +320,29 @@ def pm_dot128_from(typingctx, sums, b0, b1, p, off):
     return _veci(sums, b0, b1, p, off), codegen
 
 
+@intrinsic
+def q1_scales8(typingctx, p, off, da, out):
+    """out[m] = d_m x da[m], m < 8: the f16 scales d_m of the 8 Q1_0 blocks (18 B each) at p + off
+    times 8 float32 at address da, stored as 8 float32 at address out. The 8 scales lie in the
+    blocks' first 128 bytes: one two-register byte shuffle (vpermt2b with AVX512-VBMI) and one
+    vcvtph2ps, where taking each apart costs a load, a conversion and a broadcast per block."""
+    if not _ints(p, off, da, out):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v64, v16 = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16)
+        o = _i64(builder, args[1])
+        lo, hi = (_ld_vec_at(builder, args[0], o, k, v64) for k in (0, 64))
+        picks = ir.Constant(v16, [18 * m + b for m in range(8) for b in (0, 1)])
+        d = builder.fpext(builder.bitcast(builder.shuffle_vector(lo, hi, picks), ir.VectorType(ir.HalfType(), 8)), _VF)
+        a = _ld_vec(builder, args[2], ir.Constant(_I64, 0), _VF)
+        builder.store(builder.fmul(d, a), builder.bitcast(_ptr(builder, args[3], ir.Constant(_I64, 0), _I8),
+                                                          _VF.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.none(p, off, da, out), codegen
+
+
 def _q2k_dots(builder, p, off, a, e, gsums):
     """Q2_K's two integer dots of a super-block (q2k_dot256): t1 = sum_k sc_g(k) q_k a_k in
     pm_dot128's lanes and t2 = m_g gsum_g in lane g (gsum_g: the sum of activations 16 g ..
