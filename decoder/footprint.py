@@ -7,7 +7,7 @@ Measured on a CPU decoder (RssAnon / RssFile, MB) as it starts:
 | python + numpy               |   13 |   17 |                                                   |
 | import torch                 | +130 |  +63 | Python objects of ~1100 modules; libtorch's text  |
 | import numba                 |  +19 |  +96 | llvmlite's LLVM (libllvmlite.so, ~104 MB touched) |
-| kernels compiled / loaded    |  +27 |  +12 | the JIT code and its cache                        |
+| kernels compiled / loaded    |  +27 |  +12 | the JIT code (loaded: no link modules, jit_cache) |
 | dense weights, KV            | +15  |  +17 | (a 512-wide model; scales with the model)         |
 | GGUF metadata, 152k vocab    |   +3 |      | gguf-py's reader: +327 to +466 (gguf_fields)      |
 | tokenizer, 152k vocab        |  +71 |      | a made vocabulary (124k control tokens), trimmed  |

@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 from moestream.decoder import numba_setup as ns
 
@@ -100,3 +101,36 @@ def test_the_first_run_says_it_compiles_and_where_it_caches(tmp_path, monkeypatc
     (tmp_path / "sub" / "rows.gate_up_kernel-401.py311.nbi").write_bytes(b"")
     ns.warm_kernels(said.append)
     assert len(said) == 1  # a cache there: nothing to say
+
+
+_LINK_AFTER_LOAD = textwrap.dedent("""
+    import numpy as np
+    from numba import njit
+    from moestream.decoder.kernels.cpu import moe
+
+    ys = np.ones((3, 4), np.float32)
+    moe.weigh(ys, np.array([2.0, 3.0, 4.0], np.float32), np.array([2, 0, 1]))  # loaded (or compiled)
+    lib = next(iter(moe.weigh.overloads.values())).library
+    held = lib._shared_module is not None
+
+    @njit
+    def twice(ys, w, picks):  # a new compile that links the loaded kernel's module
+        moe.weigh(ys, w, picks)
+        moe.weigh(ys, w, picks)
+
+    twice(ys, np.array([2.0, 3.0, 4.0], np.float32), np.array([2, 0, 1]))
+    print(held, ys[:, 0].tolist())
+""")
+
+
+def test_a_cached_kernel_links_into_a_new_compile(tmp_path):
+    """A kernel loaded from numba's cache keeps its link module as bitcode only
+    (jit_cache.lazy_link_modules) and still links into a function compiled after it."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", _LINK_AFTER_LOAD], env=env, capture_output=True, text=True,
+                           timeout=300) for _ in range(2)]  # the first fills the cache, the second loads
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    want = str((np.array([2.0, 3.0, 4.0])[[2, 0, 1]] ** 3).tolist())  # each row weighed three times
+    assert runs[0].stdout.strip() == f"True {want}"  # compiled: numba's own module
+    assert runs[1].stdout.strip() == f"False {want}"  # loaded: bitcode until a compile links it
