@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 
+import numpy as np
 import pytest
 import torch
 from moestream.decoder.experts.bank import ExpertBank
@@ -271,6 +272,11 @@ def test_dense_weights_kept_quantized_match_dequantized(setups, quant):
     assert "attn_q" in kept and isinstance(quant_model.embed, QuantWeight)
     w = kept["attn_q"]
     assert w.nbytes == s.layout.tensors["blk.0.attn_q.weight"].nbytes
+    # the embedding table (untied: the model has output.weight) stays a view of the file's map; the
+    # weights read whole every step are private copies
+    assert np.shares_memory(quant_model.embed.m.data, s.layout.data())
+    assert not np.shares_memory(quant_model.lm_head.m.data, s.layout.data())
+    assert not np.shares_memory(w.m.data, s.layout.data())
     ids = torch.tensor([3, 0, 17, 3])
     table = load_tensor(s.layout, "token_embd.weight", "cpu", torch.float32)  # gguf-checked dequantizer
     assert torch.equal(quant_model.embed.rows(ids, torch.float32), table[ids])
