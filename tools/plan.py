@@ -7,7 +7,8 @@ The arithmetic (one decoded token, CPU decoder computing from the daemon's arena
 | figure                 | how                                                                           |
 |------------------------|-------------------------------------------------------------------------------|
 | arena slots            | (memory - decoder - daemon - headroom) // slot bytes, at most every expert    |
-| decoder, daemon        | the dense weights + DECODER_BASE_BYTES; DAEMON_BASE_BYTES (measured defaults) |
+| decoder, daemon        | the dense weights but a mapped embedding table + DECODER_BASE_BYTES;         |
+|                        | DAEMON_BASE_BYTES (measured defaults)                                         |
 | cached share f         | slots / (MoE layers x experts)                                                |
 | hit rate h(f)          | the daemon's own policy (decayed LFU, `common.policy`) of that many slots     |
 |                        | replayed on --trace, else the --curve's points (published LRU hit rates),     |
@@ -37,10 +38,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from gguf import GGMLQuantizationType as Q
+
 from ..common.units import format_size, parse_size
 
-DECODER_BASE_BYTES = 360 << 20  # the decoder's own memory beside its dense weights (torch, numba, KV): 377 MB
-# measured on a 3.2 GiB model (peak RssAnon + last RssFile, `bench capped`'s warm-up), ~215 MB of it anonymous
+DECODER_BASE_BYTES = 290 << 20  # the decoder's own memory beside its dense weights (torch, numba, KV): 336.5 MiB
+# measured on a 3.2 GiB model with 48.7 MiB of dense weights (peak RssAnon + last RssFile, `bench capped`'s warm-up)
 DAEMON_BASE_BYTES = 64 << 20  # the daemon's own memory beside its arena (measured 58 MB)
 HEADROOM_BYTES = 64 << 20  # kernel, reads in flight
 MIN_SLOTS = 4
@@ -69,6 +72,12 @@ class Shape:
     dense_bytes: int
     file_bytes: int
     parts: int = 3  # byte ranges per expert (gate, up, down; more with biases or scales)
+    mapped_bytes: int = 0  # of dense_bytes, an untied quantized embedding table: read a row a token from the file's map
+
+    @property
+    def held_dense_bytes(self) -> int:
+        """The dense weights the decoder holds and a step reads whole."""
+        return self.dense_bytes - self.mapped_bytes
 
     @property
     def demand_depth(self) -> int:
@@ -82,7 +91,7 @@ class Shape:
     @property
     def active_bytes(self) -> float:
         """Weight bytes one token's compute reads: its experts and every dense weight."""
-        return self.moe_layers * self.top_k * self.expert_bytes + self.dense_bytes
+        return self.moe_layers * self.top_k * self.expert_bytes + self.held_dense_bytes
 
 
 @dataclass(frozen=True)
@@ -102,12 +111,22 @@ class Forecast:
 def shape_of(layout: Any) -> Shape:
     ex = layout.experts
     return Shape(len(ex.moe_layers), ex.n_expert, layout.hparams.n_expert_used, ex.total_bytes / ex.n_blobs,
-                 ex.slot_bytes(True), layout.dense_bytes, layout.file_size, len(ex.parts(ex.moe_layers[0], 0)))
+                 ex.slot_bytes(True), layout.dense_bytes, layout.file_size, len(ex.parts(ex.moe_layers[0], 0)),
+                 _mapped_embedding_bytes(layout))
+
+
+def _mapped_embedding_bytes(layout: Any) -> int:
+    """The embedding table's bytes where the CPU decoder reads it from the file's map (untied and
+    block-quantized: `decoder.models.weights.load_dense`), else 0."""
+    t = layout.dense.get("token_embd.weight")
+    if t is None or "output.weight" not in layout.dense or t.qtype in (Q.F32, Q.F16, Q.BF16):
+        return 0
+    return t.nbytes
 
 
 def own_bytes(s: Shape) -> int:
     """The decoder's and the daemon's memory beside the arena, with headroom."""
-    return s.dense_bytes + DECODER_BASE_BYTES + DAEMON_BASE_BYTES + HEADROOM_BYTES
+    return s.held_dense_bytes + DECODER_BASE_BYTES + DAEMON_BASE_BYTES + HEADROOM_BYTES
 
 
 def least_memory(s: Shape) -> int:
@@ -302,7 +321,8 @@ def report(r: dict[str, Any]) -> str:
     s = r["shape"]
     lines = [f"moestream plan: {r['model']}: {format_size(s['file_bytes'])}, {s['moe_layers']} MoE layers x "
              f"{s['n_expert']} experts (top {s['top_k']}), expert {format_size(round(s['expert_bytes']))}, dense "
-             f"{format_size(s['dense_bytes'])}",
+             f"{format_size(s['dense_bytes'])}" + (f" ({format_size(s['mapped_bytes'])} of it the embedding table, read "
+                                                   "from the file's map)" if s["mapped_bytes"] else ""),
              f"disk {r['bandwidth'] / 1e9:.2f} GB/s {r['bandwidth_basis']}; compute {r['compute_s'] * 1e3:.1f} ms/token "
              f"{r['compute_basis']}; hit rates: {r['hit_rate_basis']}",
              f"least memory that runs: {format_size(r['least_memory'])} (decoder + daemon + headroom "

@@ -33,6 +33,10 @@ def test_forecast_arithmetic_on_a_made_model(make_tiny_model, capsys):
     assert code == 0
     s = r["shape"]
     assert s["expert_bytes"] == pytest.approx(expert) and s["dense_bytes"] == dense
+    # the made model is untied and quantized: the decoder reads its embedding table from the map
+    table = next(int(t.n_bytes) for t in GGUFReader(path).tensors if t.name == "token_embd.weight")
+    assert s["mapped_bytes"] == table and r["own_bytes"] == (dense - table + pl.DECODER_BASE_BYTES
+                                                             + pl.DAEMON_BASE_BYTES + pl.HEADROOM_BYTES)
     f = r["forecasts"][0]
     slots = 6
     share = slots / n_blobs
