@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..common.units import format_size
 from .config import ConfigError, DecoderConfig
 
 if TYPE_CHECKING:  # (imported lazily at run time: `--help` must not load torch models)
@@ -353,7 +354,17 @@ def result_json(result: GenerationResult, tok: GGUFTokenizer, ids: list[list[int
             "text": [tok.decode(t) for t in result.tokens], "finish": result.finish,
             "new_tokens": result.new_tokens, "steps": result.steps, "load_s": load_s,
             "prefill_s": result.prefill_s, "decode_s": result.decode_s, "decode_tok_s": result.decode_tok_s(),
-            "stats": stats.as_dict(), "prefetch": prefetch.as_dict() if prefetch is not None else None}
+            "stats": stats.as_dict(), "prefetch": prefetch.as_dict() if prefetch is not None else None,
+            "memory": _own_memory()}
+
+
+def _own_memory() -> dict[str, int]:
+    """This process's resident memory now, bytes: anonymous (what a memory cap must leave it) and
+    file pages (libraries, and the model's map with --resident)."""
+    from .footprint import own_memory
+
+    m = own_memory()
+    return {"anon": m.anon, "file": m.file}
 
 
 def print_results(result: GenerationResult, tok: GGUFTokenizer, streamed: bool) -> None:
@@ -374,6 +385,9 @@ def print_stats(result: GenerationResult, load_s: float, bank_stats: BankStats,
     print(bank_stats.describe(), file=out)
     if prefetch is not None:
         print(prefetch.describe(), file=out)
+    m = _own_memory()
+    print(f"stats: memory: this process {format_size(m['anon'])} anonymous, {format_size(m['file'])} of file pages "
+          "(libraries; with --resident the model's map too); the arena is the daemon's", file=out)
 
 
 def main(argv: list[str] | None = None) -> int:

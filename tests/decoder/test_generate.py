@@ -6,6 +6,7 @@ import pytest
 import torch
 from moestream.decoder.experts.bank import ExpertBank
 from moestream.common.layout import ModelLayout
+from moestream.common.units import parse_size
 from moestream.decoder import cli
 from moestream.decoder.experts.source import ResidentExperts
 from moestream.decoder.generation.loop import TextStream, generate
@@ -99,6 +100,10 @@ def test_cli_resident(tiny_model, capsys):
     cap = capsys.readouterr()
     assert rc == 0 and "tok/s" in cap.err and "stats: experts: source=resident" in cap.err and "experts held" in cap.err
     assert "(quant, " in cap.err and "tok/s" not in cap.out  # counters on stderr, text alone on stdout
+    line = next(x for x in cap.err.splitlines() if x.startswith("stats: memory: this process "))
+    anon = parse_size(line.split("this process ")[1].split(" anonymous")[0])
+    now = int(next(x for x in open("/proc/self/status") if x.startswith("RssAnon:")).split()[1]) << 10
+    assert abs(anon - now) <= 64 << 20, (line, now)  # this (in-process) run's own anonymous memory
     rc = cli.main(["--model", str(tiny_model), "--resident", "--prompt", "a", "--prompt", "b", "-n", "3",
                    "--chat", "--no-progress"])
     out = capsys.readouterr().out
@@ -153,6 +158,7 @@ def test_cli_json_and_trace(tiny_model, tmp_path, capsys):
                      "--trace-out", str(trace), "--no-progress"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["prompt_tokens"] == [3] and len(r["tokens"][0]) == r["new_tokens"] == 4 and r["decode_tok_s"] > 0
+    assert r["memory"]["anon"] > 64 << 20 and r["memory"]["file"] > 0  # torch alone is more
     steps = load_trace(trace)
     assert len(steps) == 4  # the prompt's forward pass and three decode steps
     assert all(len({layer for layer, _ in step}) == 2 for step in steps)  # every layer routed
