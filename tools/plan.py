@@ -7,7 +7,7 @@ The arithmetic (one decoded token, CPU decoder computing from the daemon's arena
 | figure                 | how                                                                           |
 |------------------------|-------------------------------------------------------------------------------|
 | arena slots            | (memory - decoder - daemon - headroom) // slot bytes, at most every expert    |
-| decoder, daemon        | the dense weights but a mapped embedding table + DECODER_BASE_BYTES;         |
+| decoder, daemon        | the dense weights but a mapped embedding table + DECODER_BASE_BYTES;          |
 |                        | DAEMON_BASE_BYTES (measured defaults)                                         |
 | cached share f         | slots / (MoE layers x experts)                                                |
 | hit rate h(f)          | the daemon's own policy (decayed LFU, `common.policy`) of that many slots     |
