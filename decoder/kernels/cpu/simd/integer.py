@@ -324,7 +324,7 @@ def pm_dot128_from(typingctx, sums, b0, b1, p, off):
 def q1_scales8(typingctx, p, off, da, out):
     """out[m] = d_m x da[m], m < 8: the f16 scales d_m of the 8 Q1_0 blocks (18 B each) at p + off
     times 8 float32 at address da, stored as 8 float32 at address out. The 8 scales lie in the
-    blocks' first 128 bytes: one two-register byte shuffle (vpermt2b with AVX512-VBMI) and one
+    blocks' first 128 bytes: one two-register shuffle (a vpermt2w with AVX-512) and one
     vcvtph2ps, where taking each apart costs a load, a conversion and a broadcast per block."""
     if not _ints(p, off, da, out):
         return None
