@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ....common.procfs import proc_read_bytes as read_bytes_of
+from ...footprint import own_memory
 
 SAMPLE_EVERY_S = 0.005
 ASK_EVERY_S = 0.02
@@ -128,13 +129,13 @@ def proc_read_bytes(pid: int | str) -> int | None:
 
 
 def proc_mem_parts(pid: int) -> tuple[int, int]:
-    """(RssAnon, RssFile) of a process in bytes (its shared memory, e.g. the arena, left out)."""
-    parts = {"RssAnon:": 0, "RssFile:": 0}
-    for line in read_or_empty(f"/proc/{pid}/status").splitlines():
-        key = line.split(" ", 1)[0].split("\t", 1)[0]
-        if key in parts:
-            parts[key] = int(line.split()[1]) << 10
-    return parts["RssAnon:"], parts["RssFile:"]
+    """(RssAnon, RssFile) of a process in bytes (its shared memory, e.g. the arena, left out);
+    (0, 0) once it is gone."""
+    try:
+        m = own_memory(pid)
+    except OSError:
+        return 0, 0
+    return m.anon, m.file
 
 
 def proc_mem(pid: int) -> int:
