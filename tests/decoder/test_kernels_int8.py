@@ -282,13 +282,18 @@ def _st_b(typingctx, p, off, v):
     return nbt.none(p, off, v), codegen
 
 
-@pytest.mark.parametrize("features", [None, {"avx2"}, set()], ids=["host", "avx2", "generic"])
+@pytest.mark.parametrize("features", [None, "no gfni", {"avx2"}, set()], ids=["host", "host-no-gfni", "avx2", "generic"])
 def test_dpbusd_on_each_path(monkeypatch, features) -> None:
     """vpdpbusd, AVX2's vpmaddubsw + vpmaddwd, and plain IR give the same exact sums (unsigned
     bytes <= 128, as the kernels keep them), also with per-lane scales (dpbusd_k); the 16-entry
     lookup (vpshufb or per byte), the bit expansion, the negation by bits (a masked subtract,
-    psignb or a select), the TQ1_0 block dot (one masked load or three) and Q2_K's (a vpshufb,
-    two or one per byte) agree; each compiled afresh per path."""
+    psignb or a select), the TQ1_0 block dot (one masked load or three) and Q2_K's (its codes
+    by vgf2p8affineqb or a shift and a mask; a vpshufb, two or one per byte) agree; each
+    compiled afresh per path."""
+    if features == "no gfni":
+        if "gfni" not in si.cpu_features():
+            pytest.skip("the host has no GFNI: its own path is the one without")
+        features = si.cpu_features() - {"gfni"}
     if features is not None:
         if "avx2" in features and not si.has_avx2():
             pytest.skip("the host has no AVX2")

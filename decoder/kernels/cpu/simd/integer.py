@@ -350,25 +350,41 @@ def _q2k_dots(builder, p, off, a, e, gsums):
     v64, d16 = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16)
     o = _i64(builder, off)
     sc = _ld_vec_at(builder, p, o, 0, ir.VectorType(_I8, 16))
-    lo = builder.zext(builder.and_(sc, ir.Constant(sc.type, [15] * 16)), d16)  # [16] a scale per 16 weights
-    hi = builder.zext(builder.lshr(sc, ir.Constant(sc.type, [4] * 16)), d16)  # [16] their mins
-    table = builder.bitcast(builder.mul(lo, ir.Constant(d16, [0x03020100] * 16)), v64)  # group g: 0, sc, 2 sc, 3 sc
+    # Dword 4 l + c of the table is group 4 c + l's [0, sc, 2 sc, 3 sc]: run c's 16-byte lane l (group
+    # 4 c + l) finds its table at bytes 4 c .. 4 c + 3 of its own lane, so a run's lookup index is
+    # its code + 4 c and no run needs its groups' tables moved into place.
+    across = builder.shuffle_vector(sc, sc, ir.Constant(ir.VectorType(_I32, 16), [4 * (i % 4) + i // 4 for i in range(16)]))
+    lo = builder.zext(builder.and_(across, ir.Constant(sc.type, [15] * 16)), d16)  # [16] scales, transposed
+    hi = builder.zext(builder.lshr(sc, ir.Constant(sc.type, [4] * 16)), d16)  # [16] their mins, group g in lane g
+    table = builder.bitcast(builder.mul(lo, ir.Constant(d16, [0x03020100] * 16)), v64)
     t1 = ir.Constant(d16, [0] * 16)
     for c in range(4):  # run c: elements 64 c .. 64 c + 63, groups 4 c .. 4 c + 3 (a 16-byte lane each)
         j, sh = c // 2, 4 * (c % 2)
         q32 = _ld_vec_at(builder, p, o, 16 + 32 * j, _VB)
-        both = builder.bitcast(builder.shuffle_vector(q32, q32, ir.Constant(ir.VectorType(_I32, 64),
-                                                                            list(range(32)) * 2)), _W32)
-        shifted = builder.lshr(both, ir.Constant(_W32, [sh] * 16 + [sh + 2] * 16))
-        codes = builder.and_(builder.bitcast(shifted, v64), ir.Constant(v64, [3] * 64))
-        picks = [16 * c + 4 * (i // 16) + i % 4 for i in range(64)]  # byte i: group 4 c + i // 16's table
-        lane_tables = builder.shuffle_vector(table, table, ir.Constant(ir.VectorType(_I32, 64), picks))
-        t1 = _dp512(builder, t1, _lut64(builder, lane_tables, codes), _ld64(builder, a, e, 64 * c))  # sc q . a
+        both = builder.shuffle_vector(q32, q32, ir.Constant(ir.VectorType(_I32, 64), list(range(32)) * 2))
+        idx = _bit_pairs(builder, both, sh, 4 * c)  # low half bits sh, sh + 1; high half sh + 2, sh + 3
+        t1 = _dp512(builder, t1, _lut64(builder, table, idx), _ld64(builder, a, e, 64 * c))  # sc q . a
     if gsums is None:
         g = _group_sums(builder, [_lane_sums(builder, a, e, 64 * c) for c in range(4)])
     else:
         g = _ld_vec(builder, gsums, ir.Constant(_I64, 0), d16)
     return t1, _mul16(builder, g, hi)
+
+
+def _bit_pairs(builder, x, sh, plus):
+    """<64 x i8>: byte i = (bits s, s + 1 of x[i]) + plus, s = sh in the low 32 bytes and sh + 2 in
+    the high 32 (plus a multiple of 4 below 16). With GFNI one vgf2p8affineqb: its bit matrix
+    picks the two bits and its constant sets `plus`, where a shift and a mask take two uops on
+    the ports the lookups and dots need."""
+    v64 = ir.VectorType(_I8, 64)
+    if "gfni" in cpu_features() and has_avx512bw():
+        # result bit i = parity(matrix byte 7 - i & x): byte 7 selects bit s, byte 6 bit s + 1
+        rows = [[0] * 6 + [1 << (s + 1), 1 << s] for s in (sh, sh + 2)]
+        matrix = ir.Constant(v64, rows[0] * 4 + rows[1] * 4)
+        return _call(builder, "llvm.x86.vgf2p8affineqb.512", v64, [x, matrix, ir.Constant(_I8, plus)])
+    shifted = builder.lshr(builder.bitcast(x, _W32), ir.Constant(_W32, [sh] * 16 + [sh + 2] * 16))
+    codes = builder.and_(builder.bitcast(shifted, v64), ir.Constant(v64, [3] * 64))
+    return builder.or_(codes, ir.Constant(v64, [plus] * 64))
 
 
 _W32 = ir.VectorType(_I16, 32)
@@ -542,23 +558,18 @@ def tq2_dot256(typingctx, sums, p, off, a, e):
     """sums + sum_k q_k a_k for the 256 TQ2_0 codes (0..2) of the qs[64] at p + off and the 256
     activations at a + e, in pm_dot128's lanes (lane i: bytes 4i .. 4i + 3 of each 64-byte run of
     activations). The codes of elements 64c .. 64c + 63 are bits 4 (c % 2) and 4 (c % 2) + 2 of
-    qs[32 (c // 2):][:32]: those 32 bytes in both halves of a 64-byte vector, shifted per half
-    (vpsrlvw) and masked, then one 64-byte vpdpbusd on the activations in memory."""
+    qs[32 (c // 2):][:32]: those 32 bytes in both halves of a 64-byte vector, their bit pairs
+    picked per half (_bit_pairs), then one 64-byte vpdpbusd on the activations in memory."""
     if sums != _veci or not _ints(p, off, a, e):
         return None
 
     def codegen(context, builder, sig, args):
-        v64, w32 = ir.VectorType(_I8, 64), ir.VectorType(_I16, 32)
         acc = args[0]
         for c in range(4):
             j, sh = c // 2, 4 * (c % 2)
-            q = _ptr(builder, args[1], builder.add(_i64(builder, args[2]), ir.Constant(_I64, 32 * j)), _I8)
-            q32 = builder.load(builder.bitcast(q, _VB.as_pointer()), align=1)
-            both = builder.bitcast(builder.shuffle_vector(q32, q32, ir.Constant(ir.VectorType(_I32, 64),
-                                                                                list(range(32)) * 2)), w32)
-            shifted = builder.lshr(both, ir.Constant(w32, [sh] * 16 + [sh + 2] * 16))
-            u = builder.and_(builder.bitcast(shifted, v64), ir.Constant(v64, [3] * 64))
-            acc = _dp512(builder, acc, u, _ld64(builder, args[3], args[4], 64 * c))
+            q32 = _ld_vec_at(builder, args[1], _i64(builder, args[2]), 32 * j, _VB)
+            both = builder.shuffle_vector(q32, q32, ir.Constant(ir.VectorType(_I32, 64), list(range(32)) * 2))
+            acc = _dp512(builder, acc, _bit_pairs(builder, both, sh, 0), _ld64(builder, args[3], args[4], 64 * c))
         return acc
 
     return _veci(sums, p, off, a, e), codegen
