@@ -287,9 +287,10 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
     """vpdpbusd, AVX2's vpmaddubsw + vpmaddwd, and plain IR give the same exact sums (unsigned
     bytes <= 128, as the kernels keep them), also with per-lane scales (dpbusd_k); the 16-entry
     lookup (vpshufb or per byte), the bit expansion, the negation by bits (a masked subtract,
-    psignb or a select), the TQ1_0 block dot (one masked load or three) and Q2_K's (its codes
-    by vgf2p8affineqb or a shift and a mask; a vpshufb, two or one per byte) agree; each
-    compiled afresh per path."""
+    psignb or a select), the TQ1_0 block dot (one masked load or three), Q2_K's (its codes
+    by vgf2p8affineqb or a shift and a mask; a vpshufb, two or one per byte) and Q3_K's signed
+    codes (vgf2p8affineqb or shifts; against gguf-py's dequantizer) agree; each compiled afresh
+    per path."""
     if features == "no gfni":
         if "gfni" not in si.cpu_features():
             pytest.skip("the host has no GFNI: its own path is the one without")
@@ -411,6 +412,23 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
         np.testing.assert_array_equal(got[16:32], (m * a).reshape(16, 16).sum(axis=1))  # lane g: m_g x its sum
         np.testing.assert_array_equal(got[32:48], a.astype(np.int64).reshape(16, 16).sum(axis=1))
         np.testing.assert_array_equal(got[48:], got[:32])  # from the group sums: the same integers
+
+    @njit(cache=False)
+    def q3k_all(block, out):  # the 8 sub-blocks' signed codes (j a constant in each call)
+        p = addr(block)
+        for j, w in enumerate((si.q3k_codes(p, 0, 0), si.q3k_codes(p, 0, 1), si.q3k_codes(p, 0, 2),
+                               si.q3k_codes(p, 0, 3), si.q3k_codes(p, 0, 4), si.q3k_codes(p, 0, 5),
+                               si.q3k_codes(p, 0, 6), si.q3k_codes(p, 0, 7))):
+            _st_b(addr(out), 32 * j, w)
+
+    for _ in range(20):
+        body = rng.integers(0, 256, 96).astype(np.uint8)  # hmask[32], qs[64]
+        scales = np.full(12, 0xAA, np.uint8)  # every 6-bit scale 33 (k = sc - 32 = 1): its high bits 2,
+        scales[:8] = 0x11  # its low nibbles 1
+        q = gq.dequantize(np.concatenate([body, scales, one]), Q.Q3_K).astype(np.int64)  # d k q, d = k = 1
+        got = np.zeros(256, np.int8)
+        q3k_all(body, got)
+        np.testing.assert_array_equal(got, q)
 
 
 

@@ -716,25 +716,16 @@ def _iq1_m(p, off, n_in, R, nx):
 
 
 @njit(**_INL)
-def _q3_w(p, o, hm, j):
-    """Q3_K sub-block j's codes as signed bytes: bits 2 (j % 4).. of qs[32 (j // 4) + l], less 4
-    where bit j of hmask[l] (hm) is clear: -4..3."""
-    q = s.b_and(s.b_shr(s.ld_b(p, o + 32 + 32 * (j // 4)), 2 * (j % 4)), 3)
-    return s.b_sub(s.b_or(q, s.b_shl(s.b_and(s.b_shr(hm, j), 1), 2)), 4)
-
-
-@njit(**_INL)
 def _q3_k(p, off, n_in, R, nx):
     """110 B / 256: hmask[32], qs[64] (2-bit codes as Q2_K's), 12 bytes of 6-bit scales (one per
-    16 weights), f16 d: w = d (sc - 32) q, q = code - 4 (hmask bit clear) or code. The signed
-    codes meet the activation's signs (psignb) and the scales are dpbusd_k's multipliers."""
+    16 weights), f16 d: w = d (sc - 32) q, q = code - 4 (hmask bit clear) or code (q3k_codes).
+    The signed codes meet the activation's signs (psignb) and the scales are dpbusd_k's multipliers."""
     o = np.int64(off)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
         s.prefetch_lines(p, o + PREFETCH_BYTES, 110)
-        hm = s.ld_b(p, o)
-        W = (_q3_w(p, o, hm, 0), _q3_w(p, o, hm, 1), _q3_w(p, o, hm, 2), _q3_w(p, o, hm, 3),
-             _q3_w(p, o, hm, 4), _q3_w(p, o, hm, 5), _q3_w(p, o, hm, 6), _q3_w(p, o, hm, 7))
+        W = (s.q3k_codes(p, o, 0), s.q3k_codes(p, o, 1), s.q3k_codes(p, o, 2), s.q3k_codes(p, o, 3),
+             s.q3k_codes(p, o, 4), s.q3k_codes(p, o, 5), s.q3k_codes(p, o, 6), s.q3k_codes(p, o, 7))
         U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
              s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
         c = s.f8_splat(f16_at(p, o + 108))

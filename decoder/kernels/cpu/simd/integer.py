@@ -441,6 +441,45 @@ def _mul16(builder, x, k):
     return builder.mul(x, k)
 
 
+def _gf_bits(builder, x, bits, plus):
+    """Per byte of the 32-byte x, its bits `bits` (a list, result bit i from bit bits[i]; None: 0)
+    XOR `plus`, by one vgf2p8affineqb (its matrix row 7 - i picks result bit i's source bit)."""
+    row = [0] * 8
+    for i, b in enumerate(bits):
+        if b is not None:
+            row[7 - i] = 1 << b
+    return _call(builder, "llvm.x86.vgf2p8affineqb.256", _VB, [x, ir.Constant(_VB, row * 4), ir.Constant(_I8, plus)])
+
+
+def _has_gfni() -> bool:
+    f = cpu_features()
+    return "gfni" in f and ("avx512vl" in f or "avx" in f)
+
+
+@intrinsic
+def q3k_codes(typingctx, p, off, j):
+    """Q3_K sub-block j's (a constant: 0..7) codes as signed bytes, -4..3: the 2-bit code (bits
+    2 (j % 4), + 1 of qs[32 (j // 4) + l], the 64 qs after the 32 hmask bytes at p + off), less 4
+    where bit j of hmask[l] is clear. With GFNI two vgf2p8affineqb and an or: the code's two bits,
+    and the mask's bit j copied into bits 2..7 and inverted (0xfc: -4 on top of the code), where
+    shifts and masks took seven uops."""
+    if not (_ints(p, off) and isinstance(j, types.IntegerLiteral)):
+        return None
+    jj = j.literal_value
+
+    def codegen(context, builder, sig, args):
+        o = _i64(builder, args[1])
+        hm, qs = _ld_vec_at(builder, args[0], o, 0, _VB), _ld_vec_at(builder, args[0], o, 32 + 32 * (jj // 4), _VB)
+        sh = 2 * (jj % 4)
+        if _has_gfni():
+            return builder.or_(_gf_bits(builder, qs, [sh, sh + 1], 0), _gf_bits(builder, hm, [None, None] + [jj] * 6, 0xFC))
+        q = builder.and_(builder.lshr(qs, _splat(builder, ir.Constant(_I8, sh), _VB)), ir.Constant(_VB, [3] * 32))
+        h = builder.and_(builder.lshr(hm, _splat(builder, ir.Constant(_I8, jj), _VB)), ir.Constant(_VB, [1] * 32))
+        return builder.sub(builder.or_(q, builder.shl(h, ir.Constant(_VB, [2] * 32))), ir.Constant(_VB, [4] * 32))
+
+    return vb(p, off, j), codegen
+
+
 @intrinsic
 def q2k_dot256(typingctx, p, off, a, e):
     """The Q2_K super-block at p + off (scales[16]: low nibble a scale, high a min per 16 weights;
