@@ -432,6 +432,41 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
 
 
 
+@pytest.mark.parametrize("without", [None, "avx512vbmi"], ids=["host", "no-vbmi"])
+def test_iq_aux_signs_on_each_path(monkeypatch, without) -> None:
+    """The sign bits IQ2_XXS and IQ3_XXS unpack from their aux words (iq2xxs_prep's second value):
+    each 7-bit field with its parity as bit 7 (ggml's ksigns_iq2xs), by vpmultishiftqb and
+    vgf2p8affineqb or by shifts and popcounts; compiled afresh per path."""
+    from moestream.decoder.kernels.cpu.rows_iq import GRID64_IQ2_XXS
+    from moestream.decoder.kernels.cpu.simd import blocks as blk
+
+    if without is not None:
+        if without not in si.cpu_features():
+            pytest.skip(f"the host has no {without}: its own path is the one without")
+        features = si.cpu_features() - {without}
+        monkeypatch.setattr(si, "cpu_features", lambda: features)
+        monkeypatch.setattr(blk, "cpu_features", lambda: features)
+
+    @njit(cache=False)
+    def signs_of(block, grid, out):
+        _, sg, _ = blk.iq2xxs_prep(addr(block), 0, addr(grid))
+        for j in range(8):
+            out[j] = si.i8_lane(sg, j)
+
+    def ksigns(f: np.ndarray) -> np.ndarray:
+        parity = np.array([bin(int(v)).count("1") & 1 for v in f], np.int64)
+        return f | parity << 7
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        block = rng.integers(0, 256, 66).astype(np.uint8)
+        aux = block[2:].view(np.uint32)[1::2].astype(np.int64)  # [8] each sub-block's second u32
+        want = sum(ksigns(aux >> (7 * l) & 127) << (8 * l) for l in range(4))  # [8]
+        got = np.zeros(8, np.int64)
+        signs_of(block, GRID64_IQ2_XXS, got)
+        np.testing.assert_array_equal(got & 0xFFFFFFFF, want)
+
+
 # -- a model: streamed == resident, bit for bit, on the int8 path ------------------------------------
 @pytest.mark.parametrize("quant", ["Q8_0", "Q4_K", "Q1_0", "TQ2_0"])  # (the last two: wide activations)
 def test_streamed_int8_is_bit_identical_to_resident(make_tiny_model, start_daemon, quant) -> None:
