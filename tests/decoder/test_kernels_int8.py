@@ -434,10 +434,11 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
 
 @pytest.mark.parametrize("without", [None, "avx512vbmi"], ids=["host", "no-vbmi"])
 def test_iq_aux_signs_on_each_path(monkeypatch, without) -> None:
-    """The sign bits IQ2_XXS and IQ3_XXS unpack from their aux words (iq2xxs_prep's second value):
-    each 7-bit field with its parity as bit 7 (ggml's ksigns_iq2xs), by vpmultishiftqb and
-    vgf2p8affineqb or by shifts and popcounts; compiled afresh per path."""
-    from moestream.decoder.kernels.cpu.rows_iq import GRID64_IQ2_XXS
+    """The sign bits IQ2_XXS and IQ3_XXS unpack from their aux words (iq2xxs_prep's second value)
+    and IQ2_XS from its u16 codes' top 7 bits (iq2xs_prep's): each 7-bit field with its parity as
+    bit 7 (ggml's ksigns_iq2xs), by vpmultishiftqb and vgf2p8affineqb or by shifts and
+    popcounts; compiled afresh per path."""
+    from moestream.decoder.kernels.cpu.rows_iq import GRID64_IQ2_XS, GRID64_IQ2_XXS
     from moestream.decoder.kernels.cpu.simd import blocks as blk
 
     if without is not None:
@@ -453,6 +454,12 @@ def test_iq_aux_signs_on_each_path(monkeypatch, without) -> None:
         for j in range(8):
             out[j] = si.i8_lane(sg, j)
 
+    @njit(cache=False)
+    def xs_signs_of(block, grid, out):
+        _, sg, _ = blk.iq2xs_prep(addr(block), 0, addr(grid))
+        for j in range(8):
+            out[j] = si.i8_lane(sg, j)
+
     def ksigns(f: np.ndarray) -> np.ndarray:
         parity = np.array([bin(int(v)).count("1") & 1 for v in f], np.int64)
         return f | parity << 7
@@ -464,6 +471,11 @@ def test_iq_aux_signs_on_each_path(monkeypatch, without) -> None:
         want = sum(ksigns(aux >> (7 * l) & 127) << (8 * l) for l in range(4))  # [8]
         got = np.zeros(8, np.int64)
         signs_of(block, GRID64_IQ2_XXS, got)
+        np.testing.assert_array_equal(got & 0xFFFFFFFF, want)
+        block = rng.integers(0, 256, 74).astype(np.uint8)
+        qs = block[2:66].view(np.uint16).astype(np.int64).reshape(8, 4)  # [8, 4] group l of sub-block j
+        want = sum(ksigns(qs[:, l] >> 9) << (8 * l) for l in range(4))  # [8]
+        xs_signs_of(block, GRID64_IQ2_XS, got)
         np.testing.assert_array_equal(got & 0xFFFFFFFF, want)
 
 

@@ -79,16 +79,28 @@ def _ksigns(builder, f):
     return builder.or_(f, builder.shl(par, _c(ty, [7] * ty.count)))
 
 
+def _has_vbmi_gfni() -> bool:
+    return {"avx512vbmi", "gfni", "avx512vl"} <= cpu_features()
+
+
+def _ksign_bytes(builder, x, picks):
+    """ksigns of 7-bit fields of the byte vector x (32 or 64 bytes): vpmultishiftqb puts the field
+    at bit offset picks[j] of byte j's qword in byte j, and vgf2p8affineqb keeps its bits 0..6 and
+    makes bit 7 their parity (the matrix's row 0: 0x7f). Needs _has_vbmi_gfni."""
+    n = x.type.count
+    vty = ir.VectorType(_I8, n)
+    fields = _call(builder, f"llvm.x86.avx512.pmultishift.qb.{8 * n}", vty, [_c(vty, picks), x])
+    ksigns = _c(vty, [0x7F, 0x40, 0x20, 0x10, 0x08, 0x04, 0x02, 0x01] * (n // 8))
+    return _call(builder, f"llvm.x86.vgf2p8affineqb.{8 * n}", vty, [fields, ksigns, _c(_I8, 0)])
+
+
 def _aux_signs(builder, aux):
-    """The 32 sign bits of 8 sub-blocks (<8 x i32>) from IQ2_XXS / IQ3_XXS aux words (4 x 7 bits).
-    With VBMI and GFNI two instructions: vpmultishiftqb puts each 7-bit field in a byte (bits 7l
-    .. of each dword: byte l of it), and vgf2p8affineqb keeps its bits 0..6 and makes bit 7 their
-    parity (matrix row 0: 0x7f), where shifts, masks and a popcount per field took 32 uops."""
-    if {"avx512vbmi", "gfni", "avx512vl"} <= cpu_features():
-        picks = _c(_VB, [7 * l + 32 * h for _ in range(4) for h in (0, 1) for l in range(4)])
-        fields = _call(builder, "llvm.x86.avx512.pmultishift.qb.256", _VB, [picks, builder.bitcast(aux, _VB)])
-        ksigns = _c(_VB, [0x7F, 0x40, 0x20, 0x10, 0x08, 0x04, 0x02, 0x01] * 4)
-        return builder.bitcast(_call(builder, "llvm.x86.vgf2p8affineqb.256", _VB, [fields, ksigns, _c(_I8, 0)]), _VI)
+    """The 32 sign bits of 8 sub-blocks (<8 x i32>) from IQ2_XXS / IQ3_XXS aux words (4 x 7 bits):
+    with VBMI and GFNI two instructions (_ksign_bytes: byte l of dword j the field at bit 7 l),
+    where shifts, masks and a popcount per field took 32 uops."""
+    if _has_vbmi_gfni():
+        picks = [7 * l + 32 * h for _ in range(4) for h in (0, 1) for l in range(4)]
+        return builder.bitcast(_ksign_bytes(builder, builder.bitcast(aux, _VB), picks), _VI)
     signs = _c(_VI, [0] * 8)
     for l in range(4):
         f = builder.and_(builder.lshr(aux, _c(_VI, [7 * l] * 8)), _c(_VI, [127] * 8))
@@ -201,10 +213,16 @@ def iq2xs_prep(typingctx, p, off, table):
         return None
 
     def codegen(context, builder, sig, args):
-        v32 = ir.VectorType(_I32, 32)
-        qs = builder.zext(_ld_vec(builder, args[0], _at(builder, args[1], 2), ir.VectorType(_I16, 32)), v32)
         U = _gather_grid(builder, args[2], _u32_fields(builder, args[0], args[1], range(2, 66, 4), 2, 16, 511))
-        signs = _bytes_to_words(builder, _ksigns(builder, builder.lshr(qs, _c(v32, [9] * 32))))
+        if _has_vbmi_gfni():  # qword j holds sub-block j's 4 u16: their top 7 bits to bytes 0..3
+            raw = _ld_vec(builder, args[0], _at(builder, args[1], 2), ir.VectorType(_I8, 64))
+            b = _ksign_bytes(builder, raw, [9, 25, 41, 57, 0, 0, 0, 0] * 8)
+            firsts = _c(ir.VectorType(_I32, 32), [8 * j + l for j in range(8) for l in range(4)])
+            signs = builder.bitcast(builder.shuffle_vector(b, b, firsts), _VI)
+        else:
+            v32 = ir.VectorType(_I32, 32)
+            qs = builder.zext(_ld_vec(builder, args[0], _at(builder, args[1], 2), ir.VectorType(_I16, 32)), v32)
+            signs = _bytes_to_words(builder, _ksigns(builder, builder.lshr(qs, _c(v32, [9] * 32))))
         K = _nib_scales(builder, _ld_u8(builder, args[0], _at(builder, args[1], 66), 8))
         ty = sig.return_type
         return context.make_tuple(builder, ty, [context.make_tuple(builder, ty[0], U), signs,
