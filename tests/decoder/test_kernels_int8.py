@@ -479,6 +479,53 @@ def test_iq_aux_signs_on_each_path(monkeypatch, without) -> None:
         np.testing.assert_array_equal(got & 0xFFFFFFFF, want)
 
 
+@pytest.mark.parametrize("without", [None, "bmi2"], ids=["host", "no-bmi2"])
+def test_iq_indices_on_each_path(monkeypatch, without) -> None:
+    """IQ1_S's, IQ1_M's, IQ2_S's and IQ3_S's code-book indices (a byte of qs and 1 to 4 bits of qh
+    above it), put together by two pdep per four or a byte at a time: read back through a table
+    whose entry i is i, against ggml's layouts in numpy; compiled afresh per path."""
+    from moestream.decoder.kernels.cpu.simd import blocks as blk
+
+    if without is not None:
+        if not si.has_fast_pdep():
+            pytest.skip("the host has no fast pdep: its own path is the one without")
+        features = si.cpu_features() - {without}
+        monkeypatch.setattr(si, "cpu_features", lambda: features)
+        monkeypatch.setattr(blk, "has_fast_pdep", lambda: False)
+
+    @njit(cache=False)
+    def indices(block, table, out, m):
+        if m == 0:
+            U, _, _ = blk.iq1s_prep(addr(block), 0, addr(table))
+        elif m == 1:
+            U, _, _ = blk.iq1m_prep(addr(block), 0, addr(table))
+        elif m == 2:
+            U, _, _ = blk.iq2s_prep(addr(block), 0, addr(table))
+        else:
+            U, _, _ = blk.iq3s_prep(addr(block), 0, addr(table))
+        for j in range(8):
+            _st_b(addr(out), 32 * j, U[j])
+
+    table = np.arange(4096, dtype=np.uint64)  # entry i holds i
+    rng = np.random.default_rng(0)
+    k32, k64 = np.arange(32), np.arange(64)
+    for _ in range(50):
+        block = rng.integers(0, 256, 110).astype(np.uint8)
+        got = np.zeros(256, np.uint8)
+        indices(block, table, got, 0)  # IQ1_S: f16 d, qs[32], u16 qh[8] (3 bits per group)
+        qs, qh = block[2:34].astype(np.int64), block[34:50].view(np.uint16).astype(np.int64)
+        np.testing.assert_array_equal(got.view(np.uint64), qs | (qh[k32 // 4] >> (3 * (k32 % 4)) & 7) << 8)
+        indices(block, table, got, 1)  # IQ1_M: qs[32], qh[16] (a nibble per group)
+        qs, qh = block[:32].astype(np.int64), block[32:48].astype(np.int64)
+        np.testing.assert_array_equal(got.view(np.uint64), qs | (qh[k32 // 2] >> (4 * (k32 % 2)) & 15) << 8)
+        indices(block, table, got, 2)  # IQ2_S: f16 d, qs[32], signs[32], qh[8] (2 bits per group)
+        qs, qh = block[2:34].astype(np.int64), block[66:74].astype(np.int64)
+        np.testing.assert_array_equal(got.view(np.uint64), qs | (qh[k32 // 4] >> (2 * (k32 % 4)) & 3) << 8)
+        indices(block, table.astype(np.uint32), got, 3)  # IQ3_S: f16 d, qs[64], qh[8] (a bit per entry)
+        qs, qh = block[2:66].astype(np.int64), block[66:74].astype(np.int64)
+        np.testing.assert_array_equal(got.view(np.uint32), qs | (qh[k64 // 8] >> (k64 % 8) & 1) << 8)
+
+
 # -- a model: streamed == resident, bit for bit, on the int8 path ------------------------------------
 @pytest.mark.parametrize("quant", ["Q8_0", "Q4_K", "Q1_0", "TQ2_0"])  # (the last two: wide activations)
 def test_streamed_int8_is_bit_identical_to_resident(make_tiny_model, start_daemon, quant) -> None:

@@ -14,8 +14,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .integer import (_I8, _I16, _I32, _I64, _VB, _VF, _VI, _c, _call, _i64, _ints, _ld_vec, _ptr, _splat, cpu_features, vb,
-                      vf8, vi8)
+from .integer import (_I8, _I16, _I32, _I64, _VB, _VF, _VI, _c, _call, _i64, _ints, _ld_vec, _ptr, _splat, cpu_features,
+                      has_fast_pdep, vb, vf8, vi8)
 
 
 # -- grid (IQ) super-blocks: indices, signs and scales of 8 sub-blocks at once ------------------------
@@ -64,10 +64,21 @@ def _u32_fields(builder, p, off, starts, per, bits, mask):
     return out
 
 
-def _hi_bits(builder, p, off, k, shift, mask, ty=_I8):
-    """(the `ty` at p + off + k) >> shift & mask, shifted to bit 8: a grid index's high bits."""
-    v = builder.and_(builder.lshr(_u(builder, p, off, k, ty), _c(_I64, shift)), _c(_I64, mask))
-    return builder.shl(v, _c(_I64, 8))
+def _indices4(builder, p, off, k, hi, bits):
+    """Four code-book indices of 8 + `bits` bits as i64: the bytes at p + off + k .. k + 3, and
+    above them the four `bits`-bit fields of the i64 `hi` (the lowest first). With a fast pdep
+    two of them place the bytes and the fields in the four 16-bit lanes of one word, which shifts
+    hand out; else a byte load, a shift, a mask and an or per index (one thread, 4096-wide rows: IQ1_S
+    12 %, IQ2_S 8 %, IQ3_S 33 % faster)."""
+    mask = (1 << bits) - 1
+    if has_fast_pdep():
+        lanes = _call(builder, "llvm.x86.bmi.pdep.64", _I64, [_u(builder, p, off, k, _I32), _c(_I64, 0x00FF00FF00FF00FF)])
+        high = _call(builder, "llvm.x86.bmi.pdep.64", _I64, [hi, _c(_I64, sum(mask << (16 * l + 8) for l in range(4)))])
+        w = builder.or_(lanes, high)
+        return [builder.and_(builder.lshr(w, _c(_I64, 16 * l)), _c(_I64, 0xFFFF)) for l in range(4)]
+    return [builder.or_(_u(builder, p, off, k + l),
+                        builder.shl(builder.and_(builder.lshr(hi, _c(_I64, bits * l)), _c(_I64, mask)), _c(_I64, 8)))
+            for l in range(4)]
 
 
 def _ksigns(builder, f):
@@ -175,9 +186,8 @@ def iq1s_prep(typingctx, p, off, table):
     def codegen(context, builder, sig, args):
         o = _i64(builder, args[1])
         qh = builder.zext(_ld_vec(builder, args[0], builder.add(o, _c(_I64, 34)), ir.VectorType(_I16, 8)), _VI)
-        U = _gather_grid(builder, args[2], [
-            builder.or_(_u(builder, args[0], o, 2 + k), _hi_bits(builder, args[0], o, 34 + 2 * (k // 4), 3 * (k % 4), 7,
-                                                                 _I16)) for k in range(32)])
+        U = _gather_grid(builder, args[2], [i for j in range(8) for i in _indices4(
+            builder, args[0], o, 2 + 4 * j, _u(builder, args[0], o, 34 + 2 * j, _I16), 3)])
         k = builder.or_(builder.shl(builder.and_(builder.lshr(qh, _c(_VI, [12] * 8)), _c(_VI, [7] * 8)),
                                     _c(_VI, [1] * 8)), _c(_VI, [1] * 8))
         neg = builder.icmp_unsigned("!=", builder.and_(qh, _c(_VI, [0x8000] * 8)), _c(_VI, [0] * 8))
@@ -239,9 +249,8 @@ def iq2s_prep(typingctx, p, off, table):
         return None
 
     def codegen(context, builder, sig, args):
-        U = _gather_grid(builder, args[2], [
-            builder.or_(_u(builder, args[0], args[1], 2 + k),
-                        _hi_bits(builder, args[0], args[1], 66 + k // 4, 2 * (k % 4), 3)) for k in range(32)])
+        U = _gather_grid(builder, args[2], [i for j in range(8) for i in _indices4(
+            builder, args[0], args[1], 2 + 4 * j, _u(builder, args[0], args[1], 66 + j), 2)])
         signs = _ld_vec(builder, args[0], _at(builder, args[1], 34), _VI)
         K = _nib_scales(builder, _ld_u8(builder, args[0], _at(builder, args[1], 74), 8))
         ty = sig.return_type
@@ -278,9 +287,9 @@ def iq3s_prep(typingctx, p, off, table):
         return None
 
     def codegen(context, builder, sig, args):
-        U = _gather_grid4(builder, args[2], [builder.or_(_u(builder, args[0], args[1], 2 + k),
-                                                         _hi_bits(builder, args[0], args[1], 66 + k // 8, k % 8, 1))
-                                             for k in range(64)])
+        U = _gather_grid4(builder, args[2], [i for j in range(8) for h in (0, 1) for i in _indices4(
+            builder, args[0], args[1], 2 + 8 * j + 4 * h,
+            builder.lshr(_u(builder, args[0], args[1], 66 + j), _c(_I64, 4 * h)), 1)])
         signs = _ld_vec(builder, args[0], _at(builder, args[1], 74), _VI)
         sc = _ld_u8(builder, args[0], _at(builder, args[1], 106), 4)
         s8 = builder.shuffle_vector(sc, sc, _c(_VI, [j // 2 for j in range(8)]))
@@ -303,9 +312,8 @@ def iq1m_prep(typingctx, p, off, table):
         return None
 
     def codegen(context, builder, sig, args):
-        W = _gather_grid(builder, args[2], [  # bit 11: -delta
-            builder.or_(_u(builder, args[0], args[1], k),
-                        _hi_bits(builder, args[0], args[1], 32 + k // 2, 4 * (k % 2), 15)) for k in range(32)])
+        W = _gather_grid(builder, args[2], [i for j in range(8) for i in _indices4(  # bit 11: -delta
+            builder, args[0], args[1], 4 * j, _u(builder, args[0], args[1], 32 + 2 * j, _I16), 4)])
         sc = builder.zext(_ld_vec(builder, args[0], _at(builder, args[1], 48), ir.VectorType(_I16, 4)),
                           ir.VectorType(_I32, 4))
         s8 = builder.shuffle_vector(sc, sc, _c(_VI, [j // 2 for j in range(8)]))
