@@ -15,7 +15,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .integer import (_I8, _I16, _I32, _I64, _VB, _VF, _VI, _c, _call, _i64, _ints, _ld_vec, _ptr, _splat, cpu_features,
-                      has_fast_pdep, vb, vf8, vi8)
+                      gf_affine, has_fast_pdep, vb, vf8, vi8)
 
 
 # -- grid (IQ) super-blocks: indices, signs and scales of 8 sub-blocks at once ------------------------
@@ -68,12 +68,13 @@ def _indices4(builder, p, off, k, hi, bits):
     """Four code-book indices of 8 + `bits` bits as i64: the bytes at p + off + k .. k + 3, and
     above them the four `bits`-bit fields of the i64 `hi` (the lowest first). With a fast pdep
     two of them place the bytes and the fields in the four 16-bit lanes of one word, which shifts
-    hand out; else a byte load, a shift, a mask and an or per index (one thread, 4096-wide rows: IQ1_S
-    12 %, IQ2_S 8 %, IQ3_S 33 % faster)."""
+    hand out; else a byte load, a shift, a mask and an or per index (one thread, 4096-wide rows:
+    IQ1_S 12 %, IQ2_S 8 %, IQ3_S 33 % faster)."""
     mask = (1 << bits) - 1
     if has_fast_pdep():
-        lanes = _call(builder, "llvm.x86.bmi.pdep.64", _I64, [_u(builder, p, off, k, _I32), _c(_I64, 0x00FF00FF00FF00FF)])
-        high = _call(builder, "llvm.x86.bmi.pdep.64", _I64, [hi, _c(_I64, sum(mask << (16 * l + 8) for l in range(4)))])
+        pdep = "llvm.x86.bmi.pdep.64"
+        lanes = _call(builder, pdep, _I64, [_u(builder, p, off, k, _I32), _c(_I64, 0x00FF00FF00FF00FF)])
+        high = _call(builder, pdep, _I64, [hi, _c(_I64, sum(mask << (16 * l + 8) for l in range(4)))])
         w = builder.or_(lanes, high)
         return [builder.and_(builder.lshr(w, _c(_I64, 16 * l)), _c(_I64, 0xFFFF)) for l in range(4)]
     return [builder.or_(_u(builder, p, off, k + l),
@@ -96,13 +97,11 @@ def _has_vbmi_gfni() -> bool:
 
 def _ksign_bytes(builder, x, picks):
     """ksigns of 7-bit fields of the byte vector x (32 or 64 bytes): vpmultishiftqb puts the field
-    at bit offset picks[j] of byte j's qword in byte j, and vgf2p8affineqb keeps its bits 0..6 and
-    makes bit 7 their parity (the matrix's row 0: 0x7f). Needs _has_vbmi_gfni."""
-    n = x.type.count
-    vty = ir.VectorType(_I8, n)
-    fields = _call(builder, f"llvm.x86.avx512.pmultishift.qb.{8 * n}", vty, [_c(vty, picks), x])
-    ksigns = _c(vty, [0x7F, 0x40, 0x20, 0x10, 0x08, 0x04, 0x02, 0x01] * (n // 8))
-    return _call(builder, f"llvm.x86.vgf2p8affineqb.{8 * n}", vty, [fields, ksigns, _c(_I8, 0)])
+    at bit offset picks[j] of byte j's qword in byte j, and gf_affine keeps its bits 0..6 and makes
+    bit 7 their parity (the matrix row 0x7f). Needs _has_vbmi_gfni."""
+    vty = ir.VectorType(_I8, x.type.count)
+    fields = _call(builder, f"llvm.x86.avx512.pmultishift.qb.{8 * x.type.count}", vty, [_c(vty, picks), x])
+    return gf_affine(builder, fields, [[1, 2, 4, 8, 16, 32, 64, 0x7F]], 0)
 
 
 def _aux_signs(builder, aux):

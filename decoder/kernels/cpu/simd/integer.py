@@ -363,7 +363,8 @@ def _q2k_dots(builder, p, off, a, e, gsums):
     # Dword 4 l + c of the table is group 4 c + l's [0, sc, 2 sc, 3 sc]: run c's 16-byte lane l (group
     # 4 c + l) finds its table at bytes 4 c .. 4 c + 3 of its own lane, so a run's lookup index is
     # its code + 4 c and no run needs its groups' tables moved into place.
-    across = builder.shuffle_vector(sc, sc, ir.Constant(ir.VectorType(_I32, 16), [4 * (i % 4) + i // 4 for i in range(16)]))
+    across = builder.shuffle_vector(sc, sc, ir.Constant(ir.VectorType(_I32, 16),
+                                                        [4 * (i % 4) + i // 4 for i in range(16)]))
     lo = builder.zext(builder.and_(across, ir.Constant(sc.type, [15] * 16)), d16)  # [16] scales, transposed
     hi = builder.zext(builder.lshr(sc, ir.Constant(sc.type, [4] * 16)), d16)  # [16] their mins, group g in lane g
     table = builder.bitcast(builder.mul(lo, ir.Constant(d16, [0x03020100] * 16)), v64)
@@ -383,18 +384,27 @@ def _q2k_dots(builder, p, off, a, e, gsums):
 
 def _bit_pairs(builder, x, sh, plus):
     """<64 x i8>: byte i = (bits s, s + 1 of x[i]) + plus, s = sh in the low 32 bytes and sh + 2 in
-    the high 32 (plus a multiple of 4 below 16). With GFNI one vgf2p8affineqb: its bit matrix
-    picks the two bits and its constant sets `plus`, where a shift and a mask take two uops on
-    the ports the lookups and dots need."""
+    the high 32 (plus a multiple of 4 below 16). With GFNI one vgf2p8affineqb (gf_affine), where a
+    shift and a mask take two uops on the ports the lookups and dots need."""
     v64 = ir.VectorType(_I8, 64)
     if "gfni" in cpu_features() and has_avx512bw():
-        # result bit i = parity(matrix byte 7 - i & x): byte 7 selects bit s, byte 6 bit s + 1
-        rows = [[0] * 6 + [1 << (s + 1), 1 << s] for s in (sh, sh + 2)]
-        matrix = ir.Constant(v64, rows[0] * 4 + rows[1] * 4)
-        return _call(builder, "llvm.x86.vgf2p8affineqb.512", v64, [x, matrix, ir.Constant(_I8, plus)])
+        return gf_affine(builder, x, [[1 << sh, 2 << sh]] * 4 + [[4 << sh, 8 << sh]] * 4, plus)
     shifted = builder.lshr(builder.bitcast(x, _W32), ir.Constant(_W32, [sh] * 16 + [sh + 2] * 16))
     codes = builder.and_(builder.bitcast(shifted, v64), ir.Constant(v64, [3] * 64))
     return builder.or_(codes, ir.Constant(v64, [plus] * 64))
+
+
+def gf_affine(builder, x, qwords, plus):
+    """vgf2p8affineqb on the 32- or 64-byte x: result bit i of a byte is the parity of the byte's
+    bits in masks[i] (a GF(2) matrix row), XOR bit i of `plus`; masks = qwords[q] for the bytes of
+    qword q (cycled; missing rows 0). One uop picks, moves, inverts or sums bits within a byte."""
+    n = x.type.count
+    vty = ir.VectorType(_I8, n)
+    rows = []
+    for q in range(n // 8):
+        masks = qwords[q % len(qwords)]
+        rows += [masks[7 - b] if 7 - b < len(masks) else 0 for b in range(8)]  # byte b: result bit 7 - b
+    return _call(builder, f"llvm.x86.vgf2p8affineqb.{8 * n}", vty, [x, ir.Constant(vty, rows), ir.Constant(_I8, plus)])
 
 
 _W32 = ir.VectorType(_I16, 32)
@@ -451,16 +461,6 @@ def _mul16(builder, x, k):
     return builder.mul(x, k)
 
 
-def _gf_bits(builder, x, bits, plus):
-    """Per byte of the 32-byte x, its bits `bits` (a list, result bit i from bit bits[i]; None: 0)
-    XOR `plus`, by one vgf2p8affineqb (its matrix row 7 - i picks result bit i's source bit)."""
-    row = [0] * 8
-    for i, b in enumerate(bits):
-        if b is not None:
-            row[7 - i] = 1 << b
-    return _call(builder, "llvm.x86.vgf2p8affineqb.256", _VB, [x, ir.Constant(_VB, row * 4), ir.Constant(_I8, plus)])
-
-
 def _has_gfni() -> bool:
     f = cpu_features()
     return "gfni" in f and ("avx512vl" in f or "avx" in f)
@@ -479,10 +479,12 @@ def q3k_codes(typingctx, p, off, j):
 
     def codegen(context, builder, sig, args):
         o = _i64(builder, args[1])
-        hm, qs = _ld_vec_at(builder, args[0], o, 0, _VB), _ld_vec_at(builder, args[0], o, 32 + 32 * (jj // 4), _VB)
+        hm = _ld_vec_at(builder, args[0], o, 0, _VB)
+        qs = _ld_vec_at(builder, args[0], o, 32 + 32 * (jj // 4), _VB)
         sh = 2 * (jj % 4)
-        if _has_gfni():
-            return builder.or_(_gf_bits(builder, qs, [sh, sh + 1], 0), _gf_bits(builder, hm, [None, None] + [jj] * 6, 0xFC))
+        if _has_gfni():  # the code's two bits; hmask's bit j to bits 2..7, inverted
+            return builder.or_(gf_affine(builder, qs, [[1 << sh, 2 << sh]], 0),
+                               gf_affine(builder, hm, [[0, 0] + [1 << jj] * 6], 0xFC))
         q = builder.and_(builder.lshr(qs, _splat(builder, ir.Constant(_I8, sh), _VB)), ir.Constant(_VB, [3] * 32))
         h = builder.and_(builder.lshr(hm, _splat(builder, ir.Constant(_I8, jj), _VB)), ir.Constant(_VB, [1] * 32))
         return builder.sub(builder.or_(q, builder.shl(h, ir.Constant(_VB, [2] * 32))), ir.Constant(_VB, [4] * 32))
