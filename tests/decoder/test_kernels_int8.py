@@ -282,6 +282,15 @@ def _st_b(typingctx, p, off, v):
     return nbt.none(p, off, v), codegen
 
 
+def _without(monkeypatch, feature: str) -> None:
+    """Compile as for this host less one CPU feature (the kernels' other path); skip where the
+    host lacks it, as its own path is then that one."""
+    if feature not in si.cpu_features():
+        pytest.skip(f"the host has no {feature}: its own path is the one without")
+    features = si.cpu_features() - {feature}
+    monkeypatch.setattr(si, "cpu_features", lambda: features)
+
+
 @pytest.mark.parametrize("features", [None, "no gfni", {"avx2"}, set()], ids=["host", "host-no-gfni", "avx2", "generic"])
 def test_dpbusd_on_each_path(monkeypatch, features) -> None:
     """vpdpbusd, AVX2's vpmaddubsw + vpmaddwd, and plain IR give the same exact sums (unsigned
@@ -292,10 +301,8 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
     codes (vgf2p8affineqb or shifts; against gguf-py's dequantizer) agree; each compiled afresh
     per path."""
     if features == "no gfni":
-        if "gfni" not in si.cpu_features():
-            pytest.skip("the host has no GFNI: its own path is the one without")
-        features = si.cpu_features() - {"gfni"}
-    if features is not None:
+        _without(monkeypatch, "gfni")
+    elif features is not None:
         if "avx2" in features and not si.has_avx2():
             pytest.skip("the host has no AVX2")
         monkeypatch.setattr(si, "cpu_features", lambda: frozenset(features))
@@ -442,11 +449,7 @@ def test_iq_aux_signs_on_each_path(monkeypatch, without) -> None:
     from moestream.decoder.kernels.cpu.simd import blocks as blk
 
     if without is not None:
-        if without not in si.cpu_features():
-            pytest.skip(f"the host has no {without}: its own path is the one without")
-        features = si.cpu_features() - {without}
-        monkeypatch.setattr(si, "cpu_features", lambda: features)
-        monkeypatch.setattr(blk, "cpu_features", lambda: features)
+        _without(monkeypatch, without)
 
     @njit(cache=False)
     def signs_of(block, grid, out):
@@ -487,11 +490,7 @@ def test_iq_indices_on_each_path(monkeypatch, without) -> None:
     from moestream.decoder.kernels.cpu.simd import blocks as blk
 
     if without is not None:
-        if not si.has_fast_pdep():
-            pytest.skip("the host has no fast pdep: its own path is the one without")
-        features = si.cpu_features() - {without}
-        monkeypatch.setattr(si, "cpu_features", lambda: features)
-        monkeypatch.setattr(blk, "has_fast_pdep", lambda: False)
+        _without(monkeypatch, without)
 
     @njit(cache=False)
     def indices(block, table, out, m):

@@ -14,8 +14,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .integer import (_I8, _I16, _I32, _I64, _VB, _VF, _VI, _c, _call, _i64, _ints, _ld_vec, _ptr, _splat, cpu_features,
-                      gf_affine, has_fast_pdep, vb, vf8, vi8)
+from . import integer  # (its feature checks through the module: one place for a test to mask a feature)
+from .integer import _I8, _I16, _I32, _I64, _VB, _VF, _VI, _c, _call, _i64, _ints, _ld_vec, _ptr, _splat, gf_affine, vb, vf8, vi8
 
 
 # -- grid (IQ) super-blocks: indices, signs and scales of 8 sub-blocks at once ------------------------
@@ -71,7 +71,7 @@ def _indices4(builder, p, off, k, hi, bits):
     hand out; else a byte load, a shift, a mask and an or per index (one thread, 4096-wide rows:
     IQ1_S 12 %, IQ2_S 8 %, IQ3_S 33 % faster)."""
     mask = (1 << bits) - 1
-    if has_fast_pdep():
+    if integer.has_fast_pdep():
         pdep = "llvm.x86.bmi.pdep.64"
         lanes = _call(builder, pdep, _I64, [_u(builder, p, off, k, _I32), _c(_I64, 0x00FF00FF00FF00FF)])
         high = _call(builder, pdep, _I64, [hi, _c(_I64, sum(mask << (16 * l + 8) for l in range(4)))])
@@ -92,7 +92,7 @@ def _ksigns(builder, f):
 
 
 def _has_vbmi_gfni() -> bool:
-    return {"avx512vbmi", "gfni", "avx512vl"} <= cpu_features()
+    return {"avx512vbmi", "gfni", "avx512vl"} <= integer.cpu_features()
 
 
 def _ksign_bytes(builder, x, picks):

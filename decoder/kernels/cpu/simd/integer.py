@@ -187,7 +187,7 @@ def _bin_b(op: str):
     return typer
 
 
-b_and, b_or, b_shr, b_shl, b_add, b_sub = (intrinsic(_bin_b(op)) for op in ("and_", "or_", "lshr", "shl", "add", "sub"))
+b_and, b_or, b_shr, b_shl, b_sub = (intrinsic(_bin_b(op)) for op in ("and_", "or_", "lshr", "shl", "sub"))
 
 
 @intrinsic
