@@ -297,9 +297,9 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
     bytes <= 128, as the kernels keep them), also with per-lane scales (dpbusd_k); the 16-entry
     lookup (vpshufb or per byte), the bit expansion, the negation by bits (a masked subtract,
     psignb or a select), the TQ1_0 block dot (one masked load or three), Q2_K's (its codes
-    by vgf2p8affineqb or a shift and a mask; a vpshufb, two or one per byte) and Q3_K's signed
-    codes (vgf2p8affineqb or shifts; against gguf-py's dequantizer) agree; each compiled afresh
-    per path."""
+    by vgf2p8affineqb or a shift and a mask; a vpshufb, two or one per byte) and Q3_K's (its
+    unsigned codes by vgf2p8affineqb or shifts, vpmaddubsw + vpmaddwd on 64 or 32 bytes or plain
+    IR; against gguf-py's dequantizer) agree; each compiled afresh per path."""
     if features == "no gfni":
         _without(monkeypatch, "gfni")
     elif features is not None:
@@ -421,22 +421,27 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
         np.testing.assert_array_equal(got[48:], got[:32])  # from the group sums: the same integers
 
     @njit(cache=False)
-    def q3k_all(block, out):  # the 8 sub-blocks' signed codes (j a constant in each call)
-        p = addr(block)
-        for j, w in enumerate((si.q3k_codes(p, 0, 0), si.q3k_codes(p, 0, 1), si.q3k_codes(p, 0, 2),
-                               si.q3k_codes(p, 0, 3), si.q3k_codes(p, 0, 4), si.q3k_codes(p, 0, 5),
-                               si.q3k_codes(p, 0, 6), si.q3k_codes(p, 0, 7))):
-            _st_b(addr(out), 32 * j, w)
+    def q3k_lanes(block, a, out):  # a Q3_K super-block's dot, the group sums summed here and given
+        sv.st_i32(addr(out), 0, si.q3k_dot256(addr(block), 0, addr(a), 0))
+        sv.st_i32(addr(out), 64, si.group_sums256(addr(a), 0))
+        sv.st_i32(addr(out), 128, si.q3k_dot256_from(addr(block), 0, addr(a), 0, addr(out) + 64))
 
+    unit = np.full(12, 0xAA, np.uint8)  # every 6-bit scale 33 (k = sc - 32 = 1): its high bits 2,
+    unit[:8] = 0x11  # its low nibbles 1
     for _ in range(20):
         body = rng.integers(0, 256, 96).astype(np.uint8)  # hmask[32], qs[64]
-        scales = np.full(12, 0xAA, np.uint8)  # every 6-bit scale 33 (k = sc - 32 = 1): its high bits 2,
-        scales[:8] = 0x11  # its low nibbles 1
-        q = gq.dequantize(np.concatenate([body, scales, one]), Q.Q3_K).astype(np.int64)  # d k q, d = k = 1
-        got = np.zeros(256, np.int8)
-        q3k_all(body, got)
-        np.testing.assert_array_equal(got, q)
-
+        scales = rng.integers(0, 256, 12).astype(np.uint8)
+        u = gq.dequantize(np.concatenate([body, unit, one]), Q.Q3_K).astype(np.int64) + 4  # q + 4 h: 0..7
+        k = gq.dequantize(np.concatenate([np.full(32, 0xFF, np.uint8), np.full(64, 0x55, np.uint8), scales, one]),
+                          Q.Q3_K).astype(np.int64)  # every code 1 with h set: w = k per weight
+        w = gq.dequantize(np.concatenate([body, scales, one]), Q.Q3_K).astype(np.int64)  # d = 1
+        a = rng.integers(-127, 128, 256).astype(np.int8)
+        got = np.zeros(48, np.int32)
+        q3k_lanes(np.concatenate([body, scales, one]), a, got)
+        want = (k * u * a).reshape(4, 16, 4).sum(axis=(0, 2)) - 4 * (k * a).reshape(16, 16).sum(axis=1)
+        np.testing.assert_array_equal(got[:16], want)  # lane i: bytes 4i .. 4i + 3 of each run, less 4 k_g gsum_g
+        assert int(got[:16].sum()) == int((w * a).sum())
+        np.testing.assert_array_equal(got[32:], got[:16])  # from the group sums: the same integers
 
 
 @pytest.mark.parametrize("without", [None, "avx512vbmi"], ids=["host", "no-vbmi"])

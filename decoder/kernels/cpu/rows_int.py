@@ -606,22 +606,25 @@ def _q1_0_rows1(p, off, rb, n, n_in, R, out):
 
 @njit(**_INL)
 def _rows1_from_sums(qtype, p, off, rb, n, n_in, R, out):
-    """int_rows1 for TQ2_0, TQ1_0 and Q2_K: activation row 0's (negated) lane sums once per call
-    (_neg_sums_row, _group_sums_row), then each row 256 weights a step."""
-    tq2, q2k = qtype == _TQ2_0, qtype == _Q2_K
-    sums = _group_sums_row(R[0], n_in) if q2k else _neg_sums_row(R[0], n_in, 256)
-    nb = 66 if tq2 else 84 if q2k else 54  # bytes per 256 weights
+    """int_rows1 for TQ2_0, TQ1_0, Q2_K and Q3_K: activation row 0's (negated) lane sums or group
+    sums once per call (_neg_sums_row, _group_sums_row), then each row 256 weights a step."""
+    tq2, q2k, q3k = qtype == _TQ2_0, qtype == _Q2_K, qtype == _Q3_K
+    sums = _group_sums_row(R[0], n_in) if q2k or q3k else _neg_sums_row(R[0], n_in, 256)
+    nb = 66 if tq2 else 84 if q2k else 110 if q3k else 54  # bytes per 256 weights
     for i in range(n):
         o = np.int64(off + i * rb)
         acc = v.zero()
         for sb in range(n_in // 256):
             s.prefetch_lines(p, o + PREFETCH_BYTES, nb)
+            e = 256 * sb
             if q2k:
-                e = 256 * sb
                 acc = _q2k_scaled(s.q2k_dot256_from(p, o, R[0], e, addr(sums) + e // 4), p, o,
                                   s.f32_at(R[4], (e >> 5) * 4), acc)
+            elif q3k:
+                acc = v.fma(v.to_f(s.q3k_dot256_from(p, o, R[0], e, addr(sums) + e // 4)),
+                            v.splat(f16_at(p, o + 108) * s.f32_at(R[4], (e >> 5) * 4)), acc)
             else:
-                acc = _ternary_row(0, R, p, o, 256 * sb, v.ld_i32(addr(sums), 64 * sb), acc, not tq2)
+                acc = _ternary_row(0, R, p, o, e, v.ld_i32(addr(sums), 64 * sb), acc, not tq2)
             o += nb
         out[i] = v.hsum(acc)
 
@@ -716,22 +719,28 @@ def _iq1_m(p, off, n_in, R, nx):
 
 
 @njit(**_INL)
+def _q3_k_row(i, R, p, o, e, acc):
+    return v.fma(v.to_f(s.q3k_dot256(p, o, R[i], e)), v.splat(f16_at(p, o + 108) * s.f32_at(R[4 + i], (e >> 5) * 4)), acc)
+
+
+@njit(**_INL)
 def _q3_k(p, off, n_in, R, nx):
     """110 B / 256: hmask[32], qs[64] (2-bit codes as Q2_K's), 12 bytes of 6-bit scales (one per
-    16 weights), f16 d: w = d (sc - 32) q, q = code - 4 (hmask bit clear) or code (q3k_codes).
-    The signed codes meet the activation's signs (psignb) and the scales are dpbusd_k's multipliers."""
+    16 weights), f16 d: w = d (sc - 32) (u - 4), u = code + 4 x hmask bit, a super-block's dot one
+    integer vector on 64-byte runs (q3k_dot256) times d. The one-row kernel (_rows1_from_sums)
+    takes the activations' group sums precomputed once per call, the same integers."""
     o = np.int64(off)
-    c0, c1, c2, c3 = _zeros()
+    c0, c1, c2, c3 = v.zero(), v.zero(), v.zero(), v.zero()
     for sb in range(n_in // 256):
         s.prefetch_lines(p, o + PREFETCH_BYTES, 110)
-        W = (s.q3k_codes(p, o, 0), s.q3k_codes(p, o, 1), s.q3k_codes(p, o, 2), s.q3k_codes(p, o, 3),
-             s.q3k_codes(p, o, 4), s.q3k_codes(p, o, 5), s.q3k_codes(p, o, 6), s.q3k_codes(p, o, 7))
-        U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
-             s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
-        c = s.f8_splat(f16_at(p, o + 108))
-        c0, c1, c2, c3 = _sbw_k(U, W, _NB, blk.q3k_scales(p, o + 96), 1, c, 256 * sb, nx, R, c0, c1, c2, c3)
+        e = 256 * sb
+        c0 = _q3_k_row(0, R, p, o, e, c0)
+        if nx > 1:
+            c1 = _q3_k_row(1, R, p, o, e, c1)
+            c2 = _q3_k_row(2, R, p, o, e, c2)
+            c3 = _q3_k_row(3, R, p, o, e, c3)
         o += 110
-    return _fin(c0, c1, c2, c3)
+    return v.hsum(c0), v.hsum(c1), v.hsum(c2), v.hsum(c3)
 
 
 @njit(**_INL)
@@ -876,7 +885,7 @@ def int_rows1(qtype, p, off, rb, n, n_in, R, out):
     if qtype == _Q1_0:
         _q1_0_rows1(p, off, rb, n, n_in, R, out)
         return
-    if qtype == _TQ2_0 or qtype == _TQ1_0 or qtype == _Q2_K:
+    if qtype == _TQ2_0 or qtype == _TQ1_0 or qtype == _Q2_K or qtype == _Q3_K:
         _rows1_from_sums(qtype, p, off, rb, n, n_in, R, out)
         return
     for i in range(n):

@@ -333,28 +333,6 @@ def iq1m_prep(typingctx, p, off, table):
 
 
 @intrinsic
-def q3k_scales(typingctx, p, off):
-    """Q3_K's 12 bytes at p + off of 16 6-bit scales (scale i: bits 4 (i // 8).. of byte i % 8,
-    with bits 2 (i // 4).. of byte 8 + i % 4 on top), less 32, as the 8 sub-blocks' per-16
-    multipliers (dpbusd_k lanes: scale 2j, then 2j + 1)."""
-    if not _ints(p, off):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v16 = ir.VectorType(_I32, 16)
-        b = _ld_u8(builder, args[0], args[1], 12)
-        lo = builder.shuffle_vector(b, b, _c(v16, [i % 8 for i in range(16)]))
-        lo = builder.and_(builder.lshr(lo, _c(v16, [4 * (i // 8) for i in range(16)])), _c(v16, [15] * 16))
-        hi = builder.shuffle_vector(b, b, _c(v16, [8 + i % 4 for i in range(16)]))
-        hi = builder.and_(builder.lshr(hi, _c(v16, [2 * (i // 4) for i in range(16)])), _c(v16, [3] * 16))
-        sc = builder.sub(builder.or_(lo, builder.shl(hi, _c(v16, [4] * 16))), _c(v16, [32] * 16))
-        K = [builder.shuffle_vector(sc, sc, _c(_VI, [2 * j] * 4 + [2 * j + 1] * 4)) for j in range(8)]
-        return context.make_tuple(builder, sig.return_type, K)
-
-    return types.UniTuple(vi8, 8)(p, off), codegen
-
-
-@intrinsic
 def iq4xs_scales(typingctx, p, off):
     """IQ4_XS's scales at p + off (u16 scales_h: 2 bits per sub-block, scales_l[4]: a nibble per
     sub-block), less 32, as 8 floats."""

@@ -466,30 +466,112 @@ def _has_gfni() -> bool:
     return "gfni" in f and ("avx512vl" in f or "avx" in f)
 
 
+def _q3k_codes64(builder, p, o, c):
+    """Q3_K's unsigned codes u = q + 4 h (0..7) of elements 64 c .. 64 c + 63 (c a constant 0..3) of
+    the super-block at p + o: q the 2-bit code (bits s, s + 1 of qs[32 (c // 2) + m], s = 4 (c % 2)
+    in the low 32 bytes, s + 2 in the high; the 64 qs after the 32 hmask bytes), h bit 2 c (low) or
+    2 c + 1 (high) of hmask[m]. With GFNI two vgf2p8affineqb and an or: the code's two bits, and
+    the mask's bit moved to bit 2."""
+    m64 = ir.VectorType(_I32, 64)
+    both = [builder.shuffle_vector(x, x, ir.Constant(m64, list(range(32)) * 2))
+            for x in (_ld_vec_at(builder, p, o, 32 + 32 * (c // 2), _VB), _ld_vec_at(builder, p, o, 0, _VB))]
+    q = _bit_pairs(builder, both[0], 4 * (c % 2), 0)
+    if _has_gfni() and has_avx512bw():
+        h = gf_affine(builder, both[1], [[0, 0, 1 << (2 * c)]] * 4 + [[0, 0, 2 << (2 * c)]] * 4, 0)
+    else:
+        v64 = both[1].type
+        h = builder.and_(builder.lshr(both[1], ir.Constant(v64, [2 * c] * 32 + [2 * c + 1] * 32)), ir.Constant(v64, [1] * 64))
+        h = builder.shl(h, ir.Constant(v64, [2] * 64))
+    return builder.or_(q, h)
+
+
+def _q3k_scales16(builder, p, o):
+    """Q3_K's 16 6-bit scales less 32 (-32..31), scale i in lane i: the 12 bytes at p + o, scale i
+    bits 4 (i // 8).. of byte i % 8 with bits 2 (i // 4).. of byte 8 + i % 4 on top."""
+    v16 = ir.VectorType(_I32, 16)
+    b = builder.zext(_ld_vec(builder, p, o, ir.VectorType(_I8, 12)), ir.VectorType(_I32, 12))
+    lo = builder.shuffle_vector(b, b, ir.Constant(v16, [i % 8 for i in range(16)]))
+    lo = builder.and_(builder.lshr(lo, ir.Constant(v16, [4 * (i // 8) for i in range(16)])), ir.Constant(v16, [15] * 16))
+    hi = builder.shuffle_vector(b, b, ir.Constant(v16, [8 + i % 4 for i in range(16)]))
+    hi = builder.and_(builder.lshr(hi, ir.Constant(v16, [2 * (i // 4) for i in range(16)])), ir.Constant(v16, [3] * 16))
+    return builder.sub(builder.or_(lo, builder.shl(hi, ir.Constant(v16, [4] * 16))), ir.Constant(v16, [32] * 16))
+
+
+def _dp_words(builder, acc, u, a, kw):
+    """acc + lane i = sum over bytes b = 4 i .. 4 i + 3 of u_b a_b kw[b // 2] on <64 x i8> u (unsigned,
+    <= 127 / 2 per pair: no int16 saturation) and a (signed), <32 x i16> kw: vpmaddubsw then
+    vpdpwssd by kw (AVX-512 VNNI; vpmaddwd and an add with AVX-512BW), else the same on 32-byte
+    halves (AVX2) or plain widening IR."""
+    d16, w32 = ir.VectorType(_I32, 16), ir.VectorType(_I16, 32)
+    if has_avx512bw():
+        pairs = _call(builder, "llvm.x86.avx512.pmaddubs.w.512", w32, [u, a])
+        if "avx512vnni" in cpu_features():  # (vpdpwssd: LLVM does not fuse the add itself here)
+            return _call(builder, "llvm.x86.avx512.vpdpwssd.512", d16,
+                         [acc, builder.bitcast(pairs, d16), builder.bitcast(kw, d16)])
+        return builder.add(acc, _call(builder, "llvm.x86.avx512.pmaddw.d.512", d16, [pairs, kw]))
+    if has_avx2():
+        m32, m16 = ir.VectorType(_I32, 32), ir.VectorType(_I32, 16)
+        out = []
+        for h in (0, 32):
+            half = ir.Constant(m32, list(range(h, h + 32)))
+            pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _VW,
+                          [builder.shuffle_vector(u, u, half), builder.shuffle_vector(a, a, half)])
+            k = builder.shuffle_vector(kw, kw, ir.Constant(m16, list(range(h // 2, h // 2 + 16))))
+            out.append(_call(builder, "llvm.x86.avx2.pmadd.wd", _VI, [pairs, k]))
+        return builder.add(acc, builder.shuffle_vector(out[0], out[1], ir.Constant(d16, list(range(16)))))
+    wide, m64 = ir.VectorType(_I32, 64), ir.VectorType(_I32, 64)
+    kb = builder.sext(builder.shuffle_vector(kw, kw, ir.Constant(m64, [b // 2 for b in range(64)])), wide)
+    prod = builder.mul(builder.mul(builder.zext(u, wide), builder.sext(a, wide)), kb)
+    for k in range(4):
+        acc = builder.add(acc, builder.shuffle_vector(prod, prod, ir.Constant(d16, list(range(k, 64, 4)))))
+    return acc
+
+
+def _q3k_dot(builder, p, off, a, e, gsums):
+    """Q3_K's super-block at p + off (hmask[32], qs[64], scales[12], f16 d: w = d (sc - 32) (u - 4),
+    u = _q3k_codes64's) against the 256 activations at a + e, less d: sum_k K_g(k) (u_k - 4) a_k as
+    16 int32 lanes, K = sc - 32 per 16 weights. The codes are unsigned (no sign moved onto the
+    activations per sub-block): the dots sum K u a per run of 64 (_dp_words, K in int16 pair lanes),
+    and -4 K_g gsum_g goes in lane g (gsum_g: the activations 16 g .. 16 g + 15 summed; `gsums` the
+    address of the 16 as int32, or None: summed here)."""
+    d16 = ir.VectorType(_I32, 16)
+    o = _i64(builder, off)
+    K = _q3k_scales16(builder, p, builder.add(o, ir.Constant(_I64, 96)))
+    k16 = builder.trunc(K, ir.VectorType(_I16, 16))
+    t = ir.Constant(d16, [0] * 16)
+    for c in range(4):  # run c: elements 64 c .. 64 c + 63, groups 4 c .. 4 c + 3
+        kw = builder.shuffle_vector(k16, k16, ir.Constant(ir.VectorType(_I32, 32), [4 * c + i // 8 for i in range(32)]))
+        t = _dp_words(builder, t, _q3k_codes64(builder, p, o, c), _ld64(builder, a, e, 64 * c), kw)
+    if gsums is None:
+        g = _group_sums(builder, [_lane_sums(builder, a, e, 64 * c) for c in range(4)])
+    else:
+        g = _ld_vec(builder, gsums, ir.Constant(_I64, 0), d16)
+    return builder.sub(t, builder.shl(builder.mul(K, g), ir.Constant(d16, [2] * 16)))
+
+
 @intrinsic
-def q3k_codes(typingctx, p, off, j):
-    """Q3_K sub-block j's (a constant: 0..7) codes as signed bytes, -4..3: the 2-bit code (bits
-    2 (j % 4), + 1 of qs[32 (j // 4) + l], the 64 qs after the 32 hmask bytes at p + off), less 4
-    where bit j of hmask[l] is clear. With GFNI two vgf2p8affineqb and an or: the code's two bits,
-    and the mask's bit j copied into bits 2..7 and inverted (0xfc: -4 on top of the code), where
-    shifts and masks took seven uops."""
-    if not (_ints(p, off) and isinstance(j, types.IntegerLiteral)):
+def q3k_dot256(typingctx, p, off, a, e):
+    """_q3k_dot, the activations' group sums made here (any row count)."""
+    if not _ints(p, off, a, e):
         return None
-    jj = j.literal_value
 
     def codegen(context, builder, sig, args):
-        o = _i64(builder, args[1])
-        hm = _ld_vec_at(builder, args[0], o, 0, _VB)
-        qs = _ld_vec_at(builder, args[0], o, 32 + 32 * (jj // 4), _VB)
-        sh = 2 * (jj % 4)
-        if _has_gfni():  # the code's two bits; hmask's bit j to bits 2..7, inverted
-            return builder.or_(gf_affine(builder, qs, [[1 << sh, 2 << sh]], 0),
-                               gf_affine(builder, hm, [[0, 0] + [1 << jj] * 6], 0xFC))
-        q = builder.and_(builder.lshr(qs, _splat(builder, ir.Constant(_I8, sh), _VB)), ir.Constant(_VB, [3] * 32))
-        h = builder.and_(builder.lshr(hm, _splat(builder, ir.Constant(_I8, jj), _VB)), ir.Constant(_VB, [1] * 32))
-        return builder.sub(builder.or_(q, builder.shl(h, ir.Constant(_VB, [2] * 32))), ir.Constant(_VB, [4] * 32))
+        return _q3k_dot(builder, args[0], args[1], args[2], args[3], None)
 
-    return vb(p, off, j), codegen
+    return _veci(p, off, a, e), codegen
+
+
+@intrinsic
+def q3k_dot256_from(typingctx, p, off, a, e, gsums):
+    """_q3k_dot with the group sums read from `gsums` (the one-row kernel's, made once per call):
+    the same integers."""
+    if not _ints(p, off, a, e, gsums):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _q3k_dot(builder, args[0], args[1], args[2], args[3], args[4])
+
+    return _veci(p, off, a, e, gsums), codegen
 
 
 @intrinsic
