@@ -74,6 +74,8 @@ from .rows_base import _JIT
 from .rows_iq import GRID32_IQ3_S, GRID32_IQ3_XXS, GRID64_IQ1, GRID64_IQ2_S, GRID64_IQ2_XS, GRID64_IQ2_XXS, GRID_IQ1_S
 from .simd.vectors import addr, f16_at
 
+WORDS_IQ2_XXS = blk.word_grid(GRID64_IQ2_XXS.view(np.uint8).reshape(-1, 8))  # [256] level words (iq2xxs_runs)
+
 _Q8_0, _Q4_0, _Q4_K, _Q5_K, _Q6_K = int(Q.Q8_0), int(Q.Q4_0), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
 _Q2_K = int(Q.Q2_K)
 _IQ2_XXS, _IQ1_S, _TQ2_0, _TQ1_0 = int(Q.IQ2_XXS), int(Q.IQ1_S), int(Q.TQ2_0), int(Q.TQ1_0)
@@ -435,22 +437,46 @@ def _q2_k(p, off, n_in, R, nx):
 
 
 @njit(**_INL)
+def _run_row(a, U, sg, cd, r, e, acc):
+    """acc + run r (sub-blocks 2 r, 2 r + 1: 64 grid bytes U[r], their 64 sign bits of sg) dotted
+    with the activations at a + e + 64 r, each sub-block's 8 lanes scaled by its cd."""
+    bits = s.i8_lane(sg, 2 * r) | (s.i8_lane(sg, 2 * r + 1) << 32)
+    t = s.dp64_neg(v.izero(), U[r], bits, a, e + 64 * r)
+    return v.fma(v.to_f(t), s.f8_pair(cd, r), acc)
+
+
+@njit(**_INL)
+def _runs_row(i, R, U, sg, c, e, acc):
+    """acc + activation row i's dots with a super-block's four 64-byte runs (_run_row), the
+    sub-blocks' weight scales c times the activations' per 32."""
+    cd = s.f8_fma(c, s.f8_ld(R[4 + i], (e >> 5) * 4), s.f8_splat(np.float32(0.0)))  # (an fma, which numba's fast-math
+    # flags do not reach: as a multiply it would be reassociated with c's own, differently per caller)
+    acc = _run_row(R[i], U, sg, cd, 0, e, acc)
+    acc = _run_row(R[i], U, sg, cd, 1, e, acc)
+    acc = _run_row(R[i], U, sg, cd, 2, e, acc)
+    return _run_row(R[i], U, sg, cd, 3, e, acc)
+
+
+@njit(**_INL)
 def _iq2_xxs(p, off, n_in, R, nx):
     """66 B / 256: f16 d, then per sub-block 4 grid indices (bytes) and a u32 of 4 x 7 sign bits
     and a 4-bit scale s: w = d (0.5 + s) / 4 x grid x sign = d / 8 x (2 s + 1) x grid x sign.
-    The 8 sub-blocks' indices, signs and scales are unpacked at once (iq2xxs_prep: vector shifts,
-    a popcount for the sign parity, gathers from the code book)."""
-    o, grid = np.int64(off), addr(GRID64_IQ2_XXS)
-    c0, c1, c2, c3 = _zeros()
+    The 8 sub-blocks' grid bytes, signs and scales are unpacked at once (iq2xxs_runs: the code book
+    as level words in registers, or gathers), then dotted 64 bytes at a time (_runs_row)."""
+    o, grid, words = np.int64(off), addr(GRID64_IQ2_XXS), addr(WORDS_IQ2_XXS)
+    c0, c1, c2, c3 = v.zero(), v.zero(), v.zero(), v.zero()
     for sb in range(n_in // 256):
         s.prefetch_lines(p, o + PREFETCH_BYTES, 66)
-        U, sg, k = blk.iq2xxs_prep(p, o, grid)
-        B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
-             s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
+        U, sg, k = blk.iq2xxs_runs(p, o, grid, words)
         c = s.f8_mul(k, s.f8_splat(f16_at(p, o) * _EIGHTH))
-        c0, c1, c2, c3 = _sb(U, U, B, _NK, 2, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        e = 256 * sb
+        c0 = _runs_row(0, R, U, sg, c, e, c0)
+        if nx > 1:
+            c1 = _runs_row(1, R, U, sg, c, e, c1)
+            c2 = _runs_row(2, R, U, sg, c, e, c2)
+            c3 = _runs_row(3, R, U, sg, c, e, c3)
         o += 66
-    return _fin(c0, c1, c2, c3)
+    return v.hsum(c0), v.hsum(c1), v.hsum(c2), v.hsum(c3)
 
 
 @njit(**_INL)
@@ -720,7 +746,8 @@ def _iq1_m(p, off, n_in, R, nx):
 
 @njit(**_INL)
 def _q3_k_row(i, R, p, o, e, acc):
-    return v.fma(v.to_f(s.q3k_dot256(p, o, R[i], e)), v.splat(f16_at(p, o + 108) * s.f32_at(R[4 + i], (e >> 5) * 4)), acc)
+    c = f16_at(p, o + 108) * s.f32_at(R[4 + i], (e >> 5) * 4)
+    return v.fma(v.to_f(s.q3k_dot256(p, o, R[i], e)), v.splat(c), acc)
 
 
 @njit(**_INL)

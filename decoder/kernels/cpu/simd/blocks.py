@@ -16,6 +16,7 @@ from numba.extending import intrinsic
 
 from . import integer  # (its feature checks through the module: one place for a test to mask a feature)
 from .integer import _I8, _I16, _I32, _I64, _VB, _VF, _VI, _c, _call, _i64, _ints, _ld_vec, _ptr, _splat, gf_affine, vb, vf8, vi8
+from .vectors import veci
 
 
 # -- grid (IQ) super-blocks: indices, signs and scales of 8 sub-blocks at once ------------------------
@@ -153,25 +154,89 @@ _PREP_TY = types.Tuple([types.UniTuple(vb, 8), vi8, vf8])
 _PREP16_TY = types.Tuple([types.UniTuple(vb, 8), vi8, types.UniTuple(vi8, 8)])
 
 
+IQ2_LEVELS = (0x08, 0x19, 0x2B)  # the three byte values of IQ2_XXS's (and IQ2_XS's, IQ2_S's) grid entries
+
+
+def word_grid(grid: "np.ndarray") -> "np.ndarray":
+    """A code book of 8-byte entries over IQ2_LEVELS ([n, 8] bytes) as one uint16 per entry, byte
+    b's level (0, 1, 2) at bits 2 b: the table _word_lookup256 looks up."""
+    import numpy as np
+
+    codes = np.searchsorted(np.array(IQ2_LEVELS, np.uint8), grid).astype(np.uint16)  # [n, 8]
+    assert grid.shape[1] == 8 and (np.array(IQ2_LEVELS, np.uint8)[np.minimum(codes, 2)] == grid).all()
+    return (codes << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
+
+
+def _word_lookup256(builder, words, idx):
+    """words[idx] for 32 indices < 256 (<32 x i16>) from the 256 uint16 at address `words`: four
+    vpermi2w of 64 entries each, chosen between by the index's bits 6 and 7. (LLVM keeps the
+    table in 8 registers and copies one before each vpermt2w, ~40 register moves a super-block,
+    which cost less than the 8 loads a super-block of keeping it in memory: 190 vs 225 us.)"""
+    w32 = ir.VectorType(_I16, 32)
+    t = [_ld_vec(builder, words, _c(_I64, 64 * k), w32) for k in range(8)]
+    parts = [_call(builder, "llvm.x86.avx512.vpermi2var.hi.512", w32, [t[2 * q], idx, t[2 * q + 1]]) for q in range(4)]
+
+    def bit(b):
+        return builder.icmp_unsigned("!=", builder.and_(idx, _c(w32, [b] * 32)), _c(w32, [0] * 32))
+
+    six = bit(64)
+    return builder.select(bit(128), builder.select(six, parts[3], parts[2]), builder.select(six, parts[1], parts[0]))
+
+
+def _grid_runs(builder, codes):
+    """Four 64-byte runs of grid bytes from 32 entries' level words (<32 x i16>, entry 8 r + q in
+    run r's qword q): per run one vpermw (each word into the four of its qword), one
+    vpmultishiftqb (byte b: bits 2 b.. of its qword) and one vpermb (the level's byte value)."""
+    v64, m32 = ir.VectorType(_I8, 64), ir.VectorType(_I32, 32)
+    table = _c(v64, (list(IQ2_LEVELS) + [0]) * 16)
+    picks = _c(v64, [2 * b for _ in range(8) for b in range(8)])
+    out = []
+    for r in range(4):
+        rep = builder.shuffle_vector(codes, codes, _c(m32, [8 * r + q for q in range(8) for _ in range(4)]))
+        fields = _call(builder, "llvm.x86.avx512.pmultishift.qb.512", v64, [picks, builder.bitcast(rep, v64)])
+        out.append(builder.bitcast(_call(builder, "llvm.x86.avx512.permvar.qi.512", v64, [table, fields]), _VI16))
+    return out
+
+
+_VI16 = ir.VectorType(_I32, 16)
+
+
+def has_word_grids() -> bool:
+    """The IQ2 code books looked up as level words in registers (_word_lookup256, _grid_runs):
+    AVX-512 VBMI (vpermb, vpmultishiftqb) and BW (vpermi2w)."""
+    return {"avx512vbmi", "avx512bw", "avx512vl"} <= integer.cpu_features()
+
+
 @intrinsic
-def iq2xxs_prep(typingctx, p, off, table):
-    """An IQ2_XXS super-block at p + off (f16 d, then per sub-block 4 index bytes and a u32 aux):
-    (U: its 8 sub-blocks' grid bytes, the 8 sub-blocks' 32 sign bits (ksigns: 7 bits each group,
-    the 8th their parity), the 8 scales 2 s + 1 as floats)."""
-    if not _ints(p, off, table):
+def iq2xxs_runs(typingctx, p, off, table, words):
+    """An IQ2_XXS super-block at p + off as four 64-byte runs (run r: sub-blocks 2 r, 2 r + 1):
+    (the runs' grid bytes, 4 x 64 bytes as veci; the 8 sub-blocks' 32 sign bits, lane j bit k the
+    sign of sub-block j's weight k (_aux_signs); their 2 s + 1 as floats). With VBMI the 32
+    entries come from the code book as level words (`words`: word_grid of it): one byte shuffle
+    for the indices, _word_lookup256 and _grid_runs, where 32 scalar loads from `table` inserted
+    one by one filled port 5 (one thread, 4096-wide rows: 1.3x); else those loads."""
+    if not _ints(p, off, table, words):
         return None
 
     def codegen(context, builder, sig, args):
-        v16 = ir.VectorType(_I32, 16)
-        words = _ld_vec(builder, args[0], builder.add(_i64(builder, args[1]), _c(_I64, 2)), v16)
-        aux = builder.shuffle_vector(words, words, _c(_VI, list(range(1, 16, 2))))
-        U = _gather_grid(builder, args[2], _u32_fields(builder, args[0], args[1], range(2, 66, 8), 4, 8, 255))
+        o = _i64(builder, args[1])
+        v64, m64 = ir.VectorType(_I8, 64), ir.VectorType(_I32, 64)
+        dwords = _ld_vec(builder, args[0], builder.add(o, _c(_I64, 2)), _VI16)  # sub-block j: dwords 2 j, 2 j + 1
+        aux = builder.shuffle_vector(dwords, dwords, _c(_VI, list(range(1, 16, 2))))
+        if has_word_grids():  # index word 4 j + l: byte l of dword 2 j, zero-extended
+            idx = builder.shuffle_vector(builder.bitcast(dwords, v64), _c(v64, [0] * 64),
+                                         _c(m64, [x for w in range(32) for x in (8 * (w // 4) + w % 4, 64)]))
+            U = _grid_runs(builder, _word_lookup256(builder, args[3], builder.bitcast(idx, ir.VectorType(_I16, 32))))
+        else:
+            g = _gather_grid(builder, args[2], _u32_fields(builder, args[0], args[1], range(2, 66, 8), 4, 8, 255))
+            U = [builder.bitcast(builder.shuffle_vector(g[2 * r], g[2 * r + 1], _c(m64, list(range(64)))), _VI16)
+                 for r in range(4)]
         signs = _aux_signs(builder, aux)
         k = builder.or_(builder.shl(builder.lshr(aux, _c(_VI, [28] * 8)), _c(_VI, [1] * 8)), _c(_VI, [1] * 8))
-        tup = context.make_tuple(builder, sig.return_type[0], U)
-        return context.make_tuple(builder, sig.return_type, [tup, signs, builder.sitofp(k, _VF)])
+        runs = context.make_tuple(builder, sig.return_type[0], U)
+        return context.make_tuple(builder, sig.return_type, [runs, signs, builder.sitofp(k, _VF)])
 
-    return _PREP_TY(p, off, table), codegen
+    return types.Tuple([types.UniTuple(veci, 4), vi8, vf8])(p, off, table, words), codegen
 
 
 @intrinsic

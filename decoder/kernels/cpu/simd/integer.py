@@ -33,6 +33,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 from .vectors import _i64, _ptr, _splat, _tree, float_binary, float_splat  # (the 16-lane module's IR helpers)
+from .vectors import vecf as _vecf
 from .vectors import veci as _veci
 
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -331,6 +332,40 @@ def pm_dot128_from(typingctx, sums, b0, b1, p, off):
 
 
 @intrinsic
+def dp64_neg(typingctx, acc, u, bits, p, off):
+    """acc + dpbusd(u, a) on 64 bytes: u (64 unsigned bytes, as veci), a the activations at p + off
+    negated where bit k of the int64 `bits` is set (a masked subtract with AVX-512BW)."""
+    if acc != _veci or u != _veci or not _ints(bits, p, off):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v64 = ir.VectorType(_I8, 64)
+        a = _ld64(builder, args[3], args[4], 0)
+        signed = builder.select(_mask64(builder, args[2]), builder.sub(ir.Constant(v64, [0] * 64), a), a)
+        return _dp512(builder, args[0], builder.bitcast(args[1], v64), signed)
+
+    return _veci(acc, u, bits, p, off), codegen
+
+
+@intrinsic
+def f8_pair(typingctx, c, r):
+    """Lanes 2 r and 2 r + 1 of the 8 floats c, each in 8 lanes of a 16-lane vector: a 64-byte run's
+    two sub-block scales."""
+    if c != vf8 or not isinstance(r, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        k = builder.shl(builder.trunc(args[1], _I32), ir.Constant(_I32, 1))
+        lo = builder.extract_element(args[0], k)
+        hi = builder.extract_element(args[0], builder.add(k, ir.Constant(_I32, 1)))
+        picks = ir.Constant(ir.VectorType(ir.IntType(1), 16), [0] * 8 + [1] * 8)
+        vf16 = ir.VectorType(_F32, 16)
+        return builder.select(picks, _splat(builder, hi, vf16), _splat(builder, lo, vf16))
+
+    return _vecf(c, r), codegen
+
+
+@intrinsic
 def q1_scales8(typingctx, p, off, da, out):
     """out[m] = d_m x da[m], m < 8: the f16 scales d_m of the 8 Q1_0 blocks (18 B each) at p + off
     times 8 float32 at address da, stored as 8 float32 at address out. The 8 scales lie in the
@@ -480,8 +515,8 @@ def _q3k_codes64(builder, p, o, c):
         h = gf_affine(builder, both[1], [[0, 0, 1 << (2 * c)]] * 4 + [[0, 0, 2 << (2 * c)]] * 4, 0)
     else:
         v64 = both[1].type
-        h = builder.and_(builder.lshr(both[1], ir.Constant(v64, [2 * c] * 32 + [2 * c + 1] * 32)), ir.Constant(v64, [1] * 64))
-        h = builder.shl(h, ir.Constant(v64, [2] * 64))
+        h = builder.lshr(both[1], ir.Constant(v64, [2 * c] * 32 + [2 * c + 1] * 32))
+        h = builder.shl(builder.and_(h, ir.Constant(v64, [1] * 64)), ir.Constant(v64, [2] * 64))
     return builder.or_(q, h)
 
 
@@ -491,9 +526,10 @@ def _q3k_scales16(builder, p, o):
     v16 = ir.VectorType(_I32, 16)
     b = builder.zext(_ld_vec(builder, p, o, ir.VectorType(_I8, 12)), ir.VectorType(_I32, 12))
     lo = builder.shuffle_vector(b, b, ir.Constant(v16, [i % 8 for i in range(16)]))
-    lo = builder.and_(builder.lshr(lo, ir.Constant(v16, [4 * (i // 8) for i in range(16)])), ir.Constant(v16, [15] * 16))
+    lo = builder.lshr(lo, ir.Constant(v16, [4 * (i // 8) for i in range(16)]))
     hi = builder.shuffle_vector(b, b, ir.Constant(v16, [8 + i % 4 for i in range(16)]))
-    hi = builder.and_(builder.lshr(hi, ir.Constant(v16, [2 * (i // 4) for i in range(16)])), ir.Constant(v16, [3] * 16))
+    hi = builder.lshr(hi, ir.Constant(v16, [2 * (i // 4) for i in range(16)]))
+    lo, hi = builder.and_(lo, ir.Constant(v16, [15] * 16)), builder.and_(hi, ir.Constant(v16, [3] * 16))
     return builder.sub(builder.or_(lo, builder.shl(hi, ir.Constant(v16, [4] * 16))), ir.Constant(v16, [32] * 16))
 
 

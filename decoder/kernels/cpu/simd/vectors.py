@@ -241,6 +241,14 @@ def zero(typingctx):
     return vecf(), codegen
 
 
+@intrinsic
+def izero(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VI, [0] * LANES)
+
+    return veci(), codegen
+
+
 def float_splat(vt, llvm_vt):
     """The typer of an intrinsic that puts a float32 in every lane of the vector type `vt`."""
     def typer(typingctx, f):
