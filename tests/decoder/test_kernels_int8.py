@@ -446,13 +446,13 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
 
 @pytest.mark.parametrize("without", [None, "avx512vbmi"], ids=["host", "no-vbmi"])
 def test_iq_aux_signs_on_each_path(monkeypatch, without) -> None:
-    """The sign bits IQ2_XXS and IQ3_XXS unpack from their aux words (iq2xxs_runs' second value)
+    """The sign bits IQ2_XXS and IQ3_XXS unpack from their aux words (iq2xxs_runs', iq3xxs_runs')
     and IQ2_XS from its u16 codes' top 7 bits (iq2xs_prep's): each 7-bit field with its parity as
     bit 7 (ggml's ksigns_iq2xs), by vpmultishiftqb and vgf2p8affineqb or by shifts and
-    popcounts; and IQ2_XXS's grid bytes, looked up as level words in registers (VBMI) or loaded
-    from the code book; compiled afresh per path."""
-    from moestream.decoder.kernels.cpu.rows_int import WORDS_IQ2_XXS
-    from moestream.decoder.kernels.cpu.rows_iq import GRID64_IQ2_XS, GRID64_IQ2_XXS
+    popcounts; and IQ2_XXS's and IQ3_XXS's grid bytes, looked up as level words in registers
+    (VBMI) or loaded from the code book; compiled afresh per path."""
+    from moestream.decoder.kernels.cpu.rows_int import WORDS_IQ2_XXS, WORDS_IQ3_XXS
+    from moestream.decoder.kernels.cpu.rows_iq import GRID32_IQ3_XXS, GRID64_IQ2_XS, GRID64_IQ2_XXS
     from moestream.decoder.kernels.cpu.simd import blocks as blk
 
     if without is not None:
@@ -461,6 +461,14 @@ def test_iq_aux_signs_on_each_path(monkeypatch, without) -> None:
     @njit(cache=False)
     def signs_of(block, grid, words, out, grid_bytes):
         U, sg, _ = blk.iq2xxs_runs(addr(block), 0, addr(grid), addr(words))
+        for j in range(8):
+            out[j] = si.i8_lane(sg, j)
+        for r in range(4):
+            sv.st_i32(addr(grid_bytes), 64 * r, U[r])
+
+    @njit(cache=False)
+    def xxs3_of(block, grid, words, out, grid_bytes):
+        U, sg, _ = blk.iq3xxs_runs(addr(block), 0, addr(grid), addr(words))
         for j in range(8):
             out[j] = si.i8_lane(sg, j)
         for r in range(4):
@@ -486,6 +494,11 @@ def test_iq_aux_signs_on_each_path(monkeypatch, without) -> None:
         np.testing.assert_array_equal(got & 0xFFFFFFFF, want)
         idx = block[2:].reshape(8, 8)[:, :4].reshape(-1)  # [32] sub-block j's 4 index bytes, in order
         np.testing.assert_array_equal(grid_bytes, GRID64_IQ2_XXS[idx].view(np.uint8))  # the code book's bytes
+        block = rng.integers(0, 256, 98).astype(np.uint8)  # IQ3_XXS: d, qs[64], aux[8]
+        aux = block[66:].view(np.uint32).astype(np.int64)
+        xxs3_of(block, GRID32_IQ3_XXS, WORDS_IQ3_XXS, got, grid_bytes)
+        np.testing.assert_array_equal(got & 0xFFFFFFFF, sum(ksigns(aux >> (7 * l) & 127) << (8 * l) for l in range(4)))
+        np.testing.assert_array_equal(grid_bytes, GRID32_IQ3_XXS[block[2:66]].view(np.uint8))
         block = rng.integers(0, 256, 74).astype(np.uint8)
         qs = block[2:66].view(np.uint16).astype(np.int64).reshape(8, 4)  # [8, 4] group l of sub-block j
         want = sum(ksigns(qs[:, l] >> 9) << (8 * l) for l in range(4))  # [8]

@@ -154,17 +154,20 @@ _PREP_TY = types.Tuple([types.UniTuple(vb, 8), vi8, vf8])
 _PREP16_TY = types.Tuple([types.UniTuple(vb, 8), vi8, types.UniTuple(vi8, 8)])
 
 
-IQ2_LEVELS = (0x08, 0x19, 0x2B)  # the three byte values of IQ2_XXS's (and IQ2_XS's, IQ2_S's) grid entries
+IQ2_LEVELS = (0x08, 0x19, 0x2B)  # the byte values of IQ2_XXS's (and IQ2_XS's, IQ2_S's) grid entries
+IQ3_LEVELS = (4, 12, 20, 28, 36, 44, 52, 62)  # IQ3_XXS's
 
 
-def word_grid(grid: "np.ndarray") -> "np.ndarray":
-    """A code book of 8-byte entries over IQ2_LEVELS ([n, 8] bytes) as one uint16 per entry, byte
-    b's level (0, 1, 2) at bits 2 b: the table _word_lookup256 looks up."""
+def word_grid(grid: "np.ndarray", levels: tuple[int, ...]) -> "np.ndarray":
+    """A code book of 8- or 4-byte entries over `levels` ([n, width] bytes) as one uint16 per
+    entry, byte b's level at bits 2 b (3 levels) or 3 b (8): the table _word_lookup256 looks up."""
     import numpy as np
 
-    codes = np.searchsorted(np.array(IQ2_LEVELS, np.uint8), grid).astype(np.uint16)  # [n, 8]
-    assert grid.shape[1] == 8 and (np.array(IQ2_LEVELS, np.uint8)[np.minimum(codes, 2)] == grid).all()
-    return (codes << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
+    lv = np.array(levels, np.uint8)
+    bits = 2 if len(levels) <= 4 else 3
+    codes = np.minimum(np.searchsorted(lv, grid), len(lv) - 1)  # [n, width]
+    assert (lv[codes] == grid).all() and bits * grid.shape[1] <= 16
+    return (codes.astype(np.uint16) << (bits * np.arange(grid.shape[1], dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
 
 
 def _word_lookup256(builder, words, idx):
@@ -183,22 +186,32 @@ def _word_lookup256(builder, words, idx):
     return builder.select(bit(128), builder.select(six, parts[3], parts[2]), builder.select(six, parts[1], parts[0]))
 
 
-def _grid_runs(builder, codes):
-    """Four 64-byte runs of grid bytes from 32 entries' level words (<32 x i16>, entry 8 r + q in
-    run r's qword q): per run one vpermw (each word into the four of its qword), one
-    vpmultishiftqb (byte b: bits 2 b.. of its qword) and one vpermb (the level's byte value)."""
+def _grid_runs(builder, codes, levels):
+    """Four 64-byte runs of grid bytes from level words (_word_lookup256's). 8-byte entries
+    (IQ2_LEVELS; codes: one <32 x i16>, entry 8 r + q in run r's qword q): per run one vpermw
+    (each word into the four of its qword), one vpmultishiftqb (byte b: bits 2 b.. of its qword)
+    and one vpermb (the level's byte value). 4-byte entries (IQ3_LEVELS; codes: two, entries 0-31
+    and 32-63, entry 16 r + k in run r's dword k): the words of a qword's two entries at bits 0
+    and 32, byte b of each bits 3 b.."""
     v64, m32 = ir.VectorType(_I8, 64), ir.VectorType(_I32, 32)
-    table = _c(v64, (list(IQ2_LEVELS) + [0]) * 16)
-    picks = _c(v64, [2 * b for _ in range(8) for b in range(8)])
+    period = 4 if len(levels) <= 4 else 8  # (vpermb reads 6 bits: the level's 2 or 3, repeated)
+    table = _c(v64, (list(levels) + [0] * (period - len(levels))) * (64 // period))
+    if len(levels) <= 4:
+        picks = _c(v64, [2 * b for _ in range(8) for b in range(8)])
+        words = [(codes[0], [8 * r + q for q in range(8) for _ in range(4)]) for r in range(4)]
+    else:
+        picks = _c(v64, [3 * b + 32 * h for _ in range(8) for h in (0, 1) for b in range(4)])
+        words = [(codes[r // 2], [16 * (r % 2) + 2 * q + h for q in range(8) for h in (0, 0, 1, 1)]) for r in range(4)]
     out = []
-    for r in range(4):
-        rep = builder.shuffle_vector(codes, codes, _c(m32, [8 * r + q for q in range(8) for _ in range(4)]))
-        fields = _call(builder, "llvm.x86.avx512.pmultishift.qb.512", v64, [picks, builder.bitcast(rep, v64)])
+    for vec, order in words:
+        rep = builder.bitcast(builder.shuffle_vector(vec, vec, _c(m32, order)), v64)
+        fields = _call(builder, "llvm.x86.avx512.pmultishift.qb.512", v64, [picks, rep])
         out.append(builder.bitcast(_call(builder, "llvm.x86.avx512.permvar.qi.512", v64, [table, fields]), _VI16))
     return out
 
 
 _VI16 = ir.VectorType(_I32, 16)
+_RUNS_TY = types.Tuple([types.UniTuple(veci, 4), vi8, vf8])
 
 
 def has_word_grids() -> bool:
@@ -226,7 +239,8 @@ def iq2xxs_runs(typingctx, p, off, table, words):
         if has_word_grids():  # index word 4 j + l: byte l of dword 2 j, zero-extended
             idx = builder.shuffle_vector(builder.bitcast(dwords, v64), _c(v64, [0] * 64),
                                          _c(m64, [x for w in range(32) for x in (8 * (w // 4) + w % 4, 64)]))
-            U = _grid_runs(builder, _word_lookup256(builder, args[3], builder.bitcast(idx, ir.VectorType(_I16, 32))))
+            U = _grid_runs(builder, [_word_lookup256(builder, args[3], builder.bitcast(idx, ir.VectorType(_I16, 32)))],
+                           IQ2_LEVELS)
         else:
             g = _gather_grid(builder, args[2], _u32_fields(builder, args[0], args[1], range(2, 66, 8), 4, 8, 255))
             U = [builder.bitcast(builder.shuffle_vector(g[2 * r], g[2 * r + 1], _c(m64, list(range(64)))), _VI16)
@@ -236,7 +250,7 @@ def iq2xxs_runs(typingctx, p, off, table, words):
         runs = context.make_tuple(builder, sig.return_type[0], U)
         return context.make_tuple(builder, sig.return_type, [runs, signs, builder.sitofp(k, _VF)])
 
-    return types.Tuple([types.UniTuple(veci, 4), vi8, vf8])(p, off, table, words), codegen
+    return _RUNS_TY(p, off, table, words), codegen
 
 
 @intrinsic
@@ -325,21 +339,31 @@ def iq2s_prep(typingctx, p, off, table):
 
 
 @intrinsic
-def iq3xxs_prep(typingctx, p, off, table):
+def iq3xxs_runs(typingctx, p, off, table, words):
     """An IQ3_XXS super-block at p + off (f16 d, qs[64] of 4-byte grid indices, u32 aux[8] as
-    IQ2_XXS's): (U, the 32 sign bits of each sub-block, 2 s + 1 as floats)."""
-    if not _ints(p, off, table):
+    IQ2_XXS's) as iq2xxs_runs' (runs, signs, 2 s + 1): with VBMI the 64 entries from the code
+    book as level words (word_grid with IQ3_LEVELS, two _word_lookup256), else 64 scalar loads."""
+    if not _ints(p, off, table, words):
         return None
 
     def codegen(context, builder, sig, args):
-        U = _gather_grid4(builder, args[2], [_u(builder, args[0], args[1], 2 + k) for k in range(64)])
+        o = _i64(builder, args[1])
+        m64 = ir.VectorType(_I32, 64)
+        if has_word_grids():
+            w16 = ir.VectorType(_I16, 32)
+            idx = [builder.zext(_ld_vec(builder, args[0], builder.add(o, _c(_I64, 2 + 32 * h)), _VB), w16) for h in (0, 1)]
+            U = _grid_runs(builder, [_word_lookup256(builder, args[3], i) for i in idx], IQ3_LEVELS)
+        else:
+            g = _gather_grid4(builder, args[2], [_u(builder, args[0], args[1], 2 + k) for k in range(64)])
+            U = [builder.bitcast(builder.shuffle_vector(g[2 * r], g[2 * r + 1], _c(m64, list(range(64)))), _VI16)
+                 for r in range(4)]
         aux = _ld_vec(builder, args[0], _at(builder, args[1], 66), _VI)
         one = _c(_VI, [1] * 8)
         k = builder.or_(builder.shl(builder.lshr(aux, _c(_VI, [28] * 8)), one), one)
-        tup = context.make_tuple(builder, sig.return_type[0], U)
-        return context.make_tuple(builder, sig.return_type, [tup, _aux_signs(builder, aux), builder.sitofp(k, _VF)])
+        runs = context.make_tuple(builder, sig.return_type[0], U)
+        return context.make_tuple(builder, sig.return_type, [runs, _aux_signs(builder, aux), builder.sitofp(k, _VF)])
 
-    return _PREP_TY(p, off, table), codegen
+    return _RUNS_TY(p, off, table, words), codegen
 
 
 @intrinsic
