@@ -283,11 +283,12 @@ def _st_b(typingctx, p, off, v):
 
 
 def _without(monkeypatch, feature: str) -> None:
-    """Compile as for this host less one CPU feature (the kernels' other path); skip where the
-    host lacks it, as its own path is then that one."""
-    if feature not in si.cpu_features():
+    """Compile as for this host less CPU features ("a+b": both; the kernels' other paths); skip
+    where the host lacks one, as its own path is then that one."""
+    drop = set(feature.split("+"))
+    if not drop <= si.cpu_features():
         pytest.skip(f"the host has no {feature}: its own path is the one without")
-    features = si.cpu_features() - {feature}
+    features = si.cpu_features() - drop
     monkeypatch.setattr(si, "cpu_features", lambda: features)
 
 
@@ -506,11 +507,14 @@ def test_iq_aux_signs_on_each_path(monkeypatch, without) -> None:
         np.testing.assert_array_equal(got & 0xFFFFFFFF, want)
 
 
-@pytest.mark.parametrize("without", [None, "bmi2"], ids=["host", "no-bmi2"])
+@pytest.mark.parametrize("without", [None, "bmi2+avx512vbmi"], ids=["host", "no-bmi2-vbmi"])
 def test_iq_indices_on_each_path(monkeypatch, without) -> None:
     """IQ1_S's, IQ1_M's, IQ2_S's and IQ3_S's code-book indices (a byte of qs and 1 to 4 bits of qh
     above it), put together by two pdep per four or a byte at a time: read back through a table
-    whose entry i is i, against ggml's layouts in numpy; compiled afresh per path."""
+    whose entry i is i, against ggml's layouts in numpy; IQ3_S's (with VBMI looked up as level
+    words in registers) through its code book, with its signs; compiled afresh per path."""
+    from moestream.decoder.kernels.cpu.rows_int import WORDS_IQ3_S
+    from moestream.decoder.kernels.cpu.rows_iq import GRID32_IQ3_S
     from moestream.decoder.kernels.cpu.simd import blocks as blk
 
     if without is not None:
@@ -524,10 +528,16 @@ def test_iq_indices_on_each_path(monkeypatch, without) -> None:
             U, _, _ = blk.iq1m_prep(addr(block), 0, addr(table))
         elif m == 2:
             U, _, _ = blk.iq2s_prep(addr(block), 0, addr(table))
-        else:
-            U, _, _ = blk.iq3s_prep(addr(block), 0, addr(table))
         for j in range(8):
             _st_b(addr(out), 32 * j, U[j])
+
+    @njit(cache=False)
+    def iq3s(block, grid, words, out, signs):
+        U, sg, _ = blk.iq3s_runs(addr(block), 0, addr(grid), addr(words))
+        for r in range(4):
+            sv.st_i32(addr(out), 64 * r, U[r])
+        for j in range(8):
+            signs[j] = si.i8_lane(sg, j)
 
     table = np.arange(4096, dtype=np.uint64)  # entry i holds i
     rng = np.random.default_rng(0)
@@ -544,9 +554,11 @@ def test_iq_indices_on_each_path(monkeypatch, without) -> None:
         indices(block, table, got, 2)  # IQ2_S: f16 d, qs[32], signs[32], qh[8] (2 bits per group)
         qs, qh = block[2:34].astype(np.int64), block[66:74].astype(np.int64)
         np.testing.assert_array_equal(got.view(np.uint64), qs | (qh[k32 // 4] >> (2 * (k32 % 4)) & 3) << 8)
-        indices(block, table.astype(np.uint32), got, 3)  # IQ3_S: f16 d, qs[64], qh[8] (a bit per entry)
+        signs = np.zeros(8, np.int64)
+        iq3s(block, GRID32_IQ3_S, WORDS_IQ3_S, got, signs)  # IQ3_S: f16 d, qs[64], qh[8] (a bit per entry), signs[32]
         qs, qh = block[2:66].astype(np.int64), block[66:74].astype(np.int64)
-        np.testing.assert_array_equal(got.view(np.uint32), qs | (qh[k64 // 8] >> (k64 % 8) & 1) << 8)
+        np.testing.assert_array_equal(got.view(np.uint32), GRID32_IQ3_S[qs | (qh[k64 // 8] >> (k64 % 8) & 1) << 8])
+        np.testing.assert_array_equal(signs & 0xFFFFFFFF, block[74:106].view(np.uint32))
 
 
 # -- a model: streamed == resident, bit for bit, on the int8 path ------------------------------------

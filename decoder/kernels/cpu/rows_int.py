@@ -76,6 +76,7 @@ from .simd.vectors import addr, f16_at
 
 WORDS_IQ2_XXS = blk.word_grid(GRID64_IQ2_XXS.view(np.uint8).reshape(-1, 8), blk.IQ2_LEVELS)  # [256] (iq2xxs_runs)
 WORDS_IQ3_XXS = blk.word_grid(GRID32_IQ3_XXS.view(np.uint8).reshape(-1, 4), blk.IQ3_LEVELS)  # [256] (iq3xxs_runs)
+WORDS_IQ3_S = blk.word_grid(GRID32_IQ3_S.view(np.uint8).reshape(-1, 4), blk.IQ3S_LEVELS)  # [512] (iq3s_runs)
 
 _Q8_0, _Q4_0, _Q4_K, _Q5_K, _Q6_K = int(Q.Q8_0), int(Q.Q4_0), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
 _Q2_K = int(Q.Q2_K)
@@ -715,18 +716,22 @@ def _iq3_xxs(p, off, n_in, R, nx):
 @njit(**_INL)
 def _iq3_s(p, off, n_in, R, nx):
     """110 B / 256: f16 d, qs[64] with a bit of qh[8] each (9-bit indices into a grid of 4
-    bytes), signs[32], scales[4] (a nibble per sub-block): w = d (1 + 2 s) x grid x sign."""
-    o, grid = np.int64(off), addr(GRID32_IQ3_S)
-    c0, c1, c2, c3 = _zeros()
+    bytes), signs[32], scales[4] (a nibble per sub-block): w = d (1 + 2 s) x grid x sign, unpacked
+    (iq3s_runs) and dotted (_runs_row) as IQ2_XXS."""
+    o, grid, words = np.int64(off), addr(GRID32_IQ3_S), addr(WORDS_IQ3_S)
+    c0, c1, c2, c3 = v.zero(), v.zero(), v.zero(), v.zero()
     for sb in range(n_in // 256):
         s.prefetch_lines(p, o + PREFETCH_BYTES, 110)
-        U, sg, k = blk.iq3s_prep(p, o, grid)
-        B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
-             s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
+        U, sg, k = blk.iq3s_runs(p, o, grid, words)
         c = s.f8_mul(k, s.f8_splat(f16_at(p, o)))
-        c0, c1, c2, c3 = _sb(U, U, B, _NK, 2, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        e = 256 * sb
+        c0 = _runs_row(0, R, U, sg, c, e, c0)
+        if nx > 1:
+            c1 = _runs_row(1, R, U, sg, c, e, c1)
+            c2 = _runs_row(2, R, U, sg, c, e, c2)
+            c3 = _runs_row(3, R, U, sg, c, e, c3)
         o += 110
-    return _fin(c0, c1, c2, c3)
+    return v.hsum(c0), v.hsum(c1), v.hsum(c2), v.hsum(c3)
 
 
 @njit(**_INL)

@@ -156,11 +156,12 @@ _PREP16_TY = types.Tuple([types.UniTuple(vb, 8), vi8, types.UniTuple(vi8, 8)])
 
 IQ2_LEVELS = (0x08, 0x19, 0x2B)  # the byte values of IQ2_XXS's (and IQ2_XS's, IQ2_S's) grid entries
 IQ3_LEVELS = (4, 12, 20, 28, 36, 44, 52, 62)  # IQ3_XXS's
+IQ3S_LEVELS = (1, 3, 5, 7, 9, 11, 13, 15)  # IQ3_S's
 
 
 def word_grid(grid: "np.ndarray", levels: tuple[int, ...]) -> "np.ndarray":
     """A code book of 8- or 4-byte entries over `levels` ([n, width] bytes) as one uint16 per
-    entry, byte b's level at bits 2 b (3 levels) or 3 b (8): the table _word_lookup256 looks up."""
+    entry, byte b's level at bits 2 b (3 levels) or 3 b (8): the table _word_lookup looks up."""
     import numpy as np
 
     lv = np.array(levels, np.uint8)
@@ -170,24 +171,25 @@ def word_grid(grid: "np.ndarray", levels: tuple[int, ...]) -> "np.ndarray":
     return (codes.astype(np.uint16) << (bits * np.arange(grid.shape[1], dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
 
 
-def _word_lookup256(builder, words, idx):
-    """words[idx] for 32 indices < 256 (<32 x i16>) from the 256 uint16 at address `words`: four
-    vpermi2w of 64 entries each, chosen between by the index's bits 6 and 7. (LLVM keeps the
-    table in 8 registers and copies one before each vpermt2w, ~40 register moves a super-block,
-    which cost less than the 8 loads a super-block of keeping it in memory: 190 vs 225 us.)"""
+def _word_lookup(builder, words, idx, n):
+    """words[idx] for 32 indices < n (<32 x i16>; n 256 or 512) from the n uint16 at address
+    `words`: n / 64 vpermi2w of 64 entries each, chosen between by the index's bits 6, 7 (and 8).
+    (LLVM keeps a 256-word table in 8 registers and copies one before each vpermt2w, ~40
+    register moves a super-block, which cost less than keeping it in memory: 190 vs 225 us.)"""
     w32 = ir.VectorType(_I16, 32)
-    t = [_ld_vec(builder, words, _c(_I64, 64 * k), w32) for k in range(8)]
-    parts = [_call(builder, "llvm.x86.avx512.vpermi2var.hi.512", w32, [t[2 * q], idx, t[2 * q + 1]]) for q in range(4)]
-
-    def bit(b):
-        return builder.icmp_unsigned("!=", builder.and_(idx, _c(w32, [b] * 32)), _c(w32, [0] * 32))
-
-    six = bit(64)
-    return builder.select(bit(128), builder.select(six, parts[3], parts[2]), builder.select(six, parts[1], parts[0]))
+    t = [_ld_vec(builder, words, _c(_I64, 64 * k), w32) for k in range(n // 32)]
+    parts = [_call(builder, "llvm.x86.avx512.vpermi2var.hi.512", w32, [t[2 * q], idx, t[2 * q + 1]])
+             for q in range(n // 64)]
+    b = 64
+    while len(parts) > 1:
+        bit = builder.icmp_unsigned("!=", builder.and_(idx, _c(w32, [b] * 32)), _c(w32, [0] * 32))
+        parts = [builder.select(bit, parts[i + 1], parts[i]) for i in range(0, len(parts), 2)]
+        b *= 2
+    return parts[0]
 
 
 def _grid_runs(builder, codes, levels):
-    """Four 64-byte runs of grid bytes from level words (_word_lookup256's). 8-byte entries
+    """Four 64-byte runs of grid bytes from level words (_word_lookup's). 8-byte entries
     (IQ2_LEVELS; codes: one <32 x i16>, entry 8 r + q in run r's qword q): per run one vpermw
     (each word into the four of its qword), one vpmultishiftqb (byte b: bits 2 b.. of its qword)
     and one vpermb (the level's byte value). 4-byte entries (IQ3_LEVELS; codes: two, entries 0-31
@@ -215,7 +217,7 @@ _RUNS_TY = types.Tuple([types.UniTuple(veci, 4), vi8, vf8])
 
 
 def has_word_grids() -> bool:
-    """The IQ2 code books looked up as level words in registers (_word_lookup256, _grid_runs):
+    """The IQ2 code books looked up as level words in registers (_word_lookup, _grid_runs):
     AVX-512 VBMI (vpermb, vpmultishiftqb) and BW (vpermi2w)."""
     return {"avx512vbmi", "avx512bw", "avx512vl"} <= integer.cpu_features()
 
@@ -226,7 +228,7 @@ def iq2xxs_runs(typingctx, p, off, table, words):
     (the runs' grid bytes, 4 x 64 bytes as veci; the 8 sub-blocks' 32 sign bits, lane j bit k the
     sign of sub-block j's weight k (_aux_signs); their 2 s + 1 as floats). With VBMI the 32
     entries come from the code book as level words (`words`: word_grid of it): one byte shuffle
-    for the indices, _word_lookup256 and _grid_runs, where 32 scalar loads from `table` inserted
+    for the indices, _word_lookup and _grid_runs, where 32 scalar loads from `table` inserted
     one by one filled port 5 (one thread, 4096-wide rows: 1.3x); else those loads."""
     if not _ints(p, off, table, words):
         return None
@@ -239,7 +241,7 @@ def iq2xxs_runs(typingctx, p, off, table, words):
         if has_word_grids():  # index word 4 j + l: byte l of dword 2 j, zero-extended
             idx = builder.shuffle_vector(builder.bitcast(dwords, v64), _c(v64, [0] * 64),
                                          _c(m64, [x for w in range(32) for x in (8 * (w // 4) + w % 4, 64)]))
-            U = _grid_runs(builder, [_word_lookup256(builder, args[3], builder.bitcast(idx, ir.VectorType(_I16, 32)))],
+            U = _grid_runs(builder, [_word_lookup(builder, args[3], builder.bitcast(idx, ir.VectorType(_I16, 32)), 256)],
                            IQ2_LEVELS)
         else:
             g = _gather_grid(builder, args[2], _u32_fields(builder, args[0], args[1], range(2, 66, 8), 4, 8, 255))
@@ -342,7 +344,7 @@ def iq2s_prep(typingctx, p, off, table):
 def iq3xxs_runs(typingctx, p, off, table, words):
     """An IQ3_XXS super-block at p + off (f16 d, qs[64] of 4-byte grid indices, u32 aux[8] as
     IQ2_XXS's) as iq2xxs_runs' (runs, signs, 2 s + 1): with VBMI the 64 entries from the code
-    book as level words (word_grid with IQ3_LEVELS, two _word_lookup256), else 64 scalar loads."""
+    book as level words (word_grid with IQ3_LEVELS, two _word_lookup), else 64 scalar loads."""
     if not _ints(p, off, table, words):
         return None
 
@@ -352,7 +354,7 @@ def iq3xxs_runs(typingctx, p, off, table, words):
         if has_word_grids():
             w16 = ir.VectorType(_I16, 32)
             idx = [builder.zext(_ld_vec(builder, args[0], builder.add(o, _c(_I64, 2 + 32 * h)), _VB), w16) for h in (0, 1)]
-            U = _grid_runs(builder, [_word_lookup256(builder, args[3], i) for i in idx], IQ3_LEVELS)
+            U = _grid_runs(builder, [_word_lookup(builder, args[3], i, 256) for i in idx], IQ3_LEVELS)
         else:
             g = _gather_grid4(builder, args[2], [_u(builder, args[0], args[1], 2 + k) for k in range(64)])
             U = [builder.bitcast(builder.shuffle_vector(g[2 * r], g[2 * r + 1], _c(m64, list(range(64)))), _VI16)
@@ -367,27 +369,40 @@ def iq3xxs_runs(typingctx, p, off, table, words):
 
 
 @intrinsic
-def iq3s_prep(typingctx, p, off, table):
+def iq3s_runs(typingctx, p, off, table, words):
     """An IQ3_S super-block at p + off (f16 d, qs[64], qh[8], signs[32], scales[4]; entry k of
-    sub-block j: index qs[8j + k] | bit k of qh[j] << 8; scale: nibble j % 2 of scales[j // 2]):
-    (U, the 32 sign bits of each sub-block, 2 s + 1 as floats)."""
-    if not _ints(p, off, table):
+    sub-block j: index qs[8j + k] | bit k of qh[j] << 8; scale: nibble j % 2 of scales[j // 2])
+    as iq2xxs_runs' (runs, signs, 2 s + 1): with VBMI the 64 entries from the code book as level
+    words (word_grid with IQ3S_LEVELS, two 512-entry _word_lookup), else 64 scalar loads."""
+    if not _ints(p, off, table, words):
         return None
 
     def codegen(context, builder, sig, args):
-        U = _gather_grid4(builder, args[2], [i for j in range(8) for h in (0, 1) for i in _indices4(
-            builder, args[0], args[1], 2 + 8 * j + 4 * h,
-            builder.lshr(_u(builder, args[0], args[1], 66 + j), _c(_I64, 4 * h)), 1)])
+        o = _i64(builder, args[1])
+        m64 = ir.VectorType(_I32, 64)
+        if has_word_grids():
+            w16, b32 = ir.VectorType(_I16, 32), ir.VectorType(ir.IntType(1), 32)
+            qh = [builder.bitcast(_ld_vec(builder, args[0], builder.add(o, _c(_I64, 66 + 4 * h)), _I32), b32)
+                  for h in (0, 1)]
+            idx = [builder.zext(_ld_vec(builder, args[0], builder.add(o, _c(_I64, 2 + 32 * h)), _VB), w16) for h in (0, 1)]
+            idx = [builder.select(qh[h], builder.or_(idx[h], _c(w16, [256] * 32)), idx[h]) for h in (0, 1)]
+            U = _grid_runs(builder, [_word_lookup(builder, args[3], i, 512) for i in idx], IQ3S_LEVELS)
+        else:
+            g = _gather_grid4(builder, args[2], [i for j in range(8) for h in (0, 1) for i in _indices4(
+                builder, args[0], args[1], 2 + 8 * j + 4 * h,
+                builder.lshr(_u(builder, args[0], args[1], 66 + j), _c(_I64, 4 * h)), 1)])
+            U = [builder.bitcast(builder.shuffle_vector(g[2 * r], g[2 * r + 1], _c(m64, list(range(64)))), _VI16)
+                 for r in range(4)]
         signs = _ld_vec(builder, args[0], _at(builder, args[1], 74), _VI)
         sc = _ld_u8(builder, args[0], _at(builder, args[1], 106), 4)
         s8 = builder.shuffle_vector(sc, sc, _c(_VI, [j // 2 for j in range(8)]))
         s8 = builder.and_(builder.lshr(s8, _c(_VI, [4 * (j % 2) for j in range(8)])), _c(_VI, [15] * 8))
         one = _c(_VI, [1] * 8)
         k = builder.or_(builder.shl(s8, one), one)
-        tup = context.make_tuple(builder, sig.return_type[0], U)
-        return context.make_tuple(builder, sig.return_type, [tup, signs, builder.sitofp(k, _VF)])
+        runs = context.make_tuple(builder, sig.return_type[0], U)
+        return context.make_tuple(builder, sig.return_type, [runs, signs, builder.sitofp(k, _VF)])
 
-    return _PREP_TY(p, off, table), codegen
+    return _RUNS_TY(p, off, table, words), codegen
 
 
 @intrinsic
