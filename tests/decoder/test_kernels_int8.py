@@ -448,11 +448,11 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
 @pytest.mark.parametrize("without", [None, "avx512vbmi"], ids=["host", "no-vbmi"])
 def test_iq_aux_signs_on_each_path(monkeypatch, without) -> None:
     """The sign bits IQ2_XXS and IQ3_XXS unpack from their aux words (iq2xxs_runs', iq3xxs_runs')
-    and IQ2_XS from its u16 codes' top 7 bits (iq2xs_prep's): each 7-bit field with its parity as
+    and IQ2_XS from its u16 codes' top 7 bits (iq2xs_runs'): each 7-bit field with its parity as
     bit 7 (ggml's ksigns_iq2xs), by vpmultishiftqb and vgf2p8affineqb or by shifts and
-    popcounts; and IQ2_XXS's and IQ3_XXS's grid bytes, looked up as level words in registers
-    (VBMI) or loaded from the code book; compiled afresh per path."""
-    from moestream.decoder.kernels.cpu.rows_int import WORDS_IQ2_XXS, WORDS_IQ3_XXS
+    popcounts; and IQ2_XXS's, IQ3_XXS's and IQ2_XS's grid bytes, looked up as level words in
+    registers (VBMI) or loaded from the code book (and IQ2_XS's scales); compiled afresh per path."""
+    from moestream.decoder.kernels.cpu.rows_int import WORDS_IQ2_XS, WORDS_IQ2_XXS, WORDS_IQ3_XXS
     from moestream.decoder.kernels.cpu.rows_iq import GRID32_IQ3_XXS, GRID64_IQ2_XS, GRID64_IQ2_XXS
     from moestream.decoder.kernels.cpu.simd import blocks as blk
 
@@ -476,10 +476,13 @@ def test_iq_aux_signs_on_each_path(monkeypatch, without) -> None:
             sv.st_i32(addr(grid_bytes), 64 * r, U[r])
 
     @njit(cache=False)
-    def xs_signs_of(block, grid, out):
-        _, sg, _ = blk.iq2xs_prep(addr(block), 0, addr(grid))
+    def xs_of(block, grid, words, out, grid_bytes, k):
+        U, sg, K = blk.iq2xs_runs(addr(block), 0, addr(grid), addr(words))
         for j in range(8):
             out[j] = si.i8_lane(sg, j)
+        for r in range(4):
+            sv.st_i32(addr(grid_bytes), 64 * r, U[r])
+        sv.st_i32(addr(k), 0, K)
 
     def ksigns(f: np.ndarray) -> np.ndarray:
         parity = np.array([bin(int(v)).count("1") & 1 for v in f], np.int64)
@@ -503,8 +506,12 @@ def test_iq_aux_signs_on_each_path(monkeypatch, without) -> None:
         block = rng.integers(0, 256, 74).astype(np.uint8)
         qs = block[2:66].view(np.uint16).astype(np.int64).reshape(8, 4)  # [8, 4] group l of sub-block j
         want = sum(ksigns(qs[:, l] >> 9) << (8 * l) for l in range(4))  # [8]
-        xs_signs_of(block, GRID64_IQ2_XS, got)
+        k = np.zeros(16, np.int32)
+        xs_of(block, GRID64_IQ2_XS, WORDS_IQ2_XS, got, grid_bytes, k)
         np.testing.assert_array_equal(got & 0xFFFFFFFF, want)
+        np.testing.assert_array_equal(grid_bytes, GRID64_IQ2_XS[qs.reshape(-1) & 511].view(np.uint8))
+        nib = block[66:74, None] >> np.array([0, 4]) & 15  # [8, 2] scales: group 2 j low nibble, 2 j + 1 high
+        np.testing.assert_array_equal(k, 2 * nib.reshape(-1) + 1)
 
 
 @pytest.mark.parametrize("without", [None, "bmi2+avx512vbmi"], ids=["host", "no-bmi2-vbmi"])

@@ -76,6 +76,7 @@ from .simd.vectors import addr, f16_at
 
 WORDS_IQ2_XXS = blk.word_grid(GRID64_IQ2_XXS.view(np.uint8).reshape(-1, 8), blk.IQ2_LEVELS)  # [256] (iq2xxs_runs)
 WORDS_IQ3_XXS = blk.word_grid(GRID32_IQ3_XXS.view(np.uint8).reshape(-1, 4), blk.IQ3_LEVELS)  # [256] (iq3xxs_runs)
+WORDS_IQ2_XS = blk.word_grid(GRID64_IQ2_XS.view(np.uint8).reshape(-1, 8), blk.IQ2_LEVELS)  # [512] (iq2xs_runs)
 WORDS_IQ3_S = blk.word_grid(GRID32_IQ3_S.view(np.uint8).reshape(-1, 4), blk.IQ3S_LEVELS)  # [512] (iq3s_runs)
 
 _Q8_0, _Q4_0, _Q4_K, _Q5_K, _Q6_K = int(Q.Q8_0), int(Q.Q4_0), int(Q.Q4_K), int(Q.Q5_K), int(Q.Q6_K)
@@ -442,8 +443,7 @@ def _q2_k(p, off, n_in, R, nx):
 def _run_row(a, U, sg, cd, r, e, acc):
     """acc + run r (sub-blocks 2 r, 2 r + 1: 64 grid bytes U[r], their 64 sign bits of sg) dotted
     with the activations at a + e + 64 r, each sub-block's 8 lanes scaled by its cd."""
-    bits = s.i8_lane(sg, 2 * r) | (s.i8_lane(sg, 2 * r + 1) << 32)
-    t = s.dp64_neg(v.izero(), U[r], bits, a, e + 64 * r)
+    t = s.dp64_neg(v.izero(), U[r], _run_bits(sg, r), a, e + 64 * r)
     return v.fma(v.to_f(t), s.f8_pair(cd, r), acc)
 
 
@@ -457,6 +457,25 @@ def _runs_row(i, R, U, sg, c, e, acc):
     acc = _run_row(R[i], U, sg, cd, 1, e, acc)
     acc = _run_row(R[i], U, sg, cd, 2, e, acc)
     return _run_row(R[i], U, sg, cd, 3, e, acc)
+
+
+@njit(**_INL)
+def _run_bits(sg, r):
+    """Run r's 64 sign bits: sub-blocks 2 r, 2 r + 1's 32 each."""
+    return s.i8_lane(sg, 2 * r) | (s.i8_lane(sg, 2 * r + 1) << 32)
+
+
+@njit(**_INL)
+def _runs_k_row(i, R, U, sg, K, c, e, acc):
+    """acc + activation row i's integer dot with a super-block's four 64-byte runs, each group of
+    16 weights times its integer scale (K, dp64_neg_k), scaled once: c the weights' scale, the
+    activations' one per 256 (wide)."""
+    a = R[i]
+    t = s.dp64_neg_k(v.izero(), U[0], _run_bits(sg, 0), a, e, K, 0)
+    t = s.dp64_neg_k(t, U[1], _run_bits(sg, 1), a, e + 64, K, 1)
+    t = s.dp64_neg_k(t, U[2], _run_bits(sg, 2), a, e + 128, K, 2)
+    t = s.dp64_neg_k(t, U[3], _run_bits(sg, 3), a, e + 192, K, 3)
+    return v.fma(v.to_f(t), v.splat(c * s.f32_at(R[4 + i], (e >> 5) * 4)), acc)
 
 
 @njit(**_INL)
@@ -661,18 +680,21 @@ def _rows1_from_sums(qtype, p, off, rb, n, n_in, R, out):
 def _iq2_xs(p, off, n_in, R, nx):
     """74 B / 256: f16 d, u16 qs[32] (per group of 8 a 9-bit grid index and a 7-bit ksigns
     index), scales[8] (a nibble per 16 weights): w = d (0.5 + s) / 4 x grid x sign, dotted as
-    d / 8 x ((2 s + 1) per 16 x grid . signed a): the scales are dpbusd_k's lane multipliers."""
-    o, grid = np.int64(off), addr(GRID64_IQ2_XS)
-    c0, c1, c2, c3 = _zeros()
+    d / 8 x ((2 s + 1) per 16 x grid . signed a): unpacked as IQ2_XXS (iq2xs_runs), the scales
+    multiplied into the dots' int16 pair sums (_runs_k_row)."""
+    o, grid, words = np.int64(off), addr(GRID64_IQ2_XS), addr(WORDS_IQ2_XS)
+    c0, c1, c2, c3 = v.zero(), v.zero(), v.zero(), v.zero()
     for sb in range(n_in // 256):
         s.prefetch_lines(p, o + PREFETCH_BYTES, 74)
-        U, sg, K = blk.iq2xs_prep(p, o, grid)
-        B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
-             s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
-        c = s.f8_splat(f16_at(p, o) * _EIGHTH)
-        c0, c1, c2, c3 = _sbw_k(U, U, B, K, 2, c, 256 * sb, nx, R, c0, c1, c2, c3)
+        U, sg, K = blk.iq2xs_runs(p, o, grid, words)
+        c, e = f16_at(p, o) * _EIGHTH, 256 * sb
+        c0 = _runs_k_row(0, R, U, sg, K, c, e, c0)
+        if nx > 1:
+            c1 = _runs_k_row(1, R, U, sg, K, c, e, c1)
+            c2 = _runs_k_row(2, R, U, sg, K, c, e, c2)
+            c3 = _runs_k_row(3, R, U, sg, K, c, e, c3)
         o += 74
-    return _fin(c0, c1, c2, c3)
+    return v.hsum(c0), v.hsum(c1), v.hsum(c2), v.hsum(c3)
 
 
 @njit(**_INL)

@@ -295,15 +295,26 @@ def q6_scales(typingctx, p, off):
 
 
 @intrinsic
-def iq2xs_prep(typingctx, p, off, table):
+def iq2xs_runs(typingctx, p, off, table, words):
     """An IQ2_XS super-block at p + off (f16 d, u16 qs[32]: 9-bit grid index, 7-bit ksigns index;
-    scales[8]: a nibble per 16 weights): (U: the 8 sub-blocks' grid bytes, their 32 sign bits
-    each, the per-16 multipliers 2 s + 1 as dpbusd_k lanes)."""
-    if not _ints(p, off, table):
+    scales[8]: a nibble per 16 weights) as four 64-byte runs: (their grid bytes, as iq2xxs_runs';
+    the 8 sub-blocks' 32 sign bits each; the per-16 multipliers 2 s + 1, group g in lane g). With
+    VBMI the 32 entries from the code book as level words (word_grid, one 512-entry _word_lookup),
+    else 32 scalar loads."""
+    if not _ints(p, off, table, words):
         return None
 
     def codegen(context, builder, sig, args):
-        U = _gather_grid(builder, args[2], _u32_fields(builder, args[0], args[1], range(2, 66, 4), 2, 16, 511))
+        o = _i64(builder, args[1])
+        m64 = ir.VectorType(_I32, 64)
+        if has_word_grids():
+            w16 = ir.VectorType(_I16, 32)
+            idx = builder.and_(_ld_vec(builder, args[0], builder.add(o, _c(_I64, 2)), w16), _c(w16, [511] * 32))
+            U = _grid_runs(builder, [_word_lookup(builder, args[3], idx, 512)], IQ2_LEVELS)
+        else:
+            g = _gather_grid(builder, args[2], _u32_fields(builder, args[0], args[1], range(2, 66, 4), 2, 16, 511))
+            U = [builder.bitcast(builder.shuffle_vector(g[2 * r], g[2 * r + 1], _c(m64, list(range(64)))), _VI16)
+                 for r in range(4)]
         if _has_vbmi_gfni():  # qword j holds sub-block j's 4 u16: their top 7 bits to bytes 0..3
             raw = _ld_vec(builder, args[0], _at(builder, args[1], 2), ir.VectorType(_I8, 64))
             b = _ksign_bytes(builder, raw, [9, 25, 41, 57, 0, 0, 0, 0] * 8)
@@ -313,18 +324,21 @@ def iq2xs_prep(typingctx, p, off, table):
             v32 = ir.VectorType(_I32, 32)
             qs = builder.zext(_ld_vec(builder, args[0], _at(builder, args[1], 2), ir.VectorType(_I16, 32)), v32)
             signs = _bytes_to_words(builder, _ksigns(builder, builder.lshr(qs, _c(v32, [9] * 32))))
-        K = _nib_scales(builder, _ld_u8(builder, args[0], _at(builder, args[1], 66), 8))
-        ty = sig.return_type
-        return context.make_tuple(builder, ty, [context.make_tuple(builder, ty[0], U), signs,
-                                                context.make_tuple(builder, ty[2], K)])
+        sc = _ld_u8(builder, args[0], _at(builder, args[1], 66), 8)
+        nib = builder.shuffle_vector(sc, sc, _c(_VI16, [g // 2 for g in range(16)]))
+        nib = builder.and_(builder.lshr(nib, _c(_VI16, [4 * (g % 2) for g in range(16)])), _c(_VI16, [15] * 16))
+        K = builder.or_(builder.shl(nib, _c(_VI16, [1] * 16)), _c(_VI16, [1] * 16))
+        runs = context.make_tuple(builder, sig.return_type[0], U)
+        return context.make_tuple(builder, sig.return_type, [runs, signs, K])
 
-    return _PREP16_TY(p, off, table), codegen
+    return types.Tuple([types.UniTuple(veci, 4), vi8, veci])(p, off, table, words), codegen
 
 
 @intrinsic
 def iq2s_prep(typingctx, p, off, table):
     """An IQ2_S super-block at p + off (f16 d, qs[32], signs[32], qh[8], scales[8]; group l of
-    sub-block j: index qs[4j + l] | bits 2l.. of qh[j] << 8, signs[4j + l]): as iq2xs_prep."""
+    sub-block j: index qs[4j + l] | bits 2l.. of qh[j] << 8, signs[4j + l]): (U: the 8 sub-blocks'
+    grid bytes, their 32 sign bits each, the per-16 multipliers 2 s + 1 as dpbusd_k lanes)."""
     if not _ints(p, off, table):
         return None
 

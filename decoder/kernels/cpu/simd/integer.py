@@ -348,6 +348,29 @@ def dp64_neg(typingctx, acc, u, bits, p, off):
 
 
 @intrinsic
+def dp64_neg_k(typingctx, acc, u, bits, p, off, k, r):
+    """acc + run r's dots as dp64_neg's (the activations at p + off negated where `bits` are set)
+    with each group of 16 weights' lanes times its integer scale: k (veci) holds group g's in lane
+    g, run r's groups are 4 r .. 4 r + 3 (vpmaddubsw, then vpdpwssd by them as int16 pairs)."""
+    if acc != _veci or u != _veci or k != _veci or not _ints(bits, p, off, r):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v64 = ir.VectorType(_I8, 64)
+        a = _ld64(builder, args[3], args[4], 0)
+        signed = builder.select(_mask64(builder, args[2]), builder.sub(ir.Constant(v64, [0] * 64), a), a)
+        k16 = builder.trunc(args[5], ir.VectorType(_I16, 16))
+        four = builder.mul(builder.trunc(args[6], _I32), ir.Constant(_I32, 4))
+        picks = [builder.add(four, ir.Constant(_I32, i // 8)) for i in range(32)]
+        kw = ir.Constant(ir.VectorType(_I16, 32), ir.Undefined)
+        for i, pick in enumerate(picks):  # (r is a constant after inlining: LLVM makes this one vpermw)
+            kw = builder.insert_element(kw, builder.extract_element(k16, pick), ir.Constant(_I32, i))
+        return _dp_words(builder, args[0], builder.bitcast(args[1], v64), signed, kw)
+
+    return _veci(acc, u, bits, p, off, k, r), codegen
+
+
+@intrinsic
 def f8_pair(typingctx, c, r):
     """Lanes 2 r and 2 r + 1 of the 8 floats c, each in 8 lanes of a 16-lane vector: a 64-byte run's
     two sub-block scales."""
