@@ -296,8 +296,8 @@ def _without(monkeypatch, feature: str) -> None:
 def test_dpbusd_on_each_path(monkeypatch, features) -> None:
     """vpdpbusd, AVX2's vpmaddubsw + vpmaddwd, and plain IR give the same exact sums (unsigned
     bytes <= 128, as the kernels keep them), also with per-lane scales (dpbusd_k); the 16-entry
-    lookup (vpshufb or per byte), the bit expansion, the negation by bits (a masked subtract,
-    psignb or a select), the TQ1_0 block dot (one masked load or three), Q2_K's (its codes
+    lookup (vpshufb or per byte), the bit expansion, the 64-byte dots of activations negated by
+    bits (a masked subtract, psignb or a select; also with per-16 scales, dp64_neg_k), the TQ1_0 block dot (one masked load or three), Q2_K's (its codes
     by vgf2p8affineqb or a shift and a mask; a vpshufb, two or one per byte) and Q3_K's (its
     unsigned codes by vgf2p8affineqb or shifts, vpmaddubsw + vpmaddwd on 64 or 32 bytes or plain
     IR; against gguf-py's dequantizer) agree; each compiled afresh per path."""
@@ -331,10 +331,15 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
         out[0] = si.f8_hsum(si.f8_of_i(v))
 
     @njit(cache=False)
-    def bytes_of(t, i, bits, a, out):  # b_lut16, b_bits, b_negate
+    def bytes_of(t, i, bits, out):  # b_lut16, b_bits
         _st_b(addr(out), 0, si.b_lut16(si.ld_b(addr(t), 0), si.ld_b(addr(i), 0)))
         _st_b(addr(out), 32, si.b_bits(bits))
-        _st_b(addr(out), 64, si.b_negate(si.ld_b(addr(a), 0), bits))
+
+    @njit(cache=False)
+    def negated_dots(u, bits, a, k, out):  # dp64_neg, dp64_neg_k (run 1: groups 4 .. 7 of k)
+        sv.st_i32(addr(out), 0, si.dp64_neg(sv.izero(), sv.ld_i32(addr(u), 0), bits, addr(a), 0))
+        sv.st_i32(addr(out), 64, si.dp64_neg_k(sv.izero(), sv.ld_i32(addr(u), 0), bits, addr(a), 0,
+                                               sv.ld_i32(addr(k), 0), 1))
 
     for _ in range(20):
         u = rng.integers(0, 129, 32).astype(np.uint8)
@@ -345,11 +350,18 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
         assert out[0] == float((u.astype(np.int64) * a * np.repeat(k, 4)).sum())
         t, i = np.tile(rng.integers(-128, 128, 16), 2).astype(np.int8), rng.integers(0, 16, 32).astype(np.uint8)
         bits = int(rng.integers(0, 1 << 32))
-        got = np.zeros(96, np.int8)
-        bytes_of(t, i, bits, a, got)
+        got = np.zeros(64, np.int8)
+        bytes_of(t, i, bits, got)
         np.testing.assert_array_equal(got[:32], t[i])
         np.testing.assert_array_equal(got[32:64], (bits >> np.arange(32)) & 1)
-        np.testing.assert_array_equal(got[64:], np.where((bits >> np.arange(32)) & 1, -a, a))
+        u64, a64 = rng.integers(0, 44, 64).astype(np.uint8), rng.integers(-127, 128, 64).astype(np.int8)
+        bits64 = int(rng.integers(-(1 << 63), 1 << 63, dtype=np.int64))
+        k = rng.integers(1, 32, 16).astype(np.int32)
+        dots = np.zeros(32, np.int32)
+        negated_dots(u64, bits64, a64, k, dots)
+        prod = u64 * np.where((bits64 >> np.arange(64)) & 1, -a64.astype(np.int64), a64)  # [64]
+        np.testing.assert_array_equal(dots[:16], prod.reshape(16, 4).sum(axis=1))
+        np.testing.assert_array_equal(dots[16:], (prod * np.repeat(k[4:8], 16)).reshape(16, 4).sum(axis=1))
 
     @njit(cache=False)
     def pm_lanes(a, b0, b1, out):  # both ways to a Q1_0 block's +-1 dot, 16 lanes each
@@ -531,12 +543,16 @@ def test_iq_indices_on_each_path(monkeypatch, without) -> None:
     def indices(block, table, out, m):
         if m == 0:
             U, _, _ = blk.iq1s_prep(addr(block), 0, addr(table))
-        elif m == 1:
+        else:
             U, _, _ = blk.iq1m_prep(addr(block), 0, addr(table))
-        elif m == 2:
-            U, _, _ = blk.iq2s_prep(addr(block), 0, addr(table))
         for j in range(8):
             _st_b(addr(out), 32 * j, U[j])
+
+    @njit(cache=False)
+    def iq2s(block, table, out):
+        U, _, _ = blk.iq2s_runs(addr(block), 0, addr(table))
+        for r in range(4):
+            sv.st_i32(addr(out), 64 * r, U[r])
 
     @njit(cache=False)
     def iq3s(block, grid, words, out, signs):
@@ -558,7 +574,7 @@ def test_iq_indices_on_each_path(monkeypatch, without) -> None:
         indices(block, table, got, 1)  # IQ1_M: qs[32], qh[16] (a nibble per group)
         qs, qh = block[:32].astype(np.int64), block[32:48].astype(np.int64)
         np.testing.assert_array_equal(got.view(np.uint64), qs | (qh[k32 // 2] >> (4 * (k32 % 2)) & 15) << 8)
-        indices(block, table, got, 2)  # IQ2_S: f16 d, qs[32], signs[32], qh[8] (2 bits per group)
+        iq2s(block, table, got)  # IQ2_S: f16 d, qs[32], signs[32], qh[8] (2 bits per group)
         qs, qh = block[2:34].astype(np.int64), block[66:74].astype(np.int64)
         np.testing.assert_array_equal(got.view(np.uint64), qs | (qh[k32 // 4] >> (2 * (k32 % 4)) & 3) << 8)
         signs = np.zeros(8, np.int64)

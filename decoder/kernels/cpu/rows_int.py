@@ -172,27 +172,25 @@ def quantize_acts(x, wide=False):
 # is scaled by the weights' sub-block scales c and the activations' block scales d_a, and the
 # weight offsets (or mins) cm by the activations' d_a x sum(q): two fmas per 256 weights and row.
 # R = (q addresses of rows 0-3, d addresses 0-3, ds addresses 0-3); e = the super-block's element.
-# The activation bytes are used as they are (mode 0), with the signs of the int8 weights W
-# (mode 1: U holds their magnitudes), or negated where the sub-block's bits B are set (mode 2).
+# The activation bytes are used as they are (mode 0) or with the signs of the int8 weights W
+# (mode 1: U holds their magnitudes). (The IQ types with sign bits dot 64-byte runs: _runs_row.)
 # K: per sub-block integer multipliers of its lanes (dpbusd_k: lanes 0-3 = its first 16 weights,
 # 4-7 the last 16), for the types with a scale per 16 weights; _NK (all 1) for the others.
 @njit(**_INL)
-def _dp(U, W, B, K, a, e, j, mode):
+def _dp(U, W, K, a, e, j, mode):
     x = s.ld_b(a, e + 32 * j)
     if mode == 1:
         x = s.b_sign(x, W[j])
-    elif mode == 2:
-        x = s.b_negate(x, B[j])
     return s.dpbusd_k(U[j], x, K[j])
 
 
 @njit(**_INL)
-def _sb_row(i, R, U, W, B, K, mode, c, cm, has_m, e, acc):
+def _sb_row(i, R, U, W, K, mode, c, cm, has_m, e, acc):
     a = R[i]
-    isum = s.hsum8x8((_dp(U, W, B, K, a, e, 0, mode), _dp(U, W, B, K, a, e, 1, mode),
-                      _dp(U, W, B, K, a, e, 2, mode), _dp(U, W, B, K, a, e, 3, mode),
-                      _dp(U, W, B, K, a, e, 4, mode), _dp(U, W, B, K, a, e, 5, mode),
-                      _dp(U, W, B, K, a, e, 6, mode), _dp(U, W, B, K, a, e, 7, mode)))
+    isum = s.hsum8x8((_dp(U, W, K, a, e, 0, mode), _dp(U, W, K, a, e, 1, mode),
+                      _dp(U, W, K, a, e, 2, mode), _dp(U, W, K, a, e, 3, mode),
+                      _dp(U, W, K, a, e, 4, mode), _dp(U, W, K, a, e, 5, mode),
+                      _dp(U, W, K, a, e, 6, mode), _dp(U, W, K, a, e, 7, mode)))
     acc = s.f8_fma(s.f8_mul(s.f8_of_i(isum), s.f8_ld(R[4 + i], (e >> 5) * 4)), c, acc)
     if has_m:
         acc = s.f8_fma(s.f8_ld(R[8 + i], (e >> 5) * 4), cm, acc)
@@ -200,14 +198,14 @@ def _sb_row(i, R, U, W, B, K, mode, c, cm, has_m, e, acc):
 
 
 @njit(**_INL)
-def _sb(U, W, B, K, mode, c, cm, has_m, e, nx, R, c0, c1, c2, c3):
+def _sb(U, W, K, mode, c, cm, has_m, e, nx, R, c0, c1, c2, c3):
     """c_i += sum_j (U_j . a_i[e + 32j:])_K c_j d_a,j + cm_j d_a,j sum(a_i[e + 32j:]) (has_m), the
     dot's two 16-byte halves times K_j's lanes."""
-    c0 = _sb_row(0, R, U, W, B, K, mode, c, cm, has_m, e, c0)
+    c0 = _sb_row(0, R, U, W, K, mode, c, cm, has_m, e, c0)
     if nx > 1:
-        c1 = _sb_row(1, R, U, W, B, K, mode, c, cm, has_m, e, c1)
-        c2 = _sb_row(2, R, U, W, B, K, mode, c, cm, has_m, e, c2)
-        c3 = _sb_row(3, R, U, W, B, K, mode, c, cm, has_m, e, c3)
+        c1 = _sb_row(1, R, U, W, K, mode, c, cm, has_m, e, c1)
+        c2 = _sb_row(2, R, U, W, K, mode, c, cm, has_m, e, c2)
+        c3 = _sb_row(3, R, U, W, K, mode, c, cm, has_m, e, c3)
     return c0, c1, c2, c3
 
 
@@ -244,28 +242,6 @@ def _sbw(U, c_lo, c_hi, cm, e, nx, R, c0, c1, c2, c3):
 
 
 @njit(**_INL)
-def _sbw_k_row(i, R, U, W, B, K, mode, c, e, acc):
-    """_sb_row for wide activations and a weight scale c the same in the 8 sub-blocks (theirs are
-    the integers K): the dots' lanes add up as integers and are scaled once."""
-    a = R[i]
-    isum = s.isum8((_dp(U, W, B, K, a, e, 0, mode), _dp(U, W, B, K, a, e, 1, mode),
-                    _dp(U, W, B, K, a, e, 2, mode), _dp(U, W, B, K, a, e, 3, mode),
-                    _dp(U, W, B, K, a, e, 4, mode), _dp(U, W, B, K, a, e, 5, mode),
-                    _dp(U, W, B, K, a, e, 6, mode), _dp(U, W, B, K, a, e, 7, mode)))
-    return s.f8_fma(s.f8_of_i(isum), s.f8_mul(s.f8_ld(R[4 + i], (e >> 5) * 4), c), acc)
-
-
-@njit(**_INL)
-def _sbw_k(U, W, B, K, mode, c, e, nx, R, c0, c1, c2, c3):
-    c0 = _sbw_k_row(0, R, U, W, B, K, mode, c, e, c0)
-    if nx > 1:
-        c1 = _sbw_k_row(1, R, U, W, B, K, mode, c, e, c1)
-        c2 = _sbw_k_row(2, R, U, W, B, K, mode, c, e, c2)
-        c3 = _sbw_k_row(3, R, U, W, B, K, mode, c, e, c3)
-    return c0, c1, c2, c3
-
-
-@njit(**_INL)
 def _fin(c0, c1, c2, c3):
     return s.f8_hsum(c0), s.f8_hsum(c1), s.f8_hsum(c2), s.f8_hsum(c3)
 
@@ -275,7 +251,6 @@ def _zeros():
     return s.f8_zero(), s.f8_zero(), s.f8_zero(), s.f8_zero()
 
 
-_NB = (np.int64(0),) * 8  # no sign bits
 _NK = (np.int64(1),) * 8  # no per-16 scales
 
 
@@ -292,7 +267,7 @@ def _q8_0(p, off, n_in, R, nx):
         U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
              s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
         c = s.f8_of_f16(p, o, 34)
-        c0, c1, c2, c3 = _sb(U, W, _NB, _NK, 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sb(U, W, _NK, 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 272
     return _fin(c0, c1, c2, c3)
 
@@ -308,7 +283,7 @@ def _q4_0(p, off, n_in, R, nx):
              s.nib16(p, o + 74), s.nib16(p, o + 92), s.nib16(p, o + 110), s.nib16(p, o + 128))
         c = s.f8_of_f16(p, o, 18)
         cm = s.f8_mul(c, s.f8_splat(np.float32(-8.0)))
-        c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sb(U, U, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 144
     return _fin(c0, c1, c2, c3)
 
@@ -351,7 +326,7 @@ def _q45_k(p, off, n_in, R, nx, five):
         sc, mn = _k4_scales(p, o + 4)
         c = s.f8_mul(s.f8_of_u8x8(sc), s.f8_splat(f16_at(p, o)))
         cm = s.f8_mul(s.f8_of_u8x8(mn), s.f8_splat(-f16_at(p, o + 2)))
-        c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sb(U, U, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
         o += size
     return _fin(c0, c1, c2, c3)
 
@@ -368,8 +343,8 @@ def _q6_w(p, ql, h, g):
 @njit(**_INL)
 def _q6_half(W, U, a, e, j):
     """hsum4x8_halves of sub-blocks j .. j + 3 (signed weights W, magnitudes U) against a[e:]."""
-    return s.hsum4x8_halves((_dp(U, W, _NB, _NK, a, e, j, 1), _dp(U, W, _NB, _NK, a, e, j + 1, 1),
-                             _dp(U, W, _NB, _NK, a, e, j + 2, 1), _dp(U, W, _NB, _NK, a, e, j + 3, 1)))
+    return s.hsum4x8_halves((_dp(U, W, _NK, a, e, j, 1), _dp(U, W, _NK, a, e, j + 1, 1),
+                             _dp(U, W, _NK, a, e, j + 2, 1), _dp(U, W, _NK, a, e, j + 3, 1)))
 
 
 @njit(**_INL)
@@ -513,7 +488,7 @@ def _iq1_s(p, off, n_in, R, nx):
         d = f16_at(p, o)
         c = s.f8_mul(k, s.f8_splat(d))
         cm = s.f8_mul(m, s.f8_splat(-(d * _EIGHTH)))
-        c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sb(U, U, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 50
     return _fin(c0, c1, c2, c3)
 
@@ -702,16 +677,18 @@ def _iq2_s(p, off, n_in, R, nx):
     """82 B / 256: f16 d, qs[32] and 2 bits of qh[8] per group: a 10-bit grid index, signs[32]
     (8 sign bits per group), scales[8] as IQ2_XS's: w = d (0.5 + s) / 4 x grid x sign."""
     o, grid = np.int64(off), addr(GRID64_IQ2_S)
-    c0, c1, c2, c3 = _zeros()
+    c0, c1, c2, c3 = v.zero(), v.zero(), v.zero(), v.zero()
     for sb in range(n_in // 256):
         s.prefetch_lines(p, o + PREFETCH_BYTES, 82)
-        U, sg, K = blk.iq2s_prep(p, o, grid)
-        B = (s.i8_lane(sg, 0), s.i8_lane(sg, 1), s.i8_lane(sg, 2), s.i8_lane(sg, 3),
-             s.i8_lane(sg, 4), s.i8_lane(sg, 5), s.i8_lane(sg, 6), s.i8_lane(sg, 7))
-        c = s.f8_splat(f16_at(p, o) * _EIGHTH)
-        c0, c1, c2, c3 = _sbw_k(U, U, B, K, 2, c, 256 * sb, nx, R, c0, c1, c2, c3)
+        U, sg, K = blk.iq2s_runs(p, o, grid)
+        c, e = f16_at(p, o) * _EIGHTH, 256 * sb
+        c0 = _runs_k_row(0, R, U, sg, K, c, e, c0)
+        if nx > 1:
+            c1 = _runs_k_row(1, R, U, sg, K, c, e, c1)
+            c2 = _runs_k_row(2, R, U, sg, K, c, e, c2)
+            c3 = _runs_k_row(3, R, U, sg, K, c, e, c3)
         o += 82
-    return _fin(c0, c1, c2, c3)
+    return v.hsum(c0), v.hsum(c1), v.hsum(c2), v.hsum(c3)
 
 
 @njit(**_INL)
@@ -770,7 +747,7 @@ def _iq1_m(p, off, n_in, R, nx):
         U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
              s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
         c = s.f8_splat(d * _EIGHTH)
-        c0, c1, c2, c3 = _sb(U, W, _NB, K, 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sb(U, W, K, 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 56
     return _fin(c0, c1, c2, c3)
 
@@ -821,7 +798,7 @@ def _iq4_xs(p, off, n_in, R, nx):
         U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
              s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
         c = s.f8_mul(blk.iq4xs_scales(p, o + 2), s.f8_splat(f16_at(p, o)))
-        c0, c1, c2, c3 = _sb(U, W, _NB, _NK, 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sb(U, W, _NK, 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 136
     return _fin(c0, c1, c2, c3)
 
@@ -838,7 +815,7 @@ def _iq4_nl(p, off, n_in, R, nx):
         U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
              s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
         c = s.f8_of_f16(p, o, 18)
-        c0, c1, c2, c3 = _sb(U, W, _NB, _NK, 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sb(U, W, _NK, 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 144
     return _fin(c0, c1, c2, c3)
 
@@ -870,7 +847,7 @@ def _q4_1_q5(p, off, n_in, R, nx, five, has_min):
                  s.nib16(p, o + 84), s.nib16(p, o + 104), s.nib16(p, o + 124), s.nib16(p, o + 144))
         c = s.f8_of_f16(p, o, size)
         cm = s.f8_of_f16(p, o + 2, size) if has_min else s.f8_mul(c, s.f8_splat(np.float32(-16.0)))
-        c0, c1, c2, c3 = _sb(U, U, _NB, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sb(U, U, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 8 * size
     return _fin(c0, c1, c2, c3)
 
@@ -888,7 +865,7 @@ def _mxfp4(p, off, n_in, R, nx):
         U = (s.b_abs(W[0]), s.b_abs(W[1]), s.b_abs(W[2]), s.b_abs(W[3]),
              s.b_abs(W[4]), s.b_abs(W[5]), s.b_abs(W[6]), s.b_abs(W[7]))
         c = blk.e8m0_halves(p, o, 17)
-        c0, c1, c2, c3 = _sb(U, W, _NB, _NK, 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
+        c0, c1, c2, c3 = _sb(U, W, _NK, 1, c, c, False, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 136
     return _fin(c0, c1, c2, c3)
 

@@ -213,7 +213,26 @@ def _grid_runs(builder, codes, levels):
 
 
 _VI16 = ir.VectorType(_I32, 16)
+
+
 _RUNS_TY = types.Tuple([types.UniTuple(veci, 4), vi8, vf8])
+_RUNS_K_TY = types.Tuple([types.UniTuple(veci, 4), vi8, veci])
+
+
+def _runs_of(builder, subs):
+    """The 8 sub-blocks' 32-byte vectors (_gather's) as four 64-byte runs (veci each)."""
+    m64 = ir.VectorType(_I32, 64)
+    return [builder.bitcast(builder.shuffle_vector(subs[2 * r], subs[2 * r + 1], _c(m64, list(range(64)))), _VI16)
+            for r in range(4)]
+
+
+def _nib_scales16(builder, p, o, at):
+    """2 s + 1 of the 16 nibbles of the 8 scale bytes at p + o + at (group 2 j the low nibble of
+    byte j, 2 j + 1 the high), group g in lane g: IQ2_XS's and IQ2_S's per-16 multipliers."""
+    sc = _ld_u8(builder, p, _at(builder, o, at), 8)
+    nib = builder.shuffle_vector(sc, sc, _c(_VI16, [g // 2 for g in range(16)]))
+    nib = builder.and_(builder.lshr(nib, _c(_VI16, [4 * (g % 2) for g in range(16)])), _c(_VI16, [15] * 16))
+    return builder.or_(builder.shl(nib, _c(_VI16, [1] * 16)), _c(_VI16, [1] * 16))
 
 
 def has_word_grids() -> bool:
@@ -244,9 +263,8 @@ def iq2xxs_runs(typingctx, p, off, table, words):
             U = _grid_runs(builder, [_word_lookup(builder, args[3], builder.bitcast(idx, ir.VectorType(_I16, 32)), 256)],
                            IQ2_LEVELS)
         else:
-            g = _gather_grid(builder, args[2], _u32_fields(builder, args[0], args[1], range(2, 66, 8), 4, 8, 255))
-            U = [builder.bitcast(builder.shuffle_vector(g[2 * r], g[2 * r + 1], _c(m64, list(range(64)))), _VI16)
-                 for r in range(4)]
+            U = _runs_of(builder, _gather_grid(builder, args[2], _u32_fields(builder, args[0], args[1],
+                                                                             range(2, 66, 8), 4, 8, 255)))
         signs = _aux_signs(builder, aux)
         k = builder.or_(builder.shl(builder.lshr(aux, _c(_VI, [28] * 8)), _c(_VI, [1] * 8)), _c(_VI, [1] * 8))
         runs = context.make_tuple(builder, sig.return_type[0], U)
@@ -312,9 +330,8 @@ def iq2xs_runs(typingctx, p, off, table, words):
             idx = builder.and_(_ld_vec(builder, args[0], builder.add(o, _c(_I64, 2)), w16), _c(w16, [511] * 32))
             U = _grid_runs(builder, [_word_lookup(builder, args[3], idx, 512)], IQ2_LEVELS)
         else:
-            g = _gather_grid(builder, args[2], _u32_fields(builder, args[0], args[1], range(2, 66, 4), 2, 16, 511))
-            U = [builder.bitcast(builder.shuffle_vector(g[2 * r], g[2 * r + 1], _c(m64, list(range(64)))), _VI16)
-                 for r in range(4)]
+            U = _runs_of(builder, _gather_grid(builder, args[2], _u32_fields(builder, args[0], args[1],
+                                                                             range(2, 66, 4), 2, 16, 511)))
         if _has_vbmi_gfni():  # qword j holds sub-block j's 4 u16: their top 7 bits to bytes 0..3
             raw = _ld_vec(builder, args[0], _at(builder, args[1], 2), ir.VectorType(_I8, 64))
             b = _ksign_bytes(builder, raw, [9, 25, 41, 57, 0, 0, 0, 0] * 8)
@@ -324,34 +341,30 @@ def iq2xs_runs(typingctx, p, off, table, words):
             v32 = ir.VectorType(_I32, 32)
             qs = builder.zext(_ld_vec(builder, args[0], _at(builder, args[1], 2), ir.VectorType(_I16, 32)), v32)
             signs = _bytes_to_words(builder, _ksigns(builder, builder.lshr(qs, _c(v32, [9] * 32))))
-        sc = _ld_u8(builder, args[0], _at(builder, args[1], 66), 8)
-        nib = builder.shuffle_vector(sc, sc, _c(_VI16, [g // 2 for g in range(16)]))
-        nib = builder.and_(builder.lshr(nib, _c(_VI16, [4 * (g % 2) for g in range(16)])), _c(_VI16, [15] * 16))
-        K = builder.or_(builder.shl(nib, _c(_VI16, [1] * 16)), _c(_VI16, [1] * 16))
         runs = context.make_tuple(builder, sig.return_type[0], U)
-        return context.make_tuple(builder, sig.return_type, [runs, signs, K])
+        return context.make_tuple(builder, sig.return_type, [runs, signs, _nib_scales16(builder, args[0], o, 66)])
 
-    return types.Tuple([types.UniTuple(veci, 4), vi8, veci])(p, off, table, words), codegen
+    return _RUNS_K_TY(p, off, table, words), codegen
 
 
 @intrinsic
-def iq2s_prep(typingctx, p, off, table):
+def iq2s_runs(typingctx, p, off, table):
     """An IQ2_S super-block at p + off (f16 d, qs[32], signs[32], qh[8], scales[8]; group l of
-    sub-block j: index qs[4j + l] | bits 2l.. of qh[j] << 8, signs[4j + l]): (U: the 8 sub-blocks'
-    grid bytes, their 32 sign bits each, the per-16 multipliers 2 s + 1 as dpbusd_k lanes)."""
+    sub-block j: index qs[4j + l] | bits 2l.. of qh[j] << 8, signs[4j + l]) as iq2xs_runs' (runs,
+    signs, per-16 multipliers). Its 1024-entry code book is 32 registers of level words, more
+    than the kernel has: the entries are scalar loads (_gather_grid)."""
     if not _ints(p, off, table):
         return None
 
     def codegen(context, builder, sig, args):
-        U = _gather_grid(builder, args[2], [i for j in range(8) for i in _indices4(
-            builder, args[0], args[1], 2 + 4 * j, _u(builder, args[0], args[1], 66 + j), 2)])
+        o = _i64(builder, args[1])
+        U = _runs_of(builder, _gather_grid(builder, args[2], [i for j in range(8) for i in _indices4(
+            builder, args[0], args[1], 2 + 4 * j, _u(builder, args[0], args[1], 66 + j), 2)]))
         signs = _ld_vec(builder, args[0], _at(builder, args[1], 34), _VI)
-        K = _nib_scales(builder, _ld_u8(builder, args[0], _at(builder, args[1], 74), 8))
-        ty = sig.return_type
-        return context.make_tuple(builder, ty, [context.make_tuple(builder, ty[0], U), signs,
-                                                context.make_tuple(builder, ty[2], K)])
+        runs = context.make_tuple(builder, sig.return_type[0], U)
+        return context.make_tuple(builder, sig.return_type, [runs, signs, _nib_scales16(builder, args[0], o, 74)])
 
-    return _PREP16_TY(p, off, table), codegen
+    return _RUNS_K_TY(p, off, table), codegen
 
 
 @intrinsic
@@ -370,9 +383,8 @@ def iq3xxs_runs(typingctx, p, off, table, words):
             idx = [builder.zext(_ld_vec(builder, args[0], builder.add(o, _c(_I64, 2 + 32 * h)), _VB), w16) for h in (0, 1)]
             U = _grid_runs(builder, [_word_lookup(builder, args[3], i, 256) for i in idx], IQ3_LEVELS)
         else:
-            g = _gather_grid4(builder, args[2], [_u(builder, args[0], args[1], 2 + k) for k in range(64)])
-            U = [builder.bitcast(builder.shuffle_vector(g[2 * r], g[2 * r + 1], _c(m64, list(range(64)))), _VI16)
-                 for r in range(4)]
+            U = _runs_of(builder, _gather_grid4(builder, args[2], [_u(builder, args[0], args[1], 2 + k)
+                                                                   for k in range(64)]))
         aux = _ld_vec(builder, args[0], _at(builder, args[1], 66), _VI)
         one = _c(_VI, [1] * 8)
         k = builder.or_(builder.shl(builder.lshr(aux, _c(_VI, [28] * 8)), one), one)
@@ -402,11 +414,9 @@ def iq3s_runs(typingctx, p, off, table, words):
             idx = [builder.select(qh[h], builder.or_(idx[h], _c(w16, [256] * 32)), idx[h]) for h in (0, 1)]
             U = _grid_runs(builder, [_word_lookup(builder, args[3], i, 512) for i in idx], IQ3S_LEVELS)
         else:
-            g = _gather_grid4(builder, args[2], [i for j in range(8) for h in (0, 1) for i in _indices4(
+            U = _runs_of(builder, _gather_grid4(builder, args[2], [i for j in range(8) for h in (0, 1) for i in _indices4(
                 builder, args[0], args[1], 2 + 8 * j + 4 * h,
-                builder.lshr(_u(builder, args[0], args[1], 66 + j), _c(_I64, 4 * h)), 1)])
-            U = [builder.bitcast(builder.shuffle_vector(g[2 * r], g[2 * r + 1], _c(m64, list(range(64)))), _VI16)
-                 for r in range(4)]
+                builder.lshr(_u(builder, args[0], args[1], 66 + j), _c(_I64, 4 * h)), 1)]))
         signs = _ld_vec(builder, args[0], _at(builder, args[1], 74), _VI)
         sc = _ld_u8(builder, args[0], _at(builder, args[1], 106), 4)
         s8 = builder.shuffle_vector(sc, sc, _c(_VI, [j // 2 for j in range(8)]))

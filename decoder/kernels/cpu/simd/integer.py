@@ -331,6 +331,23 @@ def pm_dot128_from(typingctx, sums, b0, b1, p, off):
     return _veci(sums, b0, b1, p, off), codegen
 
 
+def _negated(builder, a, bits):
+    """The 64 bytes a negated where bit k of the i64 `bits` is set: with AVX-512BW one masked
+    subtract (a mask register from the bits), with AVX2 psignb by +-1 bytes per 32-byte half,
+    else a select."""
+    v64, zero = a.type, ir.Constant(a.type, [0] * 64)
+    if has_avx512bw() or not has_avx2():
+        return builder.select(_mask64(builder, bits), builder.sub(zero, a), a)
+    m32 = ir.VectorType(_I32, 32)
+    halves = []
+    for h in (0, 32):
+        m = builder.bitcast(builder.trunc(builder.lshr(bits, ir.Constant(_I64, h)), _I32), _V1)
+        signs = builder.or_(builder.sext(m, _VB), ir.Constant(_VB, [1] * 32))
+        halves.append(_call(builder, "llvm.x86.avx2.psign.b", _VB,
+                            [builder.shuffle_vector(a, a, ir.Constant(m32, list(range(h, h + 32)))), signs]))
+    return builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+
+
 @intrinsic
 def dp64_neg(typingctx, acc, u, bits, p, off):
     """acc + dpbusd(u, a) on 64 bytes: u (64 unsigned bytes, as veci), a the activations at p + off
@@ -339,10 +356,8 @@ def dp64_neg(typingctx, acc, u, bits, p, off):
         return None
 
     def codegen(context, builder, sig, args):
-        v64 = ir.VectorType(_I8, 64)
-        a = _ld64(builder, args[3], args[4], 0)
-        signed = builder.select(_mask64(builder, args[2]), builder.sub(ir.Constant(v64, [0] * 64), a), a)
-        return _dp512(builder, args[0], builder.bitcast(args[1], v64), signed)
+        signed = _negated(builder, _ld64(builder, args[3], args[4], 0), _i64(builder, args[2]))
+        return _dp512(builder, args[0], builder.bitcast(args[1], ir.VectorType(_I8, 64)), signed)
 
     return _veci(acc, u, bits, p, off), codegen
 
@@ -357,8 +372,7 @@ def dp64_neg_k(typingctx, acc, u, bits, p, off, k, r):
 
     def codegen(context, builder, sig, args):
         v64 = ir.VectorType(_I8, 64)
-        a = _ld64(builder, args[3], args[4], 0)
-        signed = builder.select(_mask64(builder, args[2]), builder.sub(ir.Constant(v64, [0] * 64), a), a)
+        signed = _negated(builder, _ld64(builder, args[3], args[4], 0), _i64(builder, args[2]))
         k16 = builder.trunc(args[5], ir.VectorType(_I16, 16))
         four = builder.mul(builder.trunc(args[6], _I32), ir.Constant(_I32, 4))
         picks = [builder.add(four, ir.Constant(_I32, i // 8)) for i in range(32)]
@@ -954,22 +968,6 @@ def hsum8x8(typingctx, t):
 
 
 @intrinsic
-def isum8(typingctx, t):
-    """The lane-wise sum of a tuple t of 8 int32 vectors (wide activations: the 8 sub-blocks'
-    dots share one scale, so their lanes add up before any reduction across lanes)."""
-    if not (isinstance(t, types.UniTuple) and t.count == 8 and t.dtype == vi8):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v = [builder.extract_value(args[0], i) for i in range(8)]
-        while len(v) > 1:  # a tree: 3 adds deep, not 7
-            v = [builder.add(v[k], v[k + 1]) for k in range(0, len(v), 2)]
-        return v[0]
-
-    return vi8(t), codegen
-
-
-@intrinsic
 def f8_ld(typingctx, p, off):
     """The 8 float32 at address p + off (byte offset)."""
     if not _ints(p, off):
@@ -1140,28 +1138,6 @@ def b_bits(typingctx, bits):
         return builder.zext(builder.bitcast(m, _V1), _VB)
 
     return vb(bits), codegen
-
-
-@intrinsic
-def b_negate(typingctx, a, bits):
-    """a negated where bit k of the 32-bit integer `bits` is set. With AVX-512BW one masked
-    subtract (a mask register from the bits) instead of +-1 bytes (a blend) and a psignb: IQ2_XS
-    rows 1.15x, IQ2_XXS 1.05x on the Intel VM; elsewhere those two."""
-    if a != vb or not isinstance(bits, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        m = args[1]
-        m = builder.trunc(m, _I32) if m.type.width > 32 else builder.zext(m, _I32) if m.type.width < 32 else m
-        if has_avx512bw():
-            zero = ir.Constant(_VB, [0] * 32)
-            return builder.select(builder.bitcast(m, _V1), builder.sub(zero, args[0]), args[0])
-        signs = builder.or_(builder.sext(builder.bitcast(m, _V1), _VB), ir.Constant(_VB, [1] * 32))
-        return _call(builder, "llvm.x86.avx2.psign.b", _VB, [args[0], signs]) if has_avx2() else \
-            builder.select(builder.icmp_signed("<", signs, ir.Constant(_VB, [0] * 32)),
-                           builder.sub(ir.Constant(_VB, [0] * 32), args[0]), args[0])
-
-    return vb(a, bits), codegen
 
 
 @intrinsic
