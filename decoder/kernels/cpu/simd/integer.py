@@ -373,13 +373,16 @@ def dp64_neg_k(typingctx, acc, u, bits, p, off, k, r):
     def codegen(context, builder, sig, args):
         v64 = ir.VectorType(_I8, 64)
         signed = _negated(builder, _ld64(builder, args[3], args[4], 0), _i64(builder, args[2]))
-        k16 = builder.trunc(args[5], ir.VectorType(_I16, 16))
+        d16 = ir.VectorType(_I32, 16)
+        k = builder.and_(args[5], ir.Constant(d16, [0xFFFF] * 16))
+        pairs = builder.or_(k, builder.shl(k, ir.Constant(d16, [16] * 16)))  # k in both int16 halves of its lane
         four = builder.mul(builder.trunc(args[6], _I32), ir.Constant(_I32, 4))
-        picks = [builder.add(four, ir.Constant(_I32, i // 8)) for i in range(32)]
-        kw = ir.Constant(ir.VectorType(_I16, 32), ir.Undefined)
-        for i, pick in enumerate(picks):  # (r is a constant after inlining: LLVM makes this one vpermw)
-            kw = builder.insert_element(kw, builder.extract_element(k16, pick), ir.Constant(_I32, i))
-        return _dp_words(builder, args[0], builder.bitcast(args[1], v64), signed, kw)
+        kw = ir.Constant(d16, ir.Undefined)
+        for i in range(16):  # (r is a constant after inlining: LLVM makes this one vpermd)
+            pick = builder.add(four, ir.Constant(_I32, i // 4))
+            kw = builder.insert_element(kw, builder.extract_element(pairs, pick), ir.Constant(_I32, i))
+        return _dp_words(builder, args[0], builder.bitcast(args[1], v64), signed,
+                         builder.bitcast(kw, ir.VectorType(_I16, 32)))
 
     return _veci(acc, u, bits, p, off, k, r), codegen
 
