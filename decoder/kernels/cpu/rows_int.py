@@ -22,9 +22,14 @@ type what it takes, so a call may quantize its rows both ways. They are the type
 scale is per 128 or per 256, any finer one an integer (dpbusd_k's K): Q1_0, TQ1_0, TQ2_0, Q2_K,
 Q3_K, IQ2_XS, IQ2_S (IQ1_M would qualify: 5 % faster, not worth the coarser rounding). Their 8
 sub-block dots then add up as integers and are scaled once: the per-sub-block sums (hsum8x8)
-go. Q1_0, TQ2_0 and TQ1_0 go further, on 64-byte vectors and 16 float lanes: a block's dot with
-its offset is one integer chain started from the activations' negated lane sums (pm_dot128,
-tq2_dot256, tq1_dot256 in simd/integer), so no offset term is left to scale. The activation rounding is
+go. Q1_0, TQ2_0, TQ1_0, Q2_K and Q3_K go further, on 64-byte vectors and 16 float lanes: a
+block's dot with its offset is one integer chain started from the activations' negated lane sums
+(pm_dot128, tq2_dot256, tq1_dot256 in simd/integer) or ended by the group sums times the mins
+(q2k_dot256, q3k_dot256), so no offset term is left to scale. The IQ types with sign bits
+(IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) dot 64-byte runs of grid bytes too (_runs_row,
+_runs_k_row: the activations negated by a mask, per-16 scales as vpdpwssd's multipliers); with
+AVX-512 VBMI their code books are looked up as level words in registers (simd/blocks'
+_word_lookup, _grid_runs), not loaded one entry at a time. The activation rounding is
 llama.cpp's Q8_K's: the error per element is at most a 256-block's max |x| / 254 instead of its
 32-block's (a random expert's output: ~1.5x the error of per-32).
 
@@ -38,7 +43,7 @@ vpmaddwd by k instead of by 1 on AVX2):
   Q5_0/Q5_1  n + 16 x fifth bit, w = d (n - 16) or d n + m: c = d, offset -16 d or m
   Q4_K/Q5_K  n (+16 x fifth bit), w = d sc n - dmin m: c = d sc, offset -dmin m x sum(a)
   Q2_K     sc q (64 bytes, a lookup); a second dot, the sums per 16 times m: w = d sc q - dmin m
-  Q3_K     q (-4..3) signed, k = sc - 32 (-32..31)                      c = d
+  Q3_K     u = q + 4 h (0..7), K = sc - 32 per 16: K u a - 4 K gsum     c = d (64 bytes)
   Q6_K     q - 32 signed: c per 16 weights (float: hsum4x8_halves)
   Q1_0     bits b (0/1), w = d (2 b - 1)      : 64 bytes: a added or negated by b  c = d
   IQ4_NL   KV[n] (vpshufb, |KV| <= 127) signed                          c = d
