@@ -297,10 +297,11 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
     """vpdpbusd, AVX2's vpmaddubsw + vpmaddwd, and plain IR give the same exact sums (unsigned
     bytes <= 128, as the kernels keep them), also with per-lane scales (dpbusd_k); the 16-entry
     lookup (vpshufb or per byte), the bit expansion, the 64-byte dots of activations negated by
-    bits (a masked subtract, psignb or a select; also with per-16 scales, dp64_neg_k), the TQ1_0 block dot (one masked load or three), Q2_K's (its codes
-    by vgf2p8affineqb or a shift and a mask; a vpshufb, two or one per byte) and Q3_K's (its
-    unsigned codes by vgf2p8affineqb or shifts, vpmaddubsw + vpmaddwd on 64 or 32 bytes or plain
-    IR; against gguf-py's dequantizer) agree; each compiled afresh per path."""
+    bits (a masked subtract, psignb or a select; also with per-16 scales, dp64_neg_k), the TQ1_0
+    block dot (one masked load or three), Q2_K's (its codes by vgf2p8affineqb or a shift and a
+    mask; a vpshufb, two or one per byte) and Q3_K's (its unsigned codes by vgf2p8affineqb or
+    shifts, vpmaddubsw + vpdpwssd on 64 or 32 bytes or plain IR; against gguf-py's dequantizer)
+    agree; each compiled afresh per path."""
     if features == "no gfni":
         _without(monkeypatch, "gfni")
     elif features is not None:
@@ -357,11 +358,11 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
         u64, a64 = rng.integers(0, 44, 64).astype(np.uint8), rng.integers(-127, 128, 64).astype(np.int8)
         bits64 = int(rng.integers(-(1 << 63), 1 << 63, dtype=np.int64))
         k = rng.integers(1, 32, 16).astype(np.int32)
-        dots = np.zeros(32, np.int32)
-        negated_dots(u64, bits64, a64, k, dots)
+        got_dots = np.zeros(32, np.int32)
+        negated_dots(u64, bits64, a64, k, got_dots)
         prod = u64 * np.where((bits64 >> np.arange(64)) & 1, -a64.astype(np.int64), a64)  # [64]
-        np.testing.assert_array_equal(dots[:16], prod.reshape(16, 4).sum(axis=1))
-        np.testing.assert_array_equal(dots[16:], (prod * np.repeat(k[4:8], 16)).reshape(16, 4).sum(axis=1))
+        np.testing.assert_array_equal(got_dots[:16], prod.reshape(16, 4).sum(axis=1))
+        np.testing.assert_array_equal(got_dots[16:], (prod * np.repeat(k[4:8], 16)).reshape(16, 4).sum(axis=1))
 
     @njit(cache=False)
     def pm_lanes(a, b0, b1, out):  # both ways to a Q1_0 block's +-1 dot, 16 lanes each

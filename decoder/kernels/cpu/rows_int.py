@@ -431,8 +431,9 @@ def _run_row(a, U, sg, cd, r, e, acc):
 def _runs_row(i, R, U, sg, c, e, acc):
     """acc + activation row i's dots with a super-block's four 64-byte runs (_run_row), the
     sub-blocks' weight scales c times the activations' per 32."""
-    cd = s.f8_fma(c, s.f8_ld(R[4 + i], (e >> 5) * 4), s.f8_splat(np.float32(0.0)))  # (an fma, which numba's fast-math
-    # flags do not reach: as a multiply it would be reassociated with c's own, differently per caller)
+    # (an FMA with a zero addend, which numba's fast-math flags do not reach: as a multiply it was
+    # reassociated with c's own, differently in the one-row kernel than in the four-row one)
+    cd = s.f8_fma(c, s.f8_ld(R[4 + i], (e >> 5) * 4), s.f8_splat(np.float32(0.0)))
     acc = _run_row(R[i], U, sg, cd, 0, e, acc)
     acc = _run_row(R[i], U, sg, cd, 1, e, acc)
     acc = _run_row(R[i], U, sg, cd, 2, e, acc)

@@ -9,6 +9,7 @@ per-byte work.
 
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -159,11 +160,9 @@ IQ3_LEVELS = (4, 12, 20, 28, 36, 44, 52, 62)  # IQ3_XXS's
 IQ3S_LEVELS = (1, 3, 5, 7, 9, 11, 13, 15)  # IQ3_S's
 
 
-def word_grid(grid: "np.ndarray", levels: tuple[int, ...]) -> "np.ndarray":
+def word_grid(grid: np.ndarray, levels: tuple[int, ...]) -> np.ndarray:
     """A code book of 8- or 4-byte entries over `levels` ([n, width] bytes) as one uint16 per
     entry, byte b's level at bits 2 b (3 levels) or 3 b (8): the table _word_lookup looks up."""
-    import numpy as np
-
     lv = np.array(levels, np.uint8)
     bits = 2 if len(levels) <= 4 else 3
     codes = np.minimum(np.searchsorted(lv, grid), len(lv) - 1)  # [n, width]
@@ -235,6 +234,12 @@ def _nib_scales16(builder, p, o, at):
     return builder.or_(builder.shl(nib, _c(_VI16, [1] * 16)), _c(_VI16, [1] * 16))
 
 
+def _qs_words(builder, p, o):
+    """The 64 index bytes at p + o + 2 (IQ3_XXS's and IQ3_S's qs) as two <32 x i16>."""
+    w16 = ir.VectorType(_I16, 32)
+    return [builder.zext(_ld_vec(builder, p, builder.add(o, _c(_I64, 2 + 32 * h)), _VB), w16) for h in (0, 1)]
+
+
 def has_word_grids() -> bool:
     """The IQ2 code books looked up as level words in registers (_word_lookup, _grid_runs):
     AVX-512 VBMI (vpermb, vpmultishiftqb) and BW (vpermi2w)."""
@@ -260,8 +265,8 @@ def iq2xxs_runs(typingctx, p, off, table, words):
         if has_word_grids():  # index word 4 j + l: byte l of dword 2 j, zero-extended
             idx = builder.shuffle_vector(builder.bitcast(dwords, v64), _c(v64, [0] * 64),
                                          _c(m64, [x for w in range(32) for x in (8 * (w // 4) + w % 4, 64)]))
-            U = _grid_runs(builder, [_word_lookup(builder, args[3], builder.bitcast(idx, ir.VectorType(_I16, 32)), 256)],
-                           IQ2_LEVELS)
+            words = _word_lookup(builder, args[3], builder.bitcast(idx, ir.VectorType(_I16, 32)), 256)
+            U = _grid_runs(builder, [words], IQ2_LEVELS)
         else:
             U = _runs_of(builder, _gather_grid(builder, args[2], _u32_fields(builder, args[0], args[1],
                                                                              range(2, 66, 8), 4, 8, 255)))
@@ -324,7 +329,6 @@ def iq2xs_runs(typingctx, p, off, table, words):
 
     def codegen(context, builder, sig, args):
         o = _i64(builder, args[1])
-        m64 = ir.VectorType(_I32, 64)
         if has_word_grids():
             w16 = ir.VectorType(_I16, 32)
             idx = builder.and_(_ld_vec(builder, args[0], builder.add(o, _c(_I64, 2)), w16), _c(w16, [511] * 32))
@@ -377,11 +381,9 @@ def iq3xxs_runs(typingctx, p, off, table, words):
 
     def codegen(context, builder, sig, args):
         o = _i64(builder, args[1])
-        m64 = ir.VectorType(_I32, 64)
         if has_word_grids():
-            w16 = ir.VectorType(_I16, 32)
-            idx = [builder.zext(_ld_vec(builder, args[0], builder.add(o, _c(_I64, 2 + 32 * h)), _VB), w16) for h in (0, 1)]
-            U = _grid_runs(builder, [_word_lookup(builder, args[3], i, 256) for i in idx], IQ3_LEVELS)
+            U = _grid_runs(builder, [_word_lookup(builder, args[3], i, 256) for i in _qs_words(builder, args[0], o)],
+                           IQ3_LEVELS)
         else:
             U = _runs_of(builder, _gather_grid4(builder, args[2], [_u(builder, args[0], args[1], 2 + k)
                                                                    for k in range(64)]))
@@ -405,18 +407,18 @@ def iq3s_runs(typingctx, p, off, table, words):
 
     def codegen(context, builder, sig, args):
         o = _i64(builder, args[1])
-        m64 = ir.VectorType(_I32, 64)
         if has_word_grids():
             w16, b32 = ir.VectorType(_I16, 32), ir.VectorType(ir.IntType(1), 32)
             qh = [builder.bitcast(_ld_vec(builder, args[0], builder.add(o, _c(_I64, 66 + 4 * h)), _I32), b32)
                   for h in (0, 1)]
-            idx = [builder.zext(_ld_vec(builder, args[0], builder.add(o, _c(_I64, 2 + 32 * h)), _VB), w16) for h in (0, 1)]
+            idx = _qs_words(builder, args[0], o)
             idx = [builder.select(qh[h], builder.or_(idx[h], _c(w16, [256] * 32)), idx[h]) for h in (0, 1)]
             U = _grid_runs(builder, [_word_lookup(builder, args[3], i, 512) for i in idx], IQ3S_LEVELS)
         else:
-            U = _runs_of(builder, _gather_grid4(builder, args[2], [i for j in range(8) for h in (0, 1) for i in _indices4(
-                builder, args[0], args[1], 2 + 8 * j + 4 * h,
-                builder.lshr(_u(builder, args[0], args[1], 66 + j), _c(_I64, 4 * h)), 1)]))
+            U = _runs_of(builder, _gather_grid4(builder, args[2], [
+                i for j in range(8) for h in (0, 1) for i in _indices4(
+                    builder, args[0], args[1], 2 + 8 * j + 4 * h,
+                    builder.lshr(_u(builder, args[0], args[1], 66 + j), _c(_I64, 4 * h)), 1)]))
         signs = _ld_vec(builder, args[0], _at(builder, args[1], 74), _VI)
         sc = _ld_u8(builder, args[0], _at(builder, args[1], 106), 4)
         s8 = builder.shuffle_vector(sc, sc, _c(_VI, [j // 2 for j in range(8)]))

@@ -335,7 +335,7 @@ def _negated(builder, a, bits):
     """The 64 bytes a negated where bit k of the i64 `bits` is set: with AVX-512BW one masked
     subtract (a mask register from the bits), with AVX2 psignb by +-1 bytes per 32-byte half,
     else a select."""
-    v64, zero = a.type, ir.Constant(a.type, [0] * 64)
+    zero = ir.Constant(a.type, [0] * 64)
     if has_avx512bw() or not has_avx2():
         return builder.select(_mask64(builder, bits), builder.sub(zero, a), a)
     m32 = ir.VectorType(_I32, 32)
@@ -366,23 +366,15 @@ def dp64_neg(typingctx, acc, u, bits, p, off):
 def dp64_neg_k(typingctx, acc, u, bits, p, off, k, r):
     """acc + run r's dots as dp64_neg's (the activations at p + off negated where `bits` are set)
     with each group of 16 weights' lanes times its integer scale: k (veci) holds group g's in lane
-    g, run r's groups are 4 r .. 4 r + 3 (vpmaddubsw, then vpdpwssd by them as int16 pairs)."""
-    if acc != _veci or u != _veci or k != _veci or not _ints(bits, p, off, r):
+    g, run r (a constant) has groups 4 r .. 4 r + 3 (vpmaddubsw, then vpdpwssd by _run_scales)."""
+    if acc != _veci or u != _veci or k != _veci or not _ints(bits, p, off) or not isinstance(r, types.IntegerLiteral):
         return None
+    rr = r.literal_value
 
     def codegen(context, builder, sig, args):
-        v64 = ir.VectorType(_I8, 64)
         signed = _negated(builder, _ld64(builder, args[3], args[4], 0), _i64(builder, args[2]))
-        d16 = ir.VectorType(_I32, 16)
-        k = builder.and_(args[5], ir.Constant(d16, [0xFFFF] * 16))
-        pairs = builder.or_(k, builder.shl(k, ir.Constant(d16, [16] * 16)))  # k in both int16 halves of its lane
-        four = builder.mul(builder.trunc(args[6], _I32), ir.Constant(_I32, 4))
-        kw = ir.Constant(d16, ir.Undefined)
-        for i in range(16):  # (r is a constant after inlining: LLVM makes this one vpermd)
-            pick = builder.add(four, ir.Constant(_I32, i // 4))
-            kw = builder.insert_element(kw, builder.extract_element(pairs, pick), ir.Constant(_I32, i))
-        return _dp_words(builder, args[0], builder.bitcast(args[1], v64), signed,
-                         builder.bitcast(kw, ir.VectorType(_I16, 32)))
+        return _dp_words(builder, args[0], builder.bitcast(args[1], ir.VectorType(_I8, 64)), signed,
+                         _run_scales(builder, args[5], rr))
 
     return _veci(acc, u, bits, p, off, k, r), codegen
 
@@ -603,6 +595,17 @@ def _dp_words(builder, acc, u, a, kw):
     return acc
 
 
+def _run_scales(builder, k, r):
+    """The int16 multipliers of run r's pair sums (<32 x i16>: groups 4 r .. 4 r + 3 of 16 weights,
+    8 lanes each) from k (<16 x i32>, group g's integer scale in lane g): k in both int16 halves
+    of its lane, moved by one vpermd (a vpermw of 16-bit lanes cost AVX2 13 % on IQ2_S)."""
+    d16 = ir.VectorType(_I32, 16)
+    low = builder.and_(k, ir.Constant(d16, [0xFFFF] * 16))
+    pairs = builder.or_(low, builder.shl(low, ir.Constant(d16, [16] * 16)))
+    picks = builder.shuffle_vector(pairs, pairs, ir.Constant(d16, [4 * r + i // 4 for i in range(16)]))
+    return builder.bitcast(picks, ir.VectorType(_I16, 32))
+
+
 def _q3k_dot(builder, p, off, a, e, gsums):
     """Q3_K's super-block at p + off (hmask[32], qs[64], scales[12], f16 d: w = d (sc - 32) (u - 4),
     u = _q3k_codes64's) against the 256 activations at a + e, less d: sum_k K_g(k) (u_k - 4) a_k as
@@ -613,11 +616,10 @@ def _q3k_dot(builder, p, off, a, e, gsums):
     d16 = ir.VectorType(_I32, 16)
     o = _i64(builder, off)
     K = _q3k_scales16(builder, p, builder.add(o, ir.Constant(_I64, 96)))
-    k16 = builder.trunc(K, ir.VectorType(_I16, 16))
     t = ir.Constant(d16, [0] * 16)
     for c in range(4):  # run c: elements 64 c .. 64 c + 63, groups 4 c .. 4 c + 3
-        kw = builder.shuffle_vector(k16, k16, ir.Constant(ir.VectorType(_I32, 32), [4 * c + i // 8 for i in range(32)]))
-        t = _dp_words(builder, t, _q3k_codes64(builder, p, o, c), _ld64(builder, a, e, 64 * c), kw)
+        u, x = _q3k_codes64(builder, p, o, c), _ld64(builder, a, e, 64 * c)
+        t = _dp_words(builder, t, u, x, _run_scales(builder, K, c))
     if gsums is None:
         g = _group_sums(builder, [_lane_sums(builder, a, e, 64 * c) for c in range(4)])
     else:
