@@ -473,16 +473,11 @@ def test_iq_aux_signs_on_each_path(monkeypatch, without) -> None:
         _without(monkeypatch, without)
 
     @njit(cache=False)
-    def signs_of(block, grid, words, out, grid_bytes):
-        U, sg, _ = blk.iq2xxs_runs(addr(block), 0, addr(grid), addr(words))
-        for j in range(8):
-            out[j] = si.i8_lane(sg, j)
-        for r in range(4):
-            sv.st_i32(addr(grid_bytes), 64 * r, U[r])
-
-    @njit(cache=False)
-    def xxs3_of(block, grid, words, out, grid_bytes):
-        U, sg, _ = blk.iq3xxs_runs(addr(block), 0, addr(grid), addr(words))
+    def signs_of(block, grid, words, out, grid_bytes, m):  # IQ2_XXS (m 0) or IQ3_XXS
+        if m == 0:
+            U, sg, _ = blk.iq2xxs_runs(addr(block), 0, addr(grid), addr(words))
+        else:
+            U, sg, _ = blk.iq3xxs_runs(addr(block), 0, addr(grid), addr(words))
         for j in range(8):
             out[j] = si.i8_lane(sg, j)
         for r in range(4):
@@ -507,13 +502,13 @@ def test_iq_aux_signs_on_each_path(monkeypatch, without) -> None:
         aux = block[2:].view(np.uint32)[1::2].astype(np.int64)  # [8] each sub-block's second u32
         want = sum(ksigns(aux >> (7 * l) & 127) << (8 * l) for l in range(4))  # [8]
         got, grid_bytes = np.zeros(8, np.int64), np.zeros(256, np.uint8)
-        signs_of(block, GRID64_IQ2_XXS, WORDS_IQ2_XXS, got, grid_bytes)
+        signs_of(block, GRID64_IQ2_XXS, WORDS_IQ2_XXS, got, grid_bytes, 0)
         np.testing.assert_array_equal(got & 0xFFFFFFFF, want)
         idx = block[2:].reshape(8, 8)[:, :4].reshape(-1)  # [32] sub-block j's 4 index bytes, in order
         np.testing.assert_array_equal(grid_bytes, GRID64_IQ2_XXS[idx].view(np.uint8))  # the code book's bytes
         block = rng.integers(0, 256, 98).astype(np.uint8)  # IQ3_XXS: d, qs[64], aux[8]
         aux = block[66:].view(np.uint32).astype(np.int64)
-        xxs3_of(block, GRID32_IQ3_XXS, WORDS_IQ3_XXS, got, grid_bytes)
+        signs_of(block, GRID32_IQ3_XXS, WORDS_IQ3_XXS, got, grid_bytes, 1)
         np.testing.assert_array_equal(got & 0xFFFFFFFF, sum(ksigns(aux >> (7 * l) & 127) << (8 * l) for l in range(4)))
         np.testing.assert_array_equal(grid_bytes, GRID32_IQ3_XXS[block[2:66]].view(np.uint8))
         block = rng.integers(0, 256, 74).astype(np.uint8)

@@ -460,6 +460,28 @@ def _runs_k_row(i, R, U, sg, K, c, e, acc):
 
 
 @njit(**_INL)
+def _runs(U, sg, c, e, nx, R, c0, c1, c2, c3):
+    """_runs_row for activation row 0, or rows 0-3 (nx > 1), as _sb does for 32-byte sub-blocks."""
+    c0 = _runs_row(0, R, U, sg, c, e, c0)
+    if nx > 1:
+        c1 = _runs_row(1, R, U, sg, c, e, c1)
+        c2 = _runs_row(2, R, U, sg, c, e, c2)
+        c3 = _runs_row(3, R, U, sg, c, e, c3)
+    return c0, c1, c2, c3
+
+
+@njit(**_INL)
+def _runs_k(U, sg, K, c, e, nx, R, c0, c1, c2, c3):
+    """_runs_k_row for activation row 0, or rows 0-3 (nx > 1)."""
+    c0 = _runs_k_row(0, R, U, sg, K, c, e, c0)
+    if nx > 1:
+        c1 = _runs_k_row(1, R, U, sg, K, c, e, c1)
+        c2 = _runs_k_row(2, R, U, sg, K, c, e, c2)
+        c3 = _runs_k_row(3, R, U, sg, K, c, e, c3)
+    return c0, c1, c2, c3
+
+
+@njit(**_INL)
 def _iq2_xxs(p, off, n_in, R, nx):
     """66 B / 256: f16 d, then per sub-block 4 grid indices (bytes) and a u32 of 4 x 7 sign bits
     and a 4-bit scale s: w = d (0.5 + s) / 4 x grid x sign = d / 8 x (2 s + 1) x grid x sign.
@@ -472,11 +494,7 @@ def _iq2_xxs(p, off, n_in, R, nx):
         U, sg, k = blk.iq2xxs_runs(p, o, grid, words)
         c = s.f8_mul(k, s.f8_splat(f16_at(p, o) * _EIGHTH))
         e = 256 * sb
-        c0 = _runs_row(0, R, U, sg, c, e, c0)
-        if nx > 1:
-            c1 = _runs_row(1, R, U, sg, c, e, c1)
-            c2 = _runs_row(2, R, U, sg, c, e, c2)
-            c3 = _runs_row(3, R, U, sg, c, e, c3)
+        c0, c1, c2, c3 = _runs(U, sg, c, e, nx, R, c0, c1, c2, c3)
         o += 66
     return v.hsum(c0), v.hsum(c1), v.hsum(c2), v.hsum(c3)
 
@@ -669,11 +687,7 @@ def _iq2_xs(p, off, n_in, R, nx):
         s.prefetch_lines(p, o + PREFETCH_BYTES, 74)
         U, sg, K = blk.iq2xs_runs(p, o, grid, words)
         c, e = f16_at(p, o) * _EIGHTH, 256 * sb
-        c0 = _runs_k_row(0, R, U, sg, K, c, e, c0)
-        if nx > 1:
-            c1 = _runs_k_row(1, R, U, sg, K, c, e, c1)
-            c2 = _runs_k_row(2, R, U, sg, K, c, e, c2)
-            c3 = _runs_k_row(3, R, U, sg, K, c, e, c3)
+        c0, c1, c2, c3 = _runs_k(U, sg, K, c, e, nx, R, c0, c1, c2, c3)
         o += 74
     return v.hsum(c0), v.hsum(c1), v.hsum(c2), v.hsum(c3)
 
@@ -688,11 +702,7 @@ def _iq2_s(p, off, n_in, R, nx):
         s.prefetch_lines(p, o + PREFETCH_BYTES, 82)
         U, sg, K = blk.iq2s_runs(p, o, grid)
         c, e = f16_at(p, o) * _EIGHTH, 256 * sb
-        c0 = _runs_k_row(0, R, U, sg, K, c, e, c0)
-        if nx > 1:
-            c1 = _runs_k_row(1, R, U, sg, K, c, e, c1)
-            c2 = _runs_k_row(2, R, U, sg, K, c, e, c2)
-            c3 = _runs_k_row(3, R, U, sg, K, c, e, c3)
+        c0, c1, c2, c3 = _runs_k(U, sg, K, c, e, nx, R, c0, c1, c2, c3)
         o += 82
     return v.hsum(c0), v.hsum(c1), v.hsum(c2), v.hsum(c3)
 
@@ -709,11 +719,7 @@ def _iq3_xxs(p, off, n_in, R, nx):
         U, sg, k = blk.iq3xxs_runs(p, o, grid, words)
         c = s.f8_mul(k, s.f8_splat(f16_at(p, o) * _QUARTER))
         e = 256 * sb
-        c0 = _runs_row(0, R, U, sg, c, e, c0)
-        if nx > 1:
-            c1 = _runs_row(1, R, U, sg, c, e, c1)
-            c2 = _runs_row(2, R, U, sg, c, e, c2)
-            c3 = _runs_row(3, R, U, sg, c, e, c3)
+        c0, c1, c2, c3 = _runs(U, sg, c, e, nx, R, c0, c1, c2, c3)
         o += 98
     return v.hsum(c0), v.hsum(c1), v.hsum(c2), v.hsum(c3)
 
@@ -730,11 +736,7 @@ def _iq3_s(p, off, n_in, R, nx):
         U, sg, k = blk.iq3s_runs(p, o, grid, words)
         c = s.f8_mul(k, s.f8_splat(f16_at(p, o)))
         e = 256 * sb
-        c0 = _runs_row(0, R, U, sg, c, e, c0)
-        if nx > 1:
-            c1 = _runs_row(1, R, U, sg, c, e, c1)
-            c2 = _runs_row(2, R, U, sg, c, e, c2)
-            c3 = _runs_row(3, R, U, sg, c, e, c3)
+        c0, c1, c2, c3 = _runs(U, sg, c, e, nx, R, c0, c1, c2, c3)
         o += 110
     return v.hsum(c0), v.hsum(c1), v.hsum(c2), v.hsum(c3)
 
