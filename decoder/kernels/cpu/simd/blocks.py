@@ -143,18 +143,6 @@ def _per16(builder, lo, hi):
     return [builder.shuffle_vector(lo, hi, _c(_VI, [j] * 4 + [8 + j] * 4)) for j in range(8)]
 
 
-def _nib_scales(builder, sc):
-    """2 s + 1 of the low and the high nibbles of 8 scale bytes (<8 x i32>): IQ2_XS / IQ2_S."""
-    one = _c(_VI, [1] * 8)
-    lo = builder.or_(builder.shl(builder.and_(sc, _c(_VI, [15] * 8)), one), one)
-    hi = builder.or_(builder.shl(builder.lshr(sc, _c(_VI, [4] * 8)), one), one)
-    return _per16(builder, lo, hi)
-
-
-_PREP_TY = types.Tuple([types.UniTuple(vb, 8), vi8, vf8])
-_PREP16_TY = types.Tuple([types.UniTuple(vb, 8), vi8, types.UniTuple(vi8, 8)])
-
-
 IQ2_LEVELS = (0x08, 0x19, 0x2B)  # the byte values of IQ2_XXS's (and IQ2_XS's, IQ2_S's) grid entries
 IQ3_LEVELS = (4, 12, 20, 28, 36, 44, 52, 62)  # IQ3_XXS's
 IQ3S_LEVELS = (1, 3, 5, 7, 9, 11, 13, 15)  # IQ3_S's

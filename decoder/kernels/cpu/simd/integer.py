@@ -140,38 +140,6 @@ def ld_b(typingctx, p, off):
     return vb(p, off), codegen
 
 
-@intrinsic
-def ld_b16x2(typingctx, p, off0, off1):
-    """16 bytes at p + off0 then 16 bytes at p + off1, as one 32-byte vector."""
-    if not _ints(p, off0, off1):
-        return None
-
-    def codegen(context, builder, sig, args):
-        h = ir.VectorType(_I8, 16)
-        lo = builder.load(builder.bitcast(_ptr(builder, args[0], args[1], _I8), h.as_pointer()), align=1)
-        hi = builder.load(builder.bitcast(_ptr(builder, args[0], args[2], _I8), h.as_pointer()), align=1)
-        return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
-
-    return vb(p, off0, off1), codegen
-
-
-@intrinsic
-def b_u64x4(typingctx, a, b, c, d):
-    """Four 64-bit words (8 bytes each, little-endian) as one 32-byte vector."""
-    if not _ints(a, b, c, d):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v4 = ir.VectorType(_I64, 4)
-        v = ir.Constant(v4, ir.Undefined)
-        for i, w in enumerate(args):
-            w = w if w.type.width == 64 else builder.zext(w, _I64)
-            v = builder.insert_element(v, w, ir.Constant(_I32, i))
-        return builder.bitcast(v, _VB)
-
-    return vb(a, b, c, d), codegen
-
-
 def _bin_b(op: str):
     """vb (op) vb, or vb (op) an integer in every byte."""
 
@@ -804,36 +772,6 @@ def f8_zero(typingctx):
 
 
 @intrinsic
-def f8_fma_i(typingctx, i, c, acc):
-    """acc + float(i) * c (c a float32 in every lane; one rounding: llvm.fma)."""
-    if i != vi8 or not isinstance(c, types.Float) or acc != vf8:
-        return None
-
-    def codegen(context, builder, sig, args):
-        cf = args[1] if args[1].type == _F32 else builder.fptrunc(args[1], _F32)
-        f = builder.sitofp(args[0], _VF)
-        return _call(builder, "llvm.fma.v8f32", _VF, [f, _splat(builder, cf, _VF), args[2]])
-
-    return vf8(i, c, acc), codegen
-
-
-@intrinsic
-def f8_fma_i2(typingctx, i, c0, c1, acc):
-    """acc + float(i) * (c0 in lanes 0-3, c1 in lanes 4-7): a 32-byte dot of two 16-weight halves."""
-    if i != vi8 or not isinstance(c0, types.Float) or not isinstance(c1, types.Float) or acc != vf8:
-        return None
-
-    def codegen(context, builder, sig, args):
-        cs = [a if a.type == _F32 else builder.fptrunc(a, _F32) for a in args[1:3]]
-        lo, hi = _splat(builder, cs[0], _VF), _splat(builder, cs[1], _VF)
-        c = builder.shuffle_vector(lo, hi, ir.Constant(_VI, [0, 1, 2, 3, 12, 13, 14, 15]))
-        f = builder.sitofp(args[0], _VF)
-        return _call(builder, "llvm.fma.v8f32", _VF, [f, c, args[3]])
-
-    return vf8(i, c0, c1, acc), codegen
-
-
-@intrinsic
 def f8_hsum(typingctx, a):
     """The 8 lanes' sum as float32, in a fixed tree order."""
     if a != vf8:
@@ -909,34 +847,6 @@ def nib16(typingctx, p, off):
         return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
 
     return vb(p, off), codegen
-
-
-@intrinsic
-def f8_mul_i(typingctx, i, c):
-    """float(i) * c (c a float32 in every lane)."""
-    if i != vi8 or not isinstance(c, types.Float):
-        return None
-
-    def codegen(context, builder, sig, args):
-        cf = args[1] if args[1].type == _F32 else builder.fptrunc(args[1], _F32)
-        return builder.fmul(builder.sitofp(args[0], _VF), _splat(builder, cf, _VF))
-
-    return vf8(i, c), codegen
-
-
-@intrinsic
-def f8_mul_i2(typingctx, i, c0, c1):
-    """float(i) * (c0 in lanes 0-3, c1 in lanes 4-7)."""
-    if i != vi8 or not isinstance(c0, types.Float) or not isinstance(c1, types.Float):
-        return None
-
-    def codegen(context, builder, sig, args):
-        cs = [a if a.type == _F32 else builder.fptrunc(a, _F32) for a in args[1:3]]
-        lo, hi = _splat(builder, cs[0], _VF), _splat(builder, cs[1], _VF)
-        c = builder.shuffle_vector(lo, hi, ir.Constant(_VI, [0, 1, 2, 3, 12, 13, 14, 15]))
-        return builder.fmul(builder.sitofp(args[0], _VF), c)
-
-    return vf8(i, c0, c1), codegen
 
 
 @intrinsic
