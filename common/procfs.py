@@ -3,6 +3,8 @@ benchmarks and the daemon's status)."""
 
 from __future__ import annotations
 
+import os
+
 
 def proc_read_bytes(pid: int | str = "self") -> int:
     """Bytes a process caused to be fetched from storage (`/proc/PID/io` read_bytes, mmap faults
@@ -15,6 +17,20 @@ def proc_read_bytes(pid: int | str = "self") -> int:
     except OSError:
         pass
     return -1
+
+
+def proc_cpu_s(pid: int | str = "self") -> float | None:
+    """CPU seconds a process has used, all its threads, user and system (`/proc/PID/stat` utime +
+    stime); None if unknown (no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def available_cpus(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from moestream.common import protocol as P
+from moestream.common.procfs import proc_cpu_s
 
 from .sockets import Oversize, drain
 
@@ -82,6 +83,7 @@ class Samples:
 class Stats:
     started: float = field(default_factory=time.time)
     started_mono: float = field(default_factory=time.monotonic)
+    cpu_start: float | None = field(default_factory=proc_cpu_s)  # the process's CPU seconds (imports, load) by then
     totals: ClientCounters = field(default_factory=ClientCounters)
     reads: int = 0  # expert reads completed
     read_errors: int = 0
@@ -110,6 +112,10 @@ class Stats:
         return sum(recent) / window / 1e6
 
 
+def _since(start: float | None, now: float | None) -> float | None:
+    return None if start is None or now is None else round(now - start, 3)
+
+
 def percentiles(samples: Samples) -> dict[str, float | int]:
     if not samples:
         return {"n": 0, "p50_ms": 0.0, "p99_ms": 0.0}
@@ -127,6 +133,9 @@ def build_status(server: Server, hottest: int = 10) -> dict[str, Any]:
     return {
         "pid": server.pid,
         "uptime_s": round(time.monotonic() - st.started_mono, 3),
+        # CPU seconds since the server started, all threads, user + system: on a host with no core to
+        # spare beside the decoders' threads, taken from their kernels
+        "cpu_s": _since(st.cpu_start, proc_cpu_s()),
         "started": st.started,
         "model": str(layout.path),
         "fingerprint": layout.fingerprint.as_dict(),

@@ -76,6 +76,15 @@ def _mib(n: float | None) -> str:
     return f"{n:,.0f} B"
 
 
+def _cpu(s: dict) -> str:
+    """", CPU 1.01 s serving (0.78 ms a read)": the daemon's own CPU time since it began serving, all
+    threads (an older daemon's status has none)."""
+    cpu = s.get("cpu_s")
+    if cpu is None:
+        return ""
+    return f", CPU {cpu:.2f} s serving" + (f" ({1e3 * cpu / s['reads']:.2f} ms a read)" if s["reads"] else "")
+
+
 def _fairness(f: dict[str, Any] | None) -> str:
     if not f:
         return "-"  # an older daemon
@@ -104,7 +113,7 @@ def format_status(s: dict[str, Any]) -> str:
     b = s["backend"]
     rows = [
         ("model", f"{s['model']} ({s['arch']}, {s['index']['n_layer']} layers x {s['index']['n_expert']} experts)"),
-        ("pid / uptime", f"{s['pid']} / {s['uptime_s']:.0f} s"),
+        ("pid / uptime", f"{s['pid']} / {s['uptime_s']:.0f} s" + _cpu(s)),
         ("backend", f"{b['name']} depth {b['queue_depth']}{' O_DIRECT' if b['direct'] else ''}"
                     + (f"  ({b['note']})" if b["note"] else "")),
         ("arena", f"{a['name']}: {a['n_slots']} slots x {_mib(a['slot_bytes'])} = {_mib(a['arena_bytes'])}; "

@@ -1,10 +1,11 @@
-"""CPU quota discovery from cgroup files (v2 and v1), on a tree written here the way the kernel lays it out."""
+"""CPU quota discovery from cgroup files (v2 and v1), on a tree written here the way the kernel lays it
+out; a process's CPU time from /proc."""
 
 from __future__ import annotations
 
 import os
 
-from moestream.common.procfs import available_cpus, cgroup_cpu_quota
+from moestream.common.procfs import available_cpus, cgroup_cpu_quota, proc_cpu_s
 
 
 def _write(path, text: str) -> None:
@@ -32,3 +33,13 @@ def test_v1_quota_and_no_quota(tmp_path):
     assert cgroup_cpu_quota(str(root), str(proc)) is None
     assert available_cpus(str(root), str(proc)) == len(os.sched_getaffinity(0))
     assert cgroup_cpu_quota(str(root), str(tmp_path / "absent")) is None
+
+
+def test_cpu_seconds_grow_with_work_and_a_gone_process_has_none():
+    before = proc_cpu_s()
+    t0 = os.times()
+    while os.times().user + os.times().system - t0.user - t0.system < 0.2:  # burn 0.2 s of CPU
+        sum(range(10_000))
+    after = proc_cpu_s(os.getpid())
+    assert before is not None and after - before >= 0.15  # (clock ticks of 10 ms)
+    assert proc_cpu_s(2 ** 22 + 12345) is None  # above any pid_max

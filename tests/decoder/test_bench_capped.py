@@ -283,6 +283,7 @@ def test_end_to_end_under_a_cap(tiny_model, capsys):
     assert 0 < ms["peak_memory"] <= 1 << 30 and ms["oom_kills"] == 0
     assert r["direct"] and ms["daemon_reads"] == "O_DIRECT"  # the daemon said it reads with O_DIRECT
     assert r["warmup"]["decoder_bytes"] > 0 and r["warmup"]["daemon_bytes"] > 0
+    assert ms["daemon_cpu_s"] >= 0  # the daemon's CPU in the decode steps, sampled from /proc
     assert not [p for p in parent.path.iterdir() if p.name.startswith(f"moestream-bench-{os.getpid()}-")]
 
 
@@ -356,3 +357,19 @@ def test_readahead_is_set_for_a_run_and_restored(tmp_path):
     (stat.parent / "queue" / "read_ahead_kb").write_text("4096")
     assert hc.read_ahead_file(stat) == stat.parent / "queue" / "read_ahead_kb"
     assert hc.read_ahead_file(None) is None
+
+
+def test_the_sampler_counts_a_process_cpu_time():
+    sampler = hc.Sampler(None, {"me": os.getpid()})
+    t0 = os.times()
+    while os.times().user - t0.user < 0.2:
+        sum(range(10_000))
+    sampler.stop()
+    assert sampler.cpu_delta(0, len(sampler.samples) - 1, "me") >= 0.15
+    assert sampler.cpu_delta(0, 0, "me") == 0 and sampler.cpu_delta(0, 1, "nobody") is None
+
+
+def test_the_report_gives_the_daemons_cpu_per_read():
+    note = report._cpu_note({"daemon_cpu_s": 1.02, "daemon_cpu_ms_per_read": 0.81})
+    assert note == "; daemon CPU in the decode 1.02 s (0.81 ms an expert read)"
+    assert report._cpu_note({}) == "" and "ms an expert read" not in report._cpu_note({"daemon_cpu_s": 0.5})

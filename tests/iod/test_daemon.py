@@ -187,6 +187,8 @@ def test_status_counters_consistent(tiny_model, start_daemon):
     assert 0 < s["hit_rate"] < 1
     assert s["hottest"][0][2] >= 2
     assert s["fingerprint"]["header_sha256"] == lay.fingerprint.header_sha256
+    # its CPU since it began serving (clock ticks of 10 ms): never more than its uptime on every CPU
+    assert 0 <= s["cpu_s"] <= s["uptime_s"] * os.cpu_count() + 0.02
 
 
 def test_fingerprint_mismatch(tiny_model, start_daemon):

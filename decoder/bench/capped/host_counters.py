@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ....common.procfs import proc_read_bytes as read_bytes_of
+from ....common.procfs import proc_cpu_s, proc_read_bytes as read_bytes_of
 from ...footprint import own_memory
 
 SAMPLE_EVERY_S = 0.005
@@ -157,6 +157,7 @@ class Sampler:
         self.block_stat, self.pids, self.started = block_stat, dict(pids), started
         # (time, block device bytes, {name: read_bytes}) per sample
         self.samples: list[tuple[float, int | None, dict[str, int | None]]] = []
+        self.cpu: list[dict[str, float | None]] = []  # {name: CPU seconds used} per sample
         self.peak: dict[str, int] = dict.fromkeys(pids, 0)
         # what a cap must hold: peak RssAnon (not reclaimable without swap) + the last RssFile seen
         # (file pages still in use at the end; cold ones, e.g. a compiler's, are reclaimable)
@@ -179,6 +180,7 @@ class Sampler:
         pids = list(self.pids.items())
         reads = {name: proc_read_bytes(pid) for name, pid in pids}
         self.samples.append((time.monotonic(), block_read_bytes(self.block_stat), reads))
+        self.cpu.append({name: proc_cpu_s(pid) for name, pid in pids})
         for name, pid in pids:
             anon, file = proc_mem_parts(pid)
             self.peak[name] = max(self.peak[name], anon + file)
@@ -222,6 +224,11 @@ class Sampler:
             return None if a is None or b is None else b - a
         rb = self._last(j, name)
         return None if rb is None else rb - (self._last(i, name) or 0)
+
+    def cpu_delta(self, i: int, j: int, name: str) -> float | None:
+        """CPU seconds process `name` used between samples i and j (None where either is unknown)."""
+        a, b = self.cpu[i].get(name), self.cpu[j].get(name)
+        return None if a is None or b is None else b - a
 
     def _last(self, i: int, name: str) -> int | None:
         for _, _, reads in reversed(self.samples[: i + 1]):

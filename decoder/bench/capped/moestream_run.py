@@ -157,9 +157,25 @@ def _moestream_figures(result: dict, sampler: Sampler, status: dict | None, layo
         "peak_daemon": sampler.peak.get("daemon"), "need_decoder": sampler.need("decoder"),
         "need_daemon": sampler.need("daemon"), "spread": routing_spread(steps, hp.n_layer, hp.n_expert)}
     out.update(_moestream_disk(sampler, result["prefill_s"], decode_tokens, disk_counter))
+    out.update(_daemon_cpu(sampler, result["prefill_s"], out.get("disk_per_token"), decode_tokens, layout))
     if status is not None:
         out.update(_daemon_figures(status, steps, layout))
     return out
+
+
+def _daemon_cpu(sampler: Sampler, prefill_s: float, disk_per_token: float | None, decode_tokens: int,
+                layout: Any) -> dict[str, Any]:
+    """The daemon's CPU seconds in the decode steps, and per expert read (its disk bytes over the
+    mean expert's): on a host with no core to spare beside the decoder's threads, the daemon's time
+    comes out of the kernels'."""
+    if sampler.start is None:
+        return {}
+    cpu = sampler.cpu_delta(sampler.at(sampler.start + prefill_s), len(sampler.samples) - 1, "daemon")
+    if cpu is None:
+        return {}
+    ex = layout.experts
+    reads = disk_per_token * decode_tokens / (ex.total_bytes / ex.n_blobs) if disk_per_token else 0
+    return {"daemon_cpu_s": cpu, "daemon_cpu_ms_per_read": 1e3 * cpu / reads if reads >= 1 else None}
 
 
 def _daemon_figures(status: dict, steps: list, layout: Any) -> dict[str, Any]:
