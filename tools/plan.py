@@ -40,7 +40,7 @@ from typing import Any
 
 from gguf import GGMLQuantizationType as Q
 
-from ..common.units import format_size, parse_size
+from ..common.units import format_size
 
 DECODER_BASE_BYTES = 290 << 20  # the decoder's own memory beside its dense weights (torch, numba, KV): 336.5 MiB
 # measured on a 3.2 GiB model with 48.7 MiB of dense weights (peak RssAnon + last RssFile, `bench capped`'s warm-up)
@@ -54,6 +54,10 @@ DEFAULT_COMPUTE_RATE = 8.0e9  # bytes/s of quantized weights the CPU kernels get
 LAYER_GLUE_S = 0.4e-3  # a decode step's time per layer beside its expert call and dense bytes, assumed:
 # 2-core VM, 1024-wide qwen3moe top-8, resident 35.8 ms/token = 16 x 1.7-2.0 ms (the probe's layer call)
 # + 3.5 ms (dense bytes at that rate) + ~0.4 ms a layer
+MISS_CPU_S = 1.0e-3  # CPU time a missed expert costs a step beside the disk wait, assumed: on the 2-vCPU
+# development VM the daemon spent 0.58-1.05 ms an expert read (its Python: request, read, reply, release),
+# taken from the decoder's kernels where they use every core (the default), and the decoder ~0.4 ms of its own
+# (docs/BENCHMARKS.md, 2026-12-06 (later))
 PROBE_ROUNDS = 3  # bandwidth probe rounds, the median reported
 DAEMON_DEPTH = 32  # the daemon's reads in flight (moestream-iod --queue-depth) when it fills the arena
 DEFAULT_CURVE = "qwen3-235b"
@@ -144,23 +148,26 @@ def curve_hit_rate(points: Sequence[tuple[float, float]], f: float) -> float:
 
 
 def forecast(s: Shape, memory: int, hit_rate_at, bandwidth: float, compute_s: float,
-             fill_bandwidth: float | None = None) -> Forecast | None:
+             fill_bandwidth: float | None = None, miss_cpu_s: float = MISS_CPU_S) -> Forecast | None:
     """One memory size's forecast (None: too small to run); `hit_rate_at(slots, share)` gives
     the hit rate of an LRU of that many slots."""
     slots = min(s.n_blobs, max(0, memory - own_bytes(s)) // s.slot_bytes)
     if slots < max(MIN_SLOTS, s.top_k):
         return None
-    return forecast_slots(s, memory, slots, hit_rate_at(slots, slots / s.n_blobs), bandwidth, compute_s, fill_bandwidth)
+    return forecast_slots(s, memory, slots, hit_rate_at(slots, slots / s.n_blobs), bandwidth, compute_s, fill_bandwidth,
+                          miss_cpu_s)
 
 
 def forecast_slots(s: Shape, memory: int, slots: int, hit_rate: float, bandwidth: float, compute_s: float,
-                   fill_bandwidth: float | None = None) -> Forecast:
+                   fill_bandwidth: float | None = None, miss_cpu_s: float = MISS_CPU_S) -> Forecast:
     """The forecast for an arena of `slots` whose LRU hits `hit_rate` of the experts asked for;
-    `bandwidth` at the demand fetch's depth, `fill_bandwidth` at the daemon's (default the same)."""
-    missed = (1.0 - hit_rate) * s.moe_layers * s.top_k * s.expert_bytes
-    io = missed / bandwidth
-    return Forecast(memory, slots, slots / s.n_blobs, hit_rate, missed, io, compute_s, 1.0 / (compute_s + io),
-                    1.0 / max(compute_s, io), slots * s.slot_bytes / (fill_bandwidth or bandwidth))
+    `bandwidth` at the demand fetch's depth, `fill_bandwidth` at the daemon's (default the same).
+    Each missed expert adds `miss_cpu_s` to the step's compute (the CPU its read costs)."""
+    misses = (1.0 - hit_rate) * s.moe_layers * s.top_k  # expert reads a token
+    missed = misses * s.expert_bytes
+    io, compute = missed / bandwidth, compute_s + misses * miss_cpu_s
+    return Forecast(memory, slots, slots / s.n_blobs, hit_rate, missed, io, compute, 1.0 / (compute + io),
+                    1.0 / max(compute, io), slots * s.slot_bytes / (fill_bandwidth or bandwidth))
 
 
 def trace_hit_rate(path: str, expert_bytes: float):
@@ -267,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--compute-rate", type=float, default=DEFAULT_COMPUTE_RATE, metavar="BYTES/S",
       help=f"without --compute-tok-s or --probe: weight bytes per second the kernels process (default "
       f"{DEFAULT_COMPUTE_RATE:.0e})")
+    a("--miss-cpu", type=float, default=MISS_CPU_S * 1e3, metavar="MS",
+      help=f"CPU milliseconds each missed expert adds to a token: the daemon's work for its read, taken from the "
+      f"decoder's cores when its threads use them all, and the decoder's own (default {MISS_CPU_S * 1e3:g}, measured "
+      "on a 2-vCPU VM; `moestream status` shows a running daemon's ms a read)")
     a("--json", action="store_true", help="one JSON object")
     return p
 
@@ -304,12 +315,15 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"unknown curve {name!r} (have: {', '.join(CURVES)})")
         hit, h_basis = (lambda _n, f, p=CURVES[name]: curve_hit_rate(p, f)), f"curve {name}" + (
             " (the default)" if args.curve is None else "")
+    if args.miss_cpu < 0:
+        raise ValueError(f"--miss-cpu must be >= 0 ms, got {args.miss_cpu:g}")
+    miss_cpu_s = args.miss_cpu / 1e3
     sizes = [(t, parse(t, percent_of=s.file_bytes)) for t in (args.memory or DEFAULT_SIZES)]
     return {"model": str(layout.path), "shape": asdict(s), "bandwidth": bw, "bandwidth_basis": bw_basis,
-            "compute_s": compute_s, "compute_basis": c_basis, "hit_rate_basis": h_basis,
+            "compute_s": compute_s, "compute_basis": c_basis, "miss_cpu_s": miss_cpu_s, "hit_rate_basis": h_basis,
             "least_memory": least_memory(s), "own_bytes": own_bytes(s),
             "fill_bandwidth": fill,
-            "forecasts": [{"memory_text": t, "memory": m, **_asdict(forecast(s, m, hit, bw, compute_s, fill))}
+            "forecasts": [{"memory_text": t, "memory": m, **_asdict(forecast(s, m, hit, bw, compute_s, fill, miss_cpu_s))}
                           for t, m in sizes]}
 
 
@@ -324,7 +338,8 @@ def report(r: dict[str, Any]) -> str:
              f"{format_size(s['dense_bytes'])}" + (f" ({format_size(s['mapped_bytes'])} of it the embedding table, read "
                                                    "from the file's map)" if s["mapped_bytes"] else ""),
              f"disk {r['bandwidth'] / 1e9:.2f} GB/s {r['bandwidth_basis']}; compute {r['compute_s'] * 1e3:.1f} ms/token "
-             f"{r['compute_basis']}; hit rates: {r['hit_rate_basis']}",
+             f"{r['compute_basis']}, + {r['miss_cpu_s'] * 1e3:g} ms of CPU a missed expert (--miss-cpu); hit rates: "
+             f"{r['hit_rate_basis']}",
              f"least memory that runs: {format_size(r['least_memory'])} (decoder + daemon + headroom "
              f"{format_size(r['own_bytes'])} + {max(MIN_SLOTS, s['top_k'])} slots)", "",
              f"{'memory':>10} {'slots':>7} {'cached':>7} {'hit':>6} {'MB/token':>9} {'I/O ms':>8} {'tok/s':>7} "
@@ -337,7 +352,7 @@ def report(r: dict[str, Any]) -> str:
                      f"{f['missed_bytes_per_token'] / 1e6:>9.2f} {f['io_s'] * 1e3:>8.1f} {f['tok_s']:>7.2f} "
                      f"{f['tok_s_prefetched']:>11.2f} {f['cold_fill_s']:>12.1f}")
     lines.append("tok/s = 1 / (compute + I/O per token), nothing overlapped; prefetched = 1 / max(compute, I/O): "
-                 "reads hidden behind compute")
+                 "reads hidden behind compute; compute includes the misses' CPU")
     return "\n".join(lines)
 
 

@@ -28,7 +28,7 @@ def test_forecast_arithmetic_on_a_made_model(make_tiny_model, capsys):
     shape = pl.shape_of(ModelLayout(path))
     memory = pl.own_bytes(shape) + 6 * shape.slot_bytes
     code = pl.main([str(path), "--memory", str(memory), "--curve", "qwen3-235b", "--bandwidth", "1e8",
-                    "--compute-tok-s", "50", "--json"])
+                    "--compute-tok-s", "50", "--miss-cpu", "2.5", "--json"])
     r = json.loads(capsys.readouterr().out)
     assert code == 0
     s = r["shape"]
@@ -44,10 +44,13 @@ def test_forecast_arithmetic_on_a_made_model(make_tiny_model, capsys):
     hit = 0.80 + (1.0 - 0.80) * (share - 0.25) / 0.75  # 6 of 16 slots: between 25 % and 100 %
     assert f["slots"] == slots and f["cached"] == pytest.approx(share)
     assert f["hit_rate"] == pytest.approx(hit)
-    missed = (1 - f["hit_rate"]) * 2 * 2 * expert  # MoE layers x top-k x expert bytes
+    misses = (1 - f["hit_rate"]) * 2 * 2  # MoE layers x top-k
+    missed = misses * expert
     assert f["missed_bytes_per_token"] == pytest.approx(missed)
-    assert f["tok_s"] == pytest.approx(1 / (1 / 50 + missed / 1e8))
-    assert f["tok_s_prefetched"] == pytest.approx(1 / max(1 / 50, missed / 1e8))
+    compute = 1 / 50 + misses * 2.5e-3  # each miss's CPU on top of the resident rate
+    assert f["compute_s"] == pytest.approx(compute) and r["miss_cpu_s"] == pytest.approx(2.5e-3)
+    assert f["tok_s"] == pytest.approx(1 / (compute + missed / 1e8))
+    assert f["tok_s_prefetched"] == pytest.approx(1 / max(compute, missed / 1e8))
     assert f["cold_fill_s"] == pytest.approx(slots * s["slot_bytes"] / 1e8)
     assert r["least_memory"] == r["own_bytes"] + 4 * s["slot_bytes"]
 
@@ -71,7 +74,8 @@ def test_a_trace_gives_the_hit_rates(make_tiny_model, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [(["/nonexistent.gguf"], "no such file"),
                                             (["MODEL", "--memory", "5x"], "bad size"),
-                                            (["MODEL", "--curve", "gpt-9"], "unknown curve")])
+                                            (["MODEL", "--curve", "gpt-9"], "unknown curve"),
+                                            (["MODEL", "--miss-cpu", "-1"], "--miss-cpu must be >= 0")])
 def test_bad_input_is_one_line(make_tiny_model, capsys, argv, message):
     argv = [str(make_tiny_model(layers=2, experts=8, top_k=2)) if a == "MODEL" else a for a in argv]
     assert pl.main(argv) == 1

@@ -100,7 +100,7 @@ from .host_counters import ReadAhead, wait_quiet, block_device, drop_caches, evi
 from .llamacpp_peer import run_llamacpp
 from .moestream_run import run_moestream
 from .routing_replay import arena_policy
-from ....tools.plan import (DAEMON_DEPTH, DEFAULT_COMPUTE_RATE, forecast_slots, probe_bandwidth, probe_compute,
+from ....tools.plan import (DAEMON_DEPTH, DEFAULT_COMPUTE_RATE, MISS_CPU_S, forecast_slots, probe_bandwidth, probe_compute,
                             shape_of)
 from ....common.traces import load_trace
 
@@ -395,7 +395,7 @@ def cap_forecast(layout: Any, split: Split, warm: dict[str, Any], out: dict[str,
             "basis": f"the arena's policy hits {f.hit_rate:.2f} on the warm-up's routing, reads at "
                      f"{bw['bytes_per_s'] / 1e9:.2f} GB/s ({bw['depth']} in flight; "
                      f"{'prefetching: max(compute, I/O)' if prefetch else 'compute + I/O'}), "
-                     f"{basis}"}
+                     f"{basis}, + {MISS_CPU_S * 1e3:g} ms of CPU a missed expert (plan's --miss-cpu)"}
 
 
 def main(argv: list[str] | None = None) -> int:
