@@ -61,3 +61,22 @@ def test_combine_rows_is_the_same_whatever_the_batches() -> None:
     ref = np.zeros((6, 8), np.float32)
     np.add.at(ref, whole.rows, ys)
     np.testing.assert_array_equal(one.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("n, k, e", [(1, 4, 64), (9, 8, 32), (40, 2, 6)])
+def test_selecting_experts_matches_numpy(n: int, k: int, e: int) -> None:
+    """A batch's experts picked out of a layer's grouping (Routed.select) as numpy's isin picks them,
+    experts kept in any order, absent ones ignored."""
+    rng = np.random.default_rng(n + e)
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int64)  # [n, k]
+    whole = Routed.of(ids)
+    for keep in ([], whole.experts.tolist(), rng.permutation(whole.experts)[: max(1, whole.experts.size // 2)].tolist()
+                 + [e + 5]):
+        got, pairs = whole.select(keep)
+        sel = np.isin(whole.experts, keep)  # [U]
+        want_pairs = np.repeat(sel, np.diff(whole.row_ptr))  # [R]
+        np.testing.assert_array_equal(pairs, want_pairs)
+        np.testing.assert_array_equal(got.experts, whole.experts[sel])
+        np.testing.assert_array_equal(got.row_ptr, np.concatenate([[0], np.cumsum(np.diff(whole.row_ptr)[sel])]))
+        np.testing.assert_array_equal(got.rows, whole.rows[want_pairs])
+        np.testing.assert_array_equal(got.picks, whole.picks[want_pairs])

@@ -48,6 +48,39 @@ def group_by_expert(ids):
 
 
 @njit(**_JIT)
+def select_experts(experts, row_ptr, rows, picks, keep):
+    """The grouping (experts [U] ascending, row_ptr, rows, picks) of `group_by_expert` for the
+    experts in keep only, and the mask [R] of the pairs kept (one compiled call: numpy's isin,
+    repeat and cumsum cost ~0.2 ms per arrival batch of a streamed layer)."""
+    sel = np.zeros(experts.size, np.bool_)  # [U]
+    for e in keep:
+        j = np.searchsorted(experts, e)
+        if j < experts.size and experts[j] == e:
+            sel[j] = True
+    pairs = np.zeros(rows.size, np.bool_)  # [R]
+    u = r = 0
+    for j in range(experts.size):
+        if sel[j]:
+            u += 1
+            r += row_ptr[j + 1] - row_ptr[j]
+    out_e, out_ptr = np.empty(u, np.int64), np.empty(u + 1, np.int64)
+    out_rows, out_picks = np.empty(r, np.int64), np.empty(r, np.int64)
+    u = r = 0
+    out_ptr[0] = 0
+    for j in range(experts.size):
+        if not sel[j]:
+            continue
+        out_e[u] = experts[j]
+        for i in range(row_ptr[j], row_ptr[j + 1]):
+            pairs[i] = True
+            out_rows[r], out_picks[r] = rows[i], picks[i]
+            r += 1
+        u += 1
+        out_ptr[u] = r
+    return out_e, out_ptr, out_rows, out_picks, pairs
+
+
+@njit(**_JIT)
 def weigh(ys, weights, picks):
     """ys[i] *= weights[picks[i]] in place (ys [R, d] float32, weights [N*k] float32)."""
     for i in range(ys.shape[0]):
@@ -145,12 +178,9 @@ class Routed:
 
     def select(self, keep: Sequence[int]) -> tuple["Routed", np.ndarray]:
         """`only(keep)` and the mask [R] of the pairs it kept."""
-        sel = np.isin(self.experts, np.asarray(keep, np.int64))  # [U]
-        counts = np.diff(self.row_ptr)  # [U]
-        pairs = np.repeat(sel, counts)  # [R]
-        row_ptr = np.zeros(int(sel.sum()) + 1, np.int64)
-        np.cumsum(counts[sel], out=row_ptr[1:])
-        return Routed(self.experts[sel], row_ptr, self.rows[pairs], self.picks[pairs]), pairs
+        experts, row_ptr, rows, picks, pairs = select_experts(self.experts, self.row_ptr, self.rows, self.picks,
+                                                              np.asarray(keep, np.int64))
+        return Routed(experts, row_ptr, rows, picks), pairs
 
 
 @dataclass(frozen=True)
