@@ -83,7 +83,7 @@ class Samples:
 class Stats:
     started: float = field(default_factory=time.time)
     started_mono: float = field(default_factory=time.monotonic)
-    cpu_start: float | None = field(default_factory=proc_cpu_s)  # the process's CPU seconds (imports, load) by then
+    cpu_start: float | None = field(default_factory=proc_cpu_s)  # CPU seconds spent before serving (imports, load)
     totals: ClientCounters = field(default_factory=ClientCounters)
     reads: int = 0  # expert reads completed
     read_errors: int = 0

@@ -287,6 +287,9 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     from ..common.layout import ModelLayout
     from ..common.units import parse_size as parse
 
+    if not args.miss_cpu >= 0:  # (before any probe)
+        raise ValueError(f"--miss-cpu must be >= 0 ms, got {args.miss_cpu:g}")
+    miss_cpu_s = args.miss_cpu / 1e3
     layout = ModelLayout(args.model)
     s = shape_of(layout)
     if args.probe:
@@ -315,9 +318,6 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"unknown curve {name!r} (have: {', '.join(CURVES)})")
         hit, h_basis = (lambda _n, f, p=CURVES[name]: curve_hit_rate(p, f)), f"curve {name}" + (
             " (the default)" if args.curve is None else "")
-    if args.miss_cpu < 0:
-        raise ValueError(f"--miss-cpu must be >= 0 ms, got {args.miss_cpu:g}")
-    miss_cpu_s = args.miss_cpu / 1e3
     sizes = [(t, parse(t, percent_of=s.file_bytes)) for t in (args.memory or DEFAULT_SIZES)]
     return {"model": str(layout.path), "shape": asdict(s), "bandwidth": bw, "bandwidth_basis": bw_basis,
             "compute_s": compute_s, "compute_basis": c_basis, "miss_cpu_s": miss_cpu_s, "hit_rate_basis": h_basis,

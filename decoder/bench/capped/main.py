@@ -100,8 +100,8 @@ from .host_counters import ReadAhead, wait_quiet, block_device, drop_caches, evi
 from .llamacpp_peer import run_llamacpp
 from .moestream_run import run_moestream
 from .routing_replay import arena_policy
-from ....tools.plan import (DAEMON_DEPTH, DEFAULT_COMPUTE_RATE, MISS_CPU_S, forecast_slots, probe_bandwidth, probe_compute,
-                            shape_of)
+from ....tools.plan import (DAEMON_DEPTH, DEFAULT_COMPUTE_RATE, MISS_CPU_S, forecast_slots, probe_bandwidth,
+                            probe_compute, shape_of)
 from ....common.traces import load_trace
 
 UNCAPPED_FIGURES = ("decode_tok_s", "prefill_s", "error")

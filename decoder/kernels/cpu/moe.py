@@ -50,8 +50,8 @@ def group_by_expert(ids):
 @njit(**_JIT)
 def select_experts(experts, row_ptr, rows, picks, keep):
     """The grouping (experts [U] ascending, row_ptr, rows, picks) of `group_by_expert` for the
-    experts in keep only, and the mask [R] of the pairs kept (one compiled call: numpy's isin,
-    repeat and cumsum cost ~0.2 ms per arrival batch of a streamed layer)."""
+    experts in keep only, and the mask [R] of the pairs kept (one compiled call, ~5 us: numpy's
+    isin, repeat and cumsum took ~40, twice a streamed layer with misses)."""
     sel = np.zeros(experts.size, np.bool_)  # [U]
     for e in keep:
         j = np.searchsorted(experts, e)
