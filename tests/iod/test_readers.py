@@ -91,6 +91,35 @@ def test_reads_every_expert_exactly(model: Path, backend: str, direct: bool) -> 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_submits_racing_the_reader_all_finish(model: Path, backend: str) -> None:
+    """Four threads submitting one-read batches as fast as they can while the reader works: every
+    batch finishes (the uring reader writes its wake-up only when none is pending, so a submit
+    that skips it must still be taken), and each read lands its bytes."""
+    ex = ModelLayout(model).experts
+    part = ex.parts(0, 0)[0]
+    n_threads, per = 4, 150
+    arena = mmap.mmap(-1, PAGE * 2 * n_threads * per)
+    view = memoryview(arena)
+    done = Waiter(n_threads * per)
+    with open_reader(model, backend=backend, depth=2, direct=False) as r:
+        def submit(t: int) -> None:
+            for i in range(per):
+                at = (t * per + i) * 2 * PAGE
+                r.submit([ReadOp(part.offset, part.nbytes, view[at:at + part.nbytes])], done)
+
+        threads = [threading.Thread(target=submit, args=(t,)) for t in range(n_threads)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert done.wait(30) == []
+    want = model.read_bytes()[part.offset:part.offset + part.nbytes]
+    assert all(view[i * 2 * PAGE:i * 2 * PAGE + part.nbytes] == want for i in range(n_threads * per))
+    view.release()
+    arena.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_adjacent_experts_coalesce(model: Path, backend: str) -> None:
     layout = ModelLayout(model)
     ex = layout.experts
