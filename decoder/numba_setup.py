@@ -124,7 +124,9 @@ def _run_once() -> None:
     cpu.swiglu_expert(x, gate, up, down)
     cpu.linear(x, gate)
     cpu.dequantize(gate)
-    _, _, rows, picks = moe.group_by_expert(np.zeros((1, 1), np.int64))
+    routed = moe.Routed.of(np.zeros((1, 1), np.int64))
+    routed.select([0])  # a streamed layer's arrival batch (moe.select_experts)
+    rows, picks = routed.rows, routed.picks
     moe.weigh(x, np.ones(1, np.float32), picks)
     moe.scatter_add(np.zeros((1, d), np.float32), rows, x)
     cpu.rows_within(rows, 1)

@@ -70,7 +70,7 @@ def signatures():
             if m.startswith("moestream.decoder.kernels") for n, f in vars(mod).items()
             if hasattr(f, "signatures") and hasattr(f, "py_func")}
 
-argv = ["--model", sys.argv[1], "--resident", "--json", "--no-progress", "--threads", "1", "--prompt-ids",
+argv = ["--model", sys.argv[1], *sys.argv[2:], "--json", "--no-progress", "--threads", "1", "--prompt-ids",
         "5,6,7,8,9,10,11,12", "-n", "4"]
 # what `generate` does while loading the model, then the request: no kernel may compile during it
 cli.warm_cpu_kernels(cli.config_from_args(cli.build_parser().parse_args(argv)))
@@ -83,9 +83,13 @@ print(json.dumps({"kernels": len(after), "new": {k: after[k] - before.get(k, 0) 
 """
 
 
-def test_the_first_request_compiles_nothing(tiny_model):
-    r = subprocess.run([sys.executable, "-c", FIRST_REQUEST, str(tiny_model)], capture_output=True, text=True,
-                       timeout=300)
+@pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
+def test_the_first_request_compiles_nothing(tiny_model, start_daemon, streamed):
+    """Resident, and streamed from an arena too small for a layer's experts (hits, misses and
+    arrival batches each take their own compiled steps)."""
+    where = ["--iod", start_daemon(tiny_model, arena_slots=4).endpoint] if streamed else ["--resident"]
+    r = subprocess.run([sys.executable, "-c", FIRST_REQUEST, str(tiny_model), *where], capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["kernels"] > 0 and out["new"] == {}, out
