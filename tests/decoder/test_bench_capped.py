@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 
+import numpy as np
 import pytest
 from moestream.decoder.bench.capped import main as bc
 from moestream.decoder.bench.capped import plan as plan
@@ -373,3 +374,28 @@ def test_the_report_gives_the_daemons_cpu_per_read():
     note = report._cpu_note({"daemon_cpu_s": 1.02, "daemon_cpu_ms_per_read": 0.81})
     assert note == "; daemon CPU in the decode 1.02 s (0.81 ms an expert read)"
     assert report._cpu_note({}) == "" and "ms an expert read" not in report._cpu_note({"daemon_cpu_s": 0.5})
+
+
+def test_the_forecast_takes_the_arena_the_daemon_made(tiny_model, tmp_path):
+    """The daemon keeps a margin beside its own memory, so it may make fewer slots than the split
+    planned: the forecast replays the routing on the slots it made (the split's without a run)."""
+    from moestream.common.layout import ModelLayout
+    from moestream.common.traces import load_trace
+    from moestream.tools.plan import shape_of
+
+    layout = ModelLayout(tiny_model)
+    s = shape_of(layout)
+    rng = np.random.default_rng(0)
+    steps = [[[layer, int(e)] for layer in range(s.moe_layers) for e in rng.choice(s.n_expert, s.top_k, False)]
+             for _ in range(40)]  # a spread routing: more slots hit more
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"n_layer": s.moe_layers, "n_expert": s.n_expert, "steps": steps}))
+    split = plan.split_budget(1000 * MiB, 300 * MiB, 60 * MiB, 64 * MiB, s.slot_bytes, min_slots=4,
+                              max_slots=s.n_blobs)
+    out = {"bandwidth": {"bytes_per_s": 1e9, "depth": 32}, "bandwidth_demand": {"bytes_per_s": 1e9, "depth": 12}}
+    planned = bc.cap_forecast(layout, split, {"trace": str(trace)}, out, {"moestream": None}, 10.0)
+    made = bc.cap_forecast(layout, split, {"trace": str(trace)}, out, {"moestream": {"arena_slots": 5.0}}, 10.0)
+    assert planned["slots"] == split.slots and made["slots"] == 5
+    want = rr.arena_policy(load_trace(trace), 5, s.expert_bytes)
+    assert made["hit_rate"] == want["hit_rate"] < planned["hit_rate"]
+    assert made["tok_s"] < planned["tok_s"] and "(5 slots)" in made["basis"]

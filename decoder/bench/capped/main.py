@@ -379,20 +379,24 @@ def cap_forecast(layout: Any, split: Split, warm: dict[str, Any], out: dict[str,
     else:
         compute_s = s.active_bytes / DEFAULT_COMPUTE_RATE
         basis = f"compute: assumed {DEFAULT_COMPUTE_RATE:.0e} B/s of weights"
-    hit = arena_policy(load_trace(warm["trace"]), split.slots, s.expert_bytes).get("hit_rate", 0.0)
+    # the arena the daemon made (it keeps a margin beside its own memory: 151 slots where the split
+    # planned 187 on a 607 MiB cap), else the split's
+    slots = round((cap.get("moestream") or {}).get("arena_slots") or split.slots)
+    hit = arena_policy(load_trace(warm["trace"]), slots, s.expert_bytes).get("hit_rate", 0.0)
     # reads as deep as one layer's demand without prefetch; with it, the daemon keeps its queue full
     bw = out["bandwidth"] if prefetch else out["bandwidth_demand"]
-    f = forecast_slots(s, split.cap, split.slots, hit, bw["bytes_per_s"], compute_s)
+    f = forecast_slots(s, split.cap, slots, hit, bw["bytes_per_s"], compute_s)
     # The same arithmetic at the disk speed the runs themselves got (the daemon's bytes over its
     # seconds with a read in flight): a virtual disk's speed moved 0.67-1.93 GB/s between a probe
     # and the runs a minute later, which this separates from the model's own error.
     run_bps = (cap.get("moestream") or {}).get("daemon_read_bytes_per_s")
-    at_run = forecast_slots(s, split.cap, split.slots, hit, run_bps, compute_s) if run_bps else None
+    at_run = forecast_slots(s, split.cap, slots, hit, run_bps, compute_s) if run_bps else None
     # a run that prefetches overlaps its reads with compute; forced routing runs without prefetch
     pick = (lambda g: g.tok_s_prefetched if prefetch else g.tok_s)  # noqa: E731
     return {"tok_s": pick(f), "hit_rate": f.hit_rate, "io_s": f.io_s, "compute_s": f.compute_s,
             "tok_s_at_run_disk": pick(at_run) if at_run else None, "run_disk_bytes_per_s": run_bps,
-            "basis": f"the arena's policy hits {f.hit_rate:.2f} on the warm-up's routing, reads at "
+            "slots": slots,
+            "basis": f"the arena's policy ({slots} slots) hits {f.hit_rate:.2f} on the warm-up's routing, reads at "
                      f"{bw['bytes_per_s'] / 1e9:.2f} GB/s ({bw['depth']} in flight; "
                      f"{'prefetching: max(compute, I/O)' if prefetch else 'compute + I/O'}), "
                      f"{basis}, + {MISS_CPU_S * 1e3:g} ms of CPU a missed expert (plan's --miss-cpu)"}
