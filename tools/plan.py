@@ -14,16 +14,19 @@ The arithmetic (one decoded token, CPU decoder computing from the daemon's arena
 |                        | replayed on --trace, else the --curve's points (published LRU hit rates),     |
 |                        | linear between (0, 0), the points and (1, 1)                                  |
 | missed bytes / token   | (1 - h) x MoE layers x top-k x mean expert bytes                              |
-| I/O s / token          | missed bytes / the disk's bandwidth for random expert reads as deep as one    |
-|                        | layer's demand fetch (top-k experts x their parts in flight): --probe         |
-|                        | measures it (a few seconds of cold reads through the daemon's own reader:     |
-|                        | io_uring, O_DIRECT; the median of 3 rounds), else --bandwidth (stated)        |
+| I/O s / token          | per MoE layer, its m missed experts (binomial: each of top-k missed with      |
+|                        | probability 1 - h) at the disk's bandwidth for random expert reads with m     |
+|                        | experts' parts in flight, linear from one expert's to top-k's (one layer's    |
+|                        | demand fetch): --probe measures both (a few seconds of cold reads through the |
+|                        | daemon's own reader: io_uring, O_DIRECT; the median of 3 rounds), else        |
+|                        | --bandwidth (stated, at every depth)                                          |
 | compute s / token      | 1 / --compute-tok-s (a measured resident rate), or --probe's: one token       |
 |                        | through the CPU kernels on top-k experts of one layer x MoE layers,           |
 |                        | the dense bytes at the same rate, LAYER_GLUE_S per layer (stated); else       |
 |                        | active bytes / --compute-rate (stated)                                        |
 | tok/s                  | 1 / (compute + I/O): nothing overlapped (a floor; forced routing runs so)     |
-| prefetched tok/s       | 1 / max(compute, I/O): the decoder's prefetch hides reads behind compute      |
+| prefetched tok/s       | 1 / max(compute, missed bytes / the bandwidth at depth 32): the decoder's     |
+|                        | prefetch hides reads behind compute and keeps the daemon's queue deep         |
 |                        | (measured runs that prefetch land within ~20 % of it, see docs/BENCHMARKS.md) |
 | cold fill              | the arena's bytes / the bandwidth at depth 32 (the daemon's batched reads)    |
 | least memory           | decoder + daemon + headroom + max(4, top-k) slots                             |
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -148,26 +152,46 @@ def curve_hit_rate(points: Sequence[tuple[float, float]], f: float) -> float:
 
 
 def forecast(s: Shape, memory: int, hit_rate_at, bandwidth: float, compute_s: float,
-             fill_bandwidth: float | None = None, miss_cpu_s: float = MISS_CPU_S) -> Forecast | None:
+             fill_bandwidth: float | None = None, miss_cpu_s: float = MISS_CPU_S,
+             one_bandwidth: float | None = None) -> Forecast | None:
     """One memory size's forecast (None: too small to run); `hit_rate_at(slots, share)` gives
     the hit rate of an LRU of that many slots."""
     slots = min(s.n_blobs, max(0, memory - own_bytes(s)) // s.slot_bytes)
     if slots < max(MIN_SLOTS, s.top_k):
         return None
     return forecast_slots(s, memory, slots, hit_rate_at(slots, slots / s.n_blobs), bandwidth, compute_s, fill_bandwidth,
-                          miss_cpu_s)
+                          miss_cpu_s, one_bandwidth)
 
 
 def forecast_slots(s: Shape, memory: int, slots: int, hit_rate: float, bandwidth: float, compute_s: float,
-                   fill_bandwidth: float | None = None, miss_cpu_s: float = MISS_CPU_S) -> Forecast:
+                   fill_bandwidth: float | None = None, miss_cpu_s: float = MISS_CPU_S,
+                   one_bandwidth: float | None = None) -> Forecast:
     """The forecast for an arena of `slots` whose LRU hits `hit_rate` of the experts asked for;
-    `bandwidth` at the demand fetch's depth, `fill_bandwidth` at the daemon's (default the same).
-    Each missed expert adds `miss_cpu_s` to the step's compute (the CPU its read costs)."""
+    `bandwidth` at the demand fetch's depth (`one_bandwidth` with one expert's reads in flight:
+    `demand_io_s`), `fill_bandwidth` at the daemon's (default the same): the cold fill, and the
+    prefetched figure's reads, which the daemon keeps as deep. Each missed expert adds
+    `miss_cpu_s` to the step's compute (the CPU its read costs)."""
     misses = (1.0 - hit_rate) * s.moe_layers * s.top_k  # expert reads a token
     missed = misses * s.expert_bytes
-    io, compute = missed / bandwidth, compute_s + misses * miss_cpu_s
+    io, compute = demand_io_s(s, hit_rate, bandwidth, one_bandwidth), compute_s + misses * miss_cpu_s
+    deep = fill_bandwidth or bandwidth
     return Forecast(memory, slots, slots / s.n_blobs, hit_rate, missed, io, compute, 1.0 / (compute + io),
-                    1.0 / max(compute, io), slots * s.slot_bytes / (fill_bandwidth or bandwidth))
+                    1.0 / max(compute, missed / deep), slots * s.slot_bytes / deep)
+
+
+def demand_io_s(s: Shape, hit_rate: float, bandwidth: float, one_bandwidth: float | None = None) -> float:
+    """A token's seconds of demand reads: each MoE layer reads its m missed experts together (m of
+    top-k, each missed with probability 1 - hit_rate: binomial), m x the expert's bytes at the
+    bandwidth of m experts' reads in flight, linear from `one_bandwidth` (m = 1; None: the same)
+    to `bandwidth` (m = top-k). A layer that misses one expert reads at one expert's depth: on the
+    development VM's disk 0.81-0.94 GB/s against 1.04-1.15 with 12 reads in flight; more on NVMe."""
+    k, q = s.top_k, 1.0 - hit_rate
+    one = one_bandwidth or bandwidth
+    per_layer = 0.0
+    for m in range(1, k + 1):
+        bw = one + (bandwidth - one) * (m - 1) / (k - 1) if k > 1 else bandwidth
+        per_layer += math.comb(k, m) * q ** m * (1.0 - q) ** (k - m) * m * s.expert_bytes / bw
+    return s.moe_layers * per_layer
 
 
 def trace_hit_rate(path: str, expert_bytes: float):
@@ -296,11 +320,12 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         fill = probe_bandwidth(layout, 0, 256 << 20, DAEMON_DEPTH)["bytes_per_s"]
         demand = probe_bandwidth(layout, 1, 64 << 20, s.demand_depth)
         bw = demand["bytes_per_s"]
+        one = probe_bandwidth(layout, 2, 32 << 20, s.parts)["bytes_per_s"] if s.demand_depth > s.parts else bw
         bw_basis = (f"measured (--probe, the median of {len(demand['rounds'])} rounds: {demand['reader']}{', O_DIRECT' if demand['direct'] else ''}) with "
-                    f"{s.demand_depth} reads in flight; "
-                    f"{fill / 1e9:.2f} GB/s with {DAEMON_DEPTH}")
+                    f"{s.demand_depth} reads in flight; {one / 1e9:.2f} GB/s with one expert's {s.parts}, "
+                    f"{fill / 1e9:.2f} with {DAEMON_DEPTH}")
     else:
-        bw = fill = args.bandwidth
+        bw = fill = one = args.bandwidth
         bw_basis = "assumed (--bandwidth; --probe measures it)"
     if args.compute_tok_s:
         compute_s, c_basis = 1.0 / args.compute_tok_s, f"measured ({args.compute_tok_s} tok/s resident)"
@@ -322,9 +347,9 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": str(layout.path), "shape": asdict(s), "bandwidth": bw, "bandwidth_basis": bw_basis,
             "compute_s": compute_s, "compute_basis": c_basis, "miss_cpu_s": miss_cpu_s, "hit_rate_basis": h_basis,
             "least_memory": least_memory(s), "own_bytes": own_bytes(s),
-            "fill_bandwidth": fill,
-            "forecasts": [{"memory_text": t, "memory": m, **_asdict(forecast(s, m, hit, bw, compute_s, fill, miss_cpu_s))}
-                          for t, m in sizes]}
+            "fill_bandwidth": fill, "one_bandwidth": one,
+            "forecasts": [{"memory_text": t, "memory": m,
+                           **_asdict(forecast(s, m, hit, bw, compute_s, fill, miss_cpu_s, one))} for t, m in sizes]}
 
 
 def _asdict(f: Forecast | None) -> dict[str, Any]:
@@ -351,8 +376,9 @@ def report(r: dict[str, Any]) -> str:
         lines.append(f"{f['memory_text']:>10} {f['slots']:>7} {f['cached']:>7.1%} {f['hit_rate']:>6.2f} "
                      f"{f['missed_bytes_per_token'] / 1e6:>9.2f} {f['io_s'] * 1e3:>8.1f} {f['tok_s']:>7.2f} "
                      f"{f['tok_s_prefetched']:>11.2f} {f['cold_fill_s']:>12.1f}")
-    lines.append("tok/s = 1 / (compute + I/O per token), nothing overlapped; prefetched = 1 / max(compute, I/O): "
-                 "reads hidden behind compute; compute includes the misses' CPU")
+    lines.append("tok/s = 1 / (compute + I/O per token), nothing overlapped, each layer's misses read together; "
+                 "prefetched = 1 / max(compute, I/O at depth 32): reads hidden behind compute; compute includes "
+                 "the misses' CPU")
     return "\n".join(lines)
 
 

@@ -101,3 +101,19 @@ def test_the_probe_is_the_median_of_rounds_on_other_experts(make_tiny_model):
     assert len(r["rounds"]) == 3 and r["rounds"] == sorted(r["rounds"]) and abs(r["bytes_per_s"] - r["rounds"][1]) <= 1
     short = pl.probe_bandwidth(layout, 0, 12 * one, depth=1, rounds=3)  # the second round takes what is left
     assert short["experts"] == 16 and len(short["rounds"]) == 2
+
+
+def test_a_layer_that_misses_few_experts_reads_at_their_depth():
+    """Per layer the m missed experts of top-k (binomial) are read together, at the bandwidth of
+    m experts' reads in flight (linear from one expert's to top-k's); prefetched reads are deep."""
+    s = pl.Shape(moe_layers=10, n_expert=8, top_k=2, expert_bytes=1e6, slot_bytes=1 << 20, dense_bytes=0,
+                 file_bytes=10 ** 9)
+    q = 0.25  # hit rate 0.75
+    one, two = 0.5e9, 1e9  # bytes/s: one expert's parts in flight, both experts'
+    by_hand = 10 * (2 * q * (1 - q) * 1e6 / one + q * q * 2e6 / two)  # P(m = 1) x 1 MB, P(m = 2) x 2 MB
+    assert pl.demand_io_s(s, 0.75, two, one) == pytest.approx(by_hand)
+    assert pl.demand_io_s(s, 0.75, two) == pytest.approx(10 * 2 * q * 1e6 / two)  # one depth: missed bytes / bw
+    f = pl.forecast_slots(s, 1 << 30, 8, 0.75, two, 0.01, fill_bandwidth=2e9, miss_cpu_s=0.0, one_bandwidth=one)
+    assert f.io_s == pytest.approx(by_hand) and f.tok_s == pytest.approx(1 / (0.01 + by_hand))
+    assert f.tok_s_prefetched == pytest.approx(1 / max(0.01, f.missed_bytes_per_token / 2e9))
+    assert f.cold_fill_s == pytest.approx(8 * (1 << 20) / 2e9)

@@ -346,8 +346,11 @@ def measure(args: argparse.Namespace, layout: Any, caps: list[tuple[str, int]], 
         cold()
         out["bandwidth"] = probe_bandwidth(layout, args.seed, 256 << 20, DAEMON_DEPTH, plan.direct)
         cold()
-        out["bandwidth_demand"] = probe_bandwidth(layout, args.seed + 1, 64 << 20, shape_of(layout).demand_depth,
-                                                  plan.direct)
+        shape = shape_of(layout)
+        out["bandwidth_demand"] = probe_bandwidth(layout, args.seed + 1, 64 << 20, shape.demand_depth, plan.direct)
+        if shape.demand_depth > shape.parts:  # a layer that misses one expert reads at its depth
+            cold()
+            out["bandwidth_one"] = probe_bandwidth(layout, args.seed + 2, 32 << 20, shape.parts, plan.direct)
     if args.uncapped:
         out["uncapped"] = uncapped_phase(plan, layout, args)
     elif caps and not args.compute_tok_s:
@@ -383,21 +386,25 @@ def cap_forecast(layout: Any, split: Split, warm: dict[str, Any], out: dict[str,
     # planned 187 on a 607 MiB cap), else the split's
     slots = round((cap.get("moestream") or {}).get("arena_slots") or split.slots)
     hit = arena_policy(load_trace(warm["trace"]), slots, s.expert_bytes).get("hit_rate", 0.0)
-    # reads as deep as one layer's demand without prefetch; with it, the daemon keeps its queue full
+    # reads as deep as one layer's demand without prefetch (one expert's where a layer misses one);
+    # with it, the daemon keeps its queue full
     bw = out["bandwidth"] if prefetch else out["bandwidth_demand"]
-    f = forecast_slots(s, split.cap, slots, hit, bw["bytes_per_s"], compute_s)
+    one = None if prefetch else (out.get("bandwidth_one") or {}).get("bytes_per_s")
+    f = forecast_slots(s, split.cap, slots, hit, bw["bytes_per_s"], compute_s, one_bandwidth=one)
     # The same arithmetic at the disk speed the runs themselves got (the daemon's bytes over its
     # seconds with a read in flight): a virtual disk's speed moved 0.67-1.93 GB/s between a probe
     # and the runs a minute later, which this separates from the model's own error.
     run_bps = (cap.get("moestream") or {}).get("daemon_read_bytes_per_s")
-    at_run = forecast_slots(s, split.cap, slots, hit, run_bps, compute_s) if run_bps else None
+    at_run = forecast_slots(s, split.cap, slots, hit, run_bps, compute_s,
+                            one_bandwidth=one * run_bps / bw["bytes_per_s"] if one else None) if run_bps else None
     # a run that prefetches overlaps its reads with compute; forced routing runs without prefetch
     pick = (lambda g: g.tok_s_prefetched if prefetch else g.tok_s)  # noqa: E731
     return {"tok_s": pick(f), "hit_rate": f.hit_rate, "io_s": f.io_s, "compute_s": f.compute_s,
             "tok_s_at_run_disk": pick(at_run) if at_run else None, "run_disk_bytes_per_s": run_bps,
             "slots": slots,
             "basis": f"the arena's policy ({slots} slots) hits {f.hit_rate:.2f} on the warm-up's routing, reads at "
-                     f"{bw['bytes_per_s'] / 1e9:.2f} GB/s ({bw['depth']} in flight; "
+                     f"{bw['bytes_per_s'] / 1e9:.2f} GB/s ({bw['depth']} in flight"
+                     + (f", {one / 1e9:.2f} with one expert's" if one else "") + "; "
                      f"{'prefetching: max(compute, I/O)' if prefetch else 'compute + I/O'}), "
                      f"{basis}, + {MISS_CPU_S * 1e3:g} ms of CPU a missed expert (plan's --miss-cpu)"}
 
