@@ -33,6 +33,49 @@ def proc_cpu_s(pid: int | str = "self") -> float | None:
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def clear_referenced(pid: int | str = "self") -> bool:
+    """Clear the kernel's referenced bits of a process's pages (`/proc/PID/clear_refs`), so that
+    `referenced_file_bytes` counts the pages it touches from now on; False if not allowed or gone."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("1")
+        return True
+    except OSError:
+        return False
+
+
+_SHARED_MEMORY = ("/dev/shm/", "/SYSV", "/memfd:")  # not the process's own: an arena is counted apart
+
+
+def referenced_file_bytes(pid: int | str = "self") -> int | None:
+    """Bytes of file-backed pages (libraries, mapped files; shared memory left out) the process
+    touched since `clear_referenced`: its working set of them. Clean file pages it did not touch
+    are what a memory cgroup reclaims first, so they are not memory it needs. Per mapping,
+    Referenced less Anonymous (a mapping's private copies count as touched: an overestimate of at
+    most those). None if unknown (gone, no permission)."""
+    total, path, ref, anon = 0, None, 0, 0
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                    total += _file_ref(path, ref, anon)
+                    fields = line.split()
+                    path, ref, anon = (fields[5] if len(fields) > 5 else None), 0, 0
+                elif line.startswith("Referenced:"):
+                    ref = int(line.split()[1])
+                elif line.startswith("Anonymous:"):
+                    anon = int(line.split()[1])
+    except OSError:
+        return None
+    return (total + _file_ref(path, ref, anon)) << 10
+
+
+def _file_ref(path: str | None, ref_kb: int, anon_kb: int) -> int:
+    if path is None or path.startswith("[") or path.startswith(_SHARED_MEMORY):
+        return 0
+    return max(0, ref_kb - anon_kb)
+
+
 def available_cpus(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
     """CPUs this process may keep busy: its CPU affinity, capped by its cgroup's CPU quota
     (rounded up). A container given 2 CPUs on a 64-core host still sees 64 in its affinity, and

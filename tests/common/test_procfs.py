@@ -4,8 +4,10 @@ out; a process's CPU time from /proc."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-from moestream.common.procfs import available_cpus, cgroup_cpu_quota, proc_cpu_s
+from moestream.common.procfs import (available_cpus, cgroup_cpu_quota, clear_referenced, proc_cpu_s,
+                                     referenced_file_bytes)
 
 
 def _write(path, text: str) -> None:
@@ -43,3 +45,29 @@ def test_cpu_seconds_grow_with_work_and_a_gone_process_has_none():
     after = proc_cpu_s(os.getpid())
     assert before is not None and after - before >= 0.15  # (clock ticks of 10 ms)
     assert proc_cpu_s(2 ** 22 + 12345) is None  # above any pid_max
+
+
+def test_file_pages_referenced_since_a_clear_and_shared_memory_left_out(tmp_path):
+    """This process's file pages touched after clear_refs: a mapped file read after the clear
+    counts, the same bytes in shared memory (/dev/shm) do not; a gone process has no figure."""
+    import mmap
+
+    size = 16 << 20
+    paths = [tmp_path / "f.bin", Path("/dev/shm") / f"moestream-test-{os.getpid()}"]
+    maps = []
+    try:
+        for path in paths:
+            path.write_bytes(b"\1" * size)
+            with open(path, "rb") as f:
+                maps.append(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
+        assert clear_referenced()
+        before = referenced_file_bytes()
+        for m in maps:
+            sum(m[i] for i in range(0, size, 4096))
+        grew = referenced_file_bytes() - before
+        assert size <= grew < 2 * size, grew  # the file's 16 MiB, not the shared memory's too
+    finally:
+        for m in maps:
+            m.close()
+        paths[1].unlink(missing_ok=True)
+    assert referenced_file_bytes(2 ** 22 + 12345) is None and clear_referenced(2 ** 22 + 12345) is False

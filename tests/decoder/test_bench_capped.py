@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -399,3 +402,54 @@ def test_the_forecast_takes_the_arena_the_daemon_made(tiny_model, tmp_path):
     want = rr.arena_policy(load_trace(trace), 5, s.expert_bytes)
     assert made["hit_rate"] == want["hit_rate"] < planned["hit_rate"]
     assert made["tok_s"] < planned["tok_s"] and "(5 slots)" in made["basis"]
+
+
+TOUCHER = """
+import mmap, sys
+f = open(sys.argv[1], "rb")
+m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+def touch(n):
+    return sum(m[i] for i in range(0, n, 4096))
+touch(len(m))  # the load: all 48 MiB
+print("loaded", flush=True)
+sys.stdin.readline()  # serving has begun
+for _ in range(20):
+    touch(4 << 20)  # the work: its first 4 MiB only
+print("worked", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_the_sampler_counts_the_file_pages_used_once_serving_began(tmp_path):
+    """A process maps 48 MiB of a file and reads it all while loading, then only 4 MiB of it:
+    its need counts the 4 MiB it still uses (and its interpreter's few), not the 48."""
+    data = tmp_path / "weights.bin"
+    data.write_bytes(os.urandom(48 << 20))
+    p = subprocess.Popen([sys.executable, "-c", TOUCHER, str(data)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "loaded"
+        serving = threading.Event()
+        sampler = hc.Sampler(None, {"proc": p.pid}, serving.is_set, working_set=True)
+        serving.set()
+        while sampler.start is None:
+            time.sleep(0.01)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "worked"
+        sampler.stop()
+        anon, file = hc.proc_mem_parts(p.pid)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        p.wait(10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert file >= 48 << 20  # still mapped and resident: the last RssFile would count it all
+    used = sampler.file_used["proc"]
+    assert 4 << 20 <= used < 20 << 20, used
+    assert sampler.need("proc") == sampler.anon_peak["proc"] + used
+    plain = hc.Sampler(None, {"me": os.getpid()})  # without working_set: the last RssFile
+    plain.stop()
+    assert plain.need("me") == plain.anon_peak["me"] + plain.file_last["me"] and "me" not in plain.file_used

@@ -14,11 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ....common.procfs import proc_cpu_s, proc_read_bytes as read_bytes_of
+from ....common.procfs import clear_referenced, proc_cpu_s, proc_read_bytes as read_bytes_of, referenced_file_bytes
 from ...footprint import own_memory
 
 SAMPLE_EVERY_S = 0.005
 ASK_EVERY_S = 0.02
+WORKING_SET_EVERY_S = 0.5  # a decoder's smaps (~1,000 mappings) takes ~10 ms to read
 
 
 def read_or_empty(path: str | Path) -> str:
@@ -150,19 +151,27 @@ class Sampler:
     `started()`, if given, is asked every 20 ms until it first says True (the daemon has served
     a request): `start` is then the time of the last False answer, before any expert traffic.
     (The daemon's own /proc/PID/io cannot tell: io_uring reads from the page cache count in
-    neither rchar nor read_bytes.)"""
+    neither rchar nor read_bytes.)
+
+    With `working_set`, the processes' referenced bits are cleared at that start and their file
+    pages touched since are read every WORKING_SET_EVERY_S (`file_used`): what a cap must hold of
+    their file-backed memory, where the last RssFile also counts library pages only the load
+    touched (libtorch's, the tokenizer's, the GGUF reader's: ~70 of a decoder's ~76 MiB)."""
 
     def __init__(self, block_stat: Path | None, pids: dict[str, int],
-                 started: Callable[[], bool] | None = None):
+                 started: Callable[[], bool] | None = None, working_set: bool = False):
         self.block_stat, self.pids, self.started = block_stat, dict(pids), started
         # (time, block device bytes, {name: read_bytes}) per sample
         self.samples: list[tuple[float, int | None, dict[str, int | None]]] = []
         self.cpu: list[dict[str, float | None]] = []  # {name: CPU seconds used} per sample
         self.peak: dict[str, int] = dict.fromkeys(pids, 0)
-        # what a cap must hold: peak RssAnon (not reclaimable without swap) + the last RssFile seen
-        # (file pages still in use at the end; cold ones, e.g. a compiler's, are reclaimable)
+        # what a cap must hold: peak RssAnon (not reclaimable without swap) + the file pages used
+        # since the start (`working_set`), else the last RssFile seen (file pages still mapped at
+        # the end; cold ones, e.g. a compiler's, are reclaimable)
         self.anon_peak: dict[str, int] = dict.fromkeys(pids, 0)
         self.file_last: dict[str, int] = dict.fromkeys(pids, 0)
+        self.file_used: dict[str, int] = {}  # name -> file bytes touched since the start (working_set)
+        self._working_set, self._cleared, self._ws_read = working_set, set(), 0.0
         self.start: float | None = None
         self._asked = time.monotonic()
         self._stop = threading.Event()
@@ -189,25 +198,43 @@ class Sampler:
                 self.file_last[name] = file
 
     def need(self, name: str) -> int | None:
-        """Peak RssAnon + last RssFile of process `name` (see above)."""
-        return self.anon_peak[name] + self.file_last[name] if name in self.anon_peak else None
+        """Peak RssAnon + the file pages used since the start (else the last RssFile) of process
+        `name` (see above)."""
+        if name not in self.anon_peak:
+            return None
+        return self.anon_peak[name] + self.file_used.get(name, self.file_last[name])
 
     def _loop(self) -> None:
         while not self._stop.wait(SAMPLE_EVERY_S):
             self._sample()
             if self.started is not None and self.start is None and time.monotonic() - self._asked >= ASK_EVERY_S:
                 self._ask()
+            if self._cleared and time.monotonic() - self._ws_read >= WORKING_SET_EVERY_S:
+                self._read_working_set()
 
     def _ask(self) -> None:
         before = time.monotonic()
         if self.started():
             self.start = self._asked
+            if self._working_set:
+                self._cleared = {name for name, pid in self.pids.items() if clear_referenced(pid)}
+                self._ws_read = time.monotonic()
         self._asked = before
+
+    def _read_working_set(self) -> None:
+        """Each cleared process's file pages touched so far (the last read before it exits is kept)."""
+        self._ws_read = time.monotonic()
+        for name in self._cleared:
+            used = referenced_file_bytes(self.pids[name])
+            if used is not None:
+                self.file_used[name] = used
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
         self._sample()
+        if self._cleared:
+            self._read_working_set()
 
     def at(self, t: float) -> int:
         """Index of the first sample at or after time `t` (the last one if none)."""

@@ -8,9 +8,9 @@ Method
              Page cache counts against it: that is the point, llama.cpp's mmap competes for the
              same bytes as moestream's arena.
   split      moestream's cap = decoder + daemon + headroom + arena. The decoder's and the daemon's
-             own memory (peak RssAnon + the last RssFile: file pages still in use at the end, while
-             cold ones such as the JIT compiler's are reclaimable under the cap; the arena's shared
-             memory excluded) are measured in
+             own memory (peak RssAnon + the file pages they touched once the daemon served its first
+             request: libraries' pages only the load used, such as the JIT compiler's, are
+             reclaimable under the cap; the arena's shared memory excluded) are measured in
              an uncapped warm-up run, which also decides the sampling (below). The daemon gets
              `--memory cap - decoder - headroom` (it sizes its arena itself), or, on a daemon
              without --memory, `--arena-bytes` of what is left after its measured use.

@@ -131,7 +131,9 @@ def _run_moestream(plan: Plan, layout: Any, parent: CgroupParent | None, split: 
         if not resident:
             daemon = Daemon(wrapped(group, daemon_command(plan, run_dir, split)), run_dir, plan.env())
             stack.callback(daemon.stop)
-        sampler = Sampler(plan.block_stat, {"daemon": daemon.pid} if daemon else {}, daemon.served if daemon else None)
+        # (the uncapped warm-up measures the processes' working sets: what the caps' split takes)
+        sampler = Sampler(plan.block_stat, {"daemon": daemon.pid} if daemon else {}, daemon.served if daemon else None,
+                          working_set=split is None)
         cmd = wrapped(group, decoder_command(plan, daemon.endpoint if daemon else None, trace))
         code, out = run_watched(cmd, plan.env(), plan.timeout_s, log, sampler, "decoder")
         status = daemon.status() if daemon else None

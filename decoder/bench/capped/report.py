@@ -128,7 +128,8 @@ def _header(r: dict[str, Any]) -> list[str]:
                      f"through the daemon's reader: {bw.get('reader', bw['depth'])}"
                      f"{', O_DIRECT' if bw.get('direct') else ''})")
     lines.append(f"memory measured in the uncapped warm-up: decoder {fmt_bytes(w['decoder_bytes'])}, daemon "
-                 f"{fmt_bytes(w['daemon_bytes'])} (peak RssAnon + last RssFile, arena excluded; peak RssAnon + RssFile "
+                 f"{fmt_bytes(w['daemon_bytes'])} (peak RssAnon + the file pages used once the daemon served, else "
+                 f"the last RssFile; arena excluded; peak RssAnon + RssFile "
                  f"{fmt_bytes(w.get('decoder_peak_bytes'))} and {fmt_bytes(w.get('daemon_peak_bytes'))})")
     return lines + [f"note: {n}" for n in r["notes"]]
 
