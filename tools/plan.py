@@ -49,8 +49,8 @@ from ..common.units import format_size
 DECODER_BASE_BYTES = 232 << 20  # the decoder's own memory beside its dense weights (torch, numba, KV): 279 MiB
 # measured on a 3.2 GiB model with 48.7 MiB of dense weights, 235 on one with 16.8 (peak RssAnon + the file pages it
 # touches while decoding, `bench capped`'s warm-up; 336.5 counting every resident file page)
-DAEMON_BASE_BYTES = 80 << 20  # what the daemon keeps beside its arena under --memory: its memory at start (~48
-# MB) + a 32 MiB margin (iod.main.OVERHEAD_MARGIN); measured 80-82 MiB (its budget less the arena it made)
+DAEMON_BASE_BYTES = 60 << 20  # what the daemon keeps beside its arena under --memory: its anonymous memory at
+# start (~28 MB) + a 32 MiB margin (iod.main.OVERHEAD_MARGIN)
 HEADROOM_BYTES = 64 << 20  # kernel, reads in flight
 MIN_SLOTS = 4
 DEFAULT_BANDWIDTH = 1.0e9  # bytes/s of random expert reads, assumed without --probe
