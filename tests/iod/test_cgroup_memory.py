@@ -88,7 +88,12 @@ def _eps(tmp_path: Path) -> list[str]:
 @pytest.mark.parametrize("sizing", [["--arena-bytes", "256MiB"], ["--memory", "25%"], ["--memory", "1GiB"]])
 def test_an_arena_bigger_than_the_cgroup_is_refused_in_one_line(cgroup, wide_model, tmp_path, sizing):
     p = _in_cgroup(cgroup, ["--model", str(wide_model), *sizing, *_eps(tmp_path)])
-    out, err = p.communicate(timeout=60)
+    try:
+        out, err = p.communicate(timeout=60)
+    finally:  # a daemon that started instead of refusing must not outlive the test
+        if p.poll() is None:
+            p.terminate()
+            p.communicate(timeout=30)
     lines = err.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1, err
     if sizing[1] == "25%":  # a quarter of the cgroup's 128 MiB, not of the host's RAM
