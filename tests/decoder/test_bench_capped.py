@@ -453,3 +453,17 @@ def test_the_sampler_counts_the_file_pages_used_once_serving_began(tmp_path):
     plain = hc.Sampler(None, {"me": os.getpid()})  # without working_set: the last RssFile
     plain.stop()
     assert plain.need("me") == plain.anon_peak["me"] + plain.file_last["me"] and "me" not in plain.file_used
+
+
+def test_the_report_gives_each_process_reads_in_the_decode():
+    """The decoder's own disk reads in the decode (file pages it first touches, or re-reads when
+    the cap reclaimed them) apart from the daemon's, per decoded token."""
+    split = plan.split_budget(1 << 30, 400 * MiB, 60 * MiB, 64 * MiB, 4 * MiB, 4, 1024)
+    reads = {"load": {"daemon": 1, "decoder": 300e6}, "decode": {"daemon": 310e6, "decoder": 62e6}}
+    ms = _run(5.0, 12e6, decode_s=3.0, stall_s=1.0, new_tokens=32, own_reads=reads)
+    r = _result(with_llamacpp=False)
+    r["caps"] = [report.summarize("50%", split, {"moestream": [ms], "llamacpp": []}, r)]
+    cap = r["caps"][0]["moestream"]
+    assert cap["decoder_reads_per_token"] == 2e6 and cap["daemon_reads_per_token"] == 10e6  # over 31 steps
+    assert "own reads in the decode: decoder 2.00 MB/token" in report.format_report(r)
+    assert "decoder_reads_per_token" not in report._flat(_run(5.0, 12e6))  # runs without the counters

@@ -62,6 +62,9 @@ def summarize(text: str, split: Split, runs: dict[str, list], out: dict[str, Any
 def _flat(r: dict[str, Any]) -> dict[str, Any]:
     """A run's nested figures (spread, LRU) as top-level numbers, for the medians."""
     f = {k: v for k, v in r.items() if k not in ("spread", "lru")}
+    decode = (r.get("own_reads") or {}).get("decode")
+    if decode and r.get("new_tokens", 0) > 1:  # each process's own disk reads in the decode steps, a token
+        f.update({f"{name}_reads_per_token": n / (r["new_tokens"] - 1) for name, n in decode.items()})
     if "spread" in r:
         f.update(spread_mean=r["spread"]["mean_distinct"], spread_share=r["spread"]["share"])
     if "lru" in r:
@@ -232,6 +235,10 @@ def _moestream_notes(ms: dict, r: dict[str, Any]) -> list[str]:
                    f"{fmt_bytes(ms.get('fetched_bytes'))}"
                    f", compute {_num(ms.get('compute_s'))} s, daemon read {fmt_bytes(ms.get('daemon_read_bytes'))}, "
                    f"daemon hit rate {_num(ms.get('daemon_hit_rate'), '.1%')}{_prefetch_note(ms)}{_cpu_note(ms)}")
+    if ms.get("decoder_reads_per_token") is not None:
+        # the decoder's reads are file pages: first touches (readahead included), or pages the cap made it re-read
+        out.append(f"  own reads in the decode: decoder {_mb(ms['decoder_reads_per_token'])} MB/token (its file "
+                   f"pages: first touches, or re-read under the cap), daemon {_mb(ms.get('daemon_reads_per_token'))}")
     return out
 
 
