@@ -217,7 +217,7 @@ class Sampler:
         if self.started():
             self.start = self._asked
             if self._working_set:
-                self._cleared = {name for name, pid in self.pids.items() if clear_referenced(pid)}
+                self._cleared = {name for name, pid in list(self.pids.items()) if clear_referenced(pid)}
                 self._ws_read = time.monotonic()
         self._asked = before
 
