@@ -114,6 +114,20 @@ def test_openai_client_streams_a_chat_completion_from_streamed_experts(client, r
     assert chunks[-1].usage.prompt_tokens == len(tok.encode(tok.render_chat(messages)))
 
 
+def test_text_held_back_sends_no_empty_chunks(client, resident):
+    """A stop string the whole reply is a prefix of holds every token's text back until the end:
+    the stream then has the role chunk and the final text, not a chunk of nothing per token."""
+    tok = resident[2]
+    prompt = "def parse(text):"
+    want = tok.decode(reference(resident, tok.encode(prompt), 8))
+    model_id = client.models.list().data[0].id
+    stream = client.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                       stop=[want + "\x07"])
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == want and want
+    assert all(c.choices[0].text or c.choices[0].finish_reason for c in chunks), [c.choices[0] for c in chunks]
+
+
 def test_four_concurrent_greedy_requests_equal_four_sequential_ones(client, server, resident):
     tok = resident[2]
     model_id = client.models.list().data[0].id

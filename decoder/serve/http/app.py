@@ -318,6 +318,8 @@ async def sse(state: ServerState, job: api.Job) -> AsyncIterator[str]:
             if d.experts is not None:
                 shares.append(d.experts)
             cached += d.cached
+            if not (d.text or d.calls or d.finish or lp) and (d.index in first or job.kind != "chat"):
+                continue  # text not whole yet (a UTF-8 sequence, a stop prefix); a chat's first chunk: the role
             choice = api.choice(job, d.text, lp, d.finish, delta=True, first=d.index not in first, index=d.index,
                                 calls=d.calls, call_base=n_calls[d.index])
             first.add(d.index)
