@@ -15,11 +15,9 @@ from typing import Any
 
 from ..common.layout import ModelFormatError, ModelLayout
 from ..common.units import format_size
+from .plan import DAEMON_BASE_BYTES
 
 SIZING_PERCENTS = (25, 50, 100)  # of all experts: the cache sizes an operator usually weighs
-# The daemon's own memory beside its arena (a Python process with its libraries: ~50 MiB measured,
-# plus the margin it adds); `moestream-iod --memory` measures the real figure at start and logs it.
-IOD_OWN_BYTES_GUESS = 96 << 20
 
 
 def describe(layout: ModelLayout) -> dict[str, Any]:
@@ -47,8 +45,8 @@ def sizing(n_experts: int, slot_bytes: int) -> dict[str, Any]:
     for pct in SIZING_PERCENTS:
         slots = max(1, -(-n_experts * pct // 100))  # rounded up: at least that share fits
         rows.append({"percent": pct, "slots": slots, "arena_bytes": slots * slot_bytes,
-                     "memory_bytes": slots * slot_bytes + IOD_OWN_BYTES_GUESS})
-    return {"slot_bytes": slot_bytes, "daemon_bytes_guess": IOD_OWN_BYTES_GUESS, "budgets": rows}
+                     "memory_bytes": slots * slot_bytes + DAEMON_BASE_BYTES})
+    return {"slot_bytes": slot_bytes, "daemon_bytes_guess": DAEMON_BASE_BYTES, "budgets": rows}
 
 
 def _mib(n: int) -> str:
