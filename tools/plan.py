@@ -15,18 +15,21 @@ The arithmetic (one decoded token, CPU decoder computing from the daemon's arena
 |                        | linear between (0, 0), the points and (1, 1)                                  |
 | missed bytes / token   | (1 - h) x MoE layers x top-k x mean expert bytes                              |
 | I/O s / token          | per MoE layer, its m missed experts (binomial: each of top-k missed with      |
-|                        | probability 1 - h) at the disk's bandwidth for random expert reads with m     |
-|                        | experts' parts in flight, linear from one expert's to top-k's (one layer's    |
-|                        | demand fetch): --probe measures both (a few seconds of cold reads through the |
-|                        | daemon's own reader: io_uring, O_DIRECT; the median of 3 rounds), else        |
-|                        | --bandwidth (stated, at every depth)                                          |
+|                        | probability 1 - h) fetched together: the longer of their reads (at the disk's |
+|                        | bandwidth for random expert reads with m experts' parts in flight, linear     |
+|                        | from one expert's to top-k's) and their CPU (m x --miss-cpu: the daemon works |
+|                        | on one miss while the others read). --probe measures both bandwidths (a few   |
+|                        | seconds of cold reads through the daemon's own reader: io_uring, O_DIRECT;    |
+|                        | the median of 3 rounds), else --bandwidth (stated, at every depth)            |
 | compute s / token      | 1 / --compute-tok-s (a measured resident rate), or --probe's: one token       |
 |                        | through the CPU kernels on top-k experts of one layer x MoE layers,           |
 |                        | the dense bytes at the same rate, LAYER_GLUE_S per layer (stated); else       |
 |                        | active bytes / --compute-rate (stated)                                        |
-| tok/s                  | 1 / (compute + I/O): nothing overlapped (a floor; forced routing runs so)     |
-| prefetched tok/s       | 1 / max(compute, missed bytes / the bandwidth at depth 32): the decoder's     |
-|                        | prefetch hides reads behind compute and keeps the daemon's queue deep         |
+| tok/s                  | 1 / (compute + I/O): compute and fetches not overlapped (forced routing runs  |
+|                        | so)                                                                           |
+| prefetched tok/s       | 1 / max(compute + misses x --miss-cpu, missed bytes / the bandwidth at depth  |
+|                        | 32): the decoder's prefetch hides reads behind compute and keeps the daemon's |
+|                        | queue deep; their CPU then takes the compute's cores                          |
 |                        | (measured runs that prefetch land within ~20 % of it, see docs/BENCHMARKS.md) |
 | cold fill              | the arena's bytes / the bandwidth at depth 32 (the daemon's batched reads)    |
 | least memory           | decoder + daemon + headroom + max(4, top-k) slots                             |
@@ -60,10 +63,10 @@ DEFAULT_COMPUTE_RATE = 8.0e9  # bytes/s of quantized weights the CPU kernels get
 LAYER_GLUE_S = 0.4e-3  # a decode step's time per layer beside its expert call and dense bytes, assumed:
 # 2-core VM, 1024-wide qwen3moe top-8, resident 35.8 ms/token = 16 x 1.7-2.0 ms (the probe's layer call)
 # + 3.5 ms (dense bytes at that rate) + ~0.4 ms a layer
-MISS_CPU_S = 1.0e-3  # CPU time a missed expert costs a step beside the disk wait, assumed: on the 2-vCPU
-# development VM the daemon spent 0.58-1.05 ms an expert read (its Python: request, read, reply, release),
-# taken from the decoder's kernels where they use every core (the default), and the decoder ~0.4 ms of its own
-# (docs/BENCHMARKS.md, 2026-12-06 (later))
+MISS_CPU_S = 1.0e-3  # CPU time a missed expert costs, assumed: on the 2-vCPU development VMs the daemon spent
+# 0.37-1.05 ms an expert read (its Python: request, read, reply, release) and the decoder ~0.4 ms of its own
+# (docs/BENCHMARKS.md, 2026-12-06 (later)); it overlaps the layer's other reads (demand_io_s), and takes the
+# decoder's cores from its kernels when prefetched reads hide behind compute
 PROBE_ROUNDS = 3  # bandwidth probe rounds, the median reported
 DAEMON_DEPTH = 32  # the daemon's reads in flight (moestream-iod --queue-depth) when it fills the arena
 DEFAULT_CURVE = "qwen3-235b"
@@ -171,28 +174,35 @@ def forecast_slots(s: Shape, memory: int, slots: int, hit_rate: float, bandwidth
     """The forecast for an arena of `slots` whose LRU hits `hit_rate` of the experts asked for;
     `bandwidth` at the demand fetch's depth (`one_bandwidth` with one expert's reads in flight:
     `demand_io_s`), `fill_bandwidth` at the daemon's (default the same): the cold fill, and the
-    prefetched figure's reads, which the daemon keeps as deep. Each missed expert adds
-    `miss_cpu_s` to the step's compute (the CPU its read costs)."""
+    prefetched figure's reads, which the daemon keeps as deep. Each missed expert costs
+    `miss_cpu_s` of CPU: within its layer's demand fetch (`demand_io_s`), or, where prefetched
+    reads hide behind compute, beside the compute on the same cores."""
     misses = (1.0 - hit_rate) * s.moe_layers * s.top_k  # expert reads a token
     missed = misses * s.expert_bytes
-    io, compute = demand_io_s(s, hit_rate, bandwidth, one_bandwidth), compute_s + misses * miss_cpu_s
+    io = demand_io_s(s, hit_rate, bandwidth, one_bandwidth, miss_cpu_s)
     deep = fill_bandwidth or bandwidth
-    return Forecast(memory, slots, slots / s.n_blobs, hit_rate, missed, io, compute, 1.0 / (compute + io),
-                    1.0 / max(compute, missed / deep), slots * s.slot_bytes / deep)
+    return Forecast(memory, slots, slots / s.n_blobs, hit_rate, missed, io, compute_s, 1.0 / (compute_s + io),
+                    1.0 / max(compute_s + misses * miss_cpu_s, missed / deep), slots * s.slot_bytes / deep)
 
 
-def demand_io_s(s: Shape, hit_rate: float, bandwidth: float, one_bandwidth: float | None = None) -> float:
-    """A token's seconds of demand reads: each MoE layer reads its m missed experts together (m of
-    top-k, each missed with probability 1 - hit_rate: binomial), m x the expert's bytes at the
-    bandwidth of m experts' reads in flight, linear from `one_bandwidth` (m = 1; None: the same)
-    to `bandwidth` (m = top-k). A layer that misses one expert reads at one expert's depth: on the
-    development VM's disk 0.81-0.94 GB/s against 1.04-1.15 with 12 reads in flight; more on NVMe."""
+def demand_io_s(s: Shape, hit_rate: float, bandwidth: float, one_bandwidth: float | None = None,
+                miss_cpu_s: float = 0.0) -> float:
+    """A token's seconds of demand fetches: each MoE layer fetches its m missed experts together (m
+    of top-k, each missed with probability 1 - hit_rate: binomial) and waits for the longer of
+    - their reads: m x the expert's bytes at the bandwidth of m experts' reads in flight, linear
+      from `one_bandwidth` (m = 1; None: the same) to `bandwidth` (m = top-k). A layer that misses
+      one expert reads at one expert's depth: on the development VM's disk 0.81-0.94 GB/s against
+      1.04-1.15 with 12 reads in flight; more on NVMe;
+    - their CPU, m x `miss_cpu_s`: the daemon handles one miss while the others read, so the CPU
+      adds up only where it outlasts the reads. Added instead, the forecast was 1.42-1.45x too low
+      for 3.2 MiB experts (8 a layer, 4 of them missed) and 0.92x for 0.8 MiB ones (1-2 missed):
+      with the longer of the two, 0.95-0.97x and 0.81x (docs/BENCHMARKS.md, 2026-12-06 (night))."""
     k, q = s.top_k, 1.0 - hit_rate
     one = one_bandwidth or bandwidth
     per_layer = 0.0
     for m in range(1, k + 1):
         bw = one + (bandwidth - one) * (m - 1) / (k - 1) if k > 1 else bandwidth
-        per_layer += math.comb(k, m) * q ** m * (1.0 - q) ** (k - m) * m * s.expert_bytes / bw
+        per_layer += math.comb(k, m) * q ** m * (1.0 - q) ** (k - m) * max(m * s.expert_bytes / bw, m * miss_cpu_s)
     return s.moe_layers * per_layer
 
 
@@ -301,9 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
       help=f"without --compute-tok-s or --probe: weight bytes per second the kernels process (default "
       f"{DEFAULT_COMPUTE_RATE:.0e})")
     a("--miss-cpu", type=float, default=MISS_CPU_S * 1e3, metavar="MS",
-      help=f"CPU milliseconds each missed expert adds to a token: the daemon's work for its read, taken from the "
-      f"decoder's cores when its threads use them all, and the decoder's own (default {MISS_CPU_S * 1e3:g}, measured "
-      "on a 2-vCPU VM; `moestream status` shows a running daemon's ms a read)")
+      help=f"CPU milliseconds each missed expert costs: the daemon's work for its read and the decoder's own; it "
+      "overlaps the layer's other reads, and takes the kernels' cores when prefetched reads hide behind compute "
+      f"(default {MISS_CPU_S * 1e3:g}, measured on 2-vCPU VMs; `moestream status` shows a running daemon's ms a read)")
     a("--json", action="store_true", help="one JSON object")
     return p
 
@@ -378,9 +388,9 @@ def report(r: dict[str, Any]) -> str:
         lines.append(f"{f['memory_text']:>10} {f['slots']:>7} {f['cached']:>7.1%} {f['hit_rate']:>6.2f} "
                      f"{f['missed_bytes_per_token'] / 1e6:>9.2f} {f['io_s'] * 1e3:>8.1f} {f['tok_s']:>7.2f} "
                      f"{f['tok_s_prefetched']:>11.2f} {f['cold_fill_s']:>12.1f}")
-    lines.append("tok/s = 1 / (compute + I/O per token), nothing overlapped, each layer's misses read together; "
-                 "prefetched = 1 / max(compute, I/O at depth 32): reads hidden behind compute; compute includes "
-                 "the misses' CPU")
+    lines.append("tok/s = 1 / (compute + I/O per token): each layer's misses fetched together, the longer of their "
+                 "reads and their CPU; prefetched = 1 / max(compute + the misses' CPU, I/O at depth 32): reads "
+                 "hidden behind compute")
     return "\n".join(lines)
 
 

@@ -47,10 +47,13 @@ def test_forecast_arithmetic_on_a_made_model(make_tiny_model, capsys):
     misses = (1 - f["hit_rate"]) * 2 * 2  # MoE layers x top-k
     missed = misses * expert
     assert f["missed_bytes_per_token"] == pytest.approx(missed)
-    compute = 1 / 50 + misses * 2.5e-3  # each miss's CPU on top of the resident rate
+    compute = 1 / 50
     assert f["compute_s"] == pytest.approx(compute) and r["miss_cpu_s"] == pytest.approx(2.5e-3)
-    assert f["tok_s"] == pytest.approx(1 / (compute + missed / 1e8))
-    assert f["tok_s_prefetched"] == pytest.approx(1 / max(compute, missed / 1e8))
+    # one bandwidth at every depth: a layer's m misses take m x the longer of a read and a miss's CPU
+    assert f["io_s"] == pytest.approx(misses * max(expert / 1e8, 2.5e-3))
+    assert f["tok_s"] == pytest.approx(1 / (compute + misses * max(expert / 1e8, 2.5e-3)))
+    # prefetched, the reads hide behind compute and their CPU joins it
+    assert f["tok_s_prefetched"] == pytest.approx(1 / max(compute + misses * 2.5e-3, missed / 1e8))
     assert f["cold_fill_s"] == pytest.approx(slots * s["slot_bytes"] / 1e8)
     assert r["least_memory"] == r["own_bytes"] + 4 * s["slot_bytes"]
 
@@ -117,3 +120,16 @@ def test_a_layer_that_misses_few_experts_reads_at_their_depth():
     assert f.io_s == pytest.approx(by_hand) and f.tok_s == pytest.approx(1 / (0.01 + by_hand))
     assert f.tok_s_prefetched == pytest.approx(1 / max(0.01, f.missed_bytes_per_token / 2e9))
     assert f.cold_fill_s == pytest.approx(8 * (1 << 20) / 2e9)
+
+
+def test_a_layer_waits_for_the_longer_of_its_reads_and_its_misses_cpu():
+    """The daemon handles one miss while the layer's others read: a layer's m misses cost the
+    longer of their reads and m x the CPU a miss takes, not the sum."""
+    s = pl.Shape(moe_layers=10, n_expert=8, top_k=2, expert_bytes=1e6, slot_bytes=1 << 20, dense_bytes=0,
+                 file_bytes=10 ** 9)
+    q, one, two, cpu = 0.25, 0.5e9, 1e9, 1.5e-3  # reads: 2 ms for one miss, 2 ms for two (twice as deep)
+    by_hand = 10 * (2 * q * (1 - q) * max(1e6 / one, cpu) + q * q * max(2e6 / two, 2 * cpu))  # 2 ms, then 3 ms
+    assert pl.demand_io_s(s, 0.75, two, one, cpu) == pytest.approx(by_hand)
+    assert by_hand < pl.demand_io_s(s, 0.75, two, one) + 10 * 2 * q * cpu  # less than reads + CPU
+    f = pl.forecast_slots(s, 1 << 30, 8, 0.75, two, 0.01, miss_cpu_s=cpu, one_bandwidth=one)
+    assert f.tok_s == pytest.approx(1 / (0.01 + by_hand)) and f.compute_s == pytest.approx(0.01)

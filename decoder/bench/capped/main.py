@@ -406,7 +406,8 @@ def cap_forecast(layout: Any, split: Split, warm: dict[str, Any], out: dict[str,
                      f"{bw['bytes_per_s'] / 1e9:.2f} GB/s ({bw['depth']} in flight"
                      + (f", {one / 1e9:.2f} with one expert's" if one else "") + "; "
                      f"{'prefetching: max(compute, I/O)' if prefetch else 'compute + I/O'}), "
-                     f"{basis}, + {MISS_CPU_S * 1e3:g} ms of CPU a missed expert (plan's --miss-cpu)"}
+                     f"{basis}; {MISS_CPU_S * 1e3:g} ms of CPU a missed expert (plan's --miss-cpu), "
+                     + ("beside the compute" if prefetch else "overlapping its layer's reads")}
 
 
 def main(argv: list[str] | None = None) -> int:
