@@ -106,7 +106,7 @@ def run(cfg: IodConfig) -> int:
         stack.callback(arena.close)
         reader = open_reader([str(f.path) for f in layout.files], backend=cfg.backend,  # one descriptor per part
                              depth=cfg.queue_depth, direct=cfg.direct,
-                             ahead_depth=cfg.queue_depth - cfg.reserved(cfg.queue_depth))
+                             ahead_depth=cfg.queue_depth - cfg.reserved(cfg.queue_depth), on_loop=True)
         stack.callback(reader.close)
         if reader.note:
             log.warning("%s", reader.note)

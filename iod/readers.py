@@ -21,6 +21,7 @@ are left to demand. `promote` turns a submitted prefetch into demand (a `now` re
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from collections import deque
@@ -76,6 +77,7 @@ class Reader(Protocol):
     name: str  # "uring" | "threads"
     note: str  # why `auto` fell back, "" if it did not
 
+    def start(self, loop: asyncio.AbstractEventLoop) -> None: ...
     def submit(self, ops: list[ReadOp], on_done: OnDone, *, ahead: bool = False) -> Batch: ...
     def promote(self, batch: Batch) -> None: ...
     def stats(self) -> dict: ...
@@ -124,9 +126,13 @@ class ReaderBase:
         self._stats = {"ops": 0, "bytes": 0, "preadv_calls": 0, "errors": 0}
         self._io0 = proc_read_bytes()
 
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The owner's event loop runs now (a loop-driven backend reaps on it; threads need nothing)."""
+
     def submit(self, ops: list[ReadOp], on_done: OnDone, *, ahead: bool = False) -> Batch:
-        """Queue `ops` (a prefetch if `ahead`); `on_done(None | exception)` runs once, from a reader
-        thread, after the last one. Returns the batch, the handle `promote` takes."""
+        """Queue `ops` (a prefetch if `ahead`); `on_done(None | exception)` runs once, after the
+        last one: from a reader thread, or on the loop of a loop-driven reader. Returns the batch,
+        the handle `promote` takes."""
         if not ops:
             raise ValueError("submit: no ops")
         bad = next((op.file for op in ops if op.file >= len(self.paths)), None)
@@ -380,10 +386,13 @@ def chunk_errors(run: list[Chunk], got: int, path: str = "the file") -> list[Rea
 
 # -- factory --------------------------------------------------------------------------------
 def open_reader(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *, backend: str = "auto",
-                depth: int = 32, direct: bool = False, ahead_depth: int | None = None) -> Reader:
+                depth: int = 32, direct: bool = False, ahead_depth: int | None = None,
+                on_loop: bool = False) -> Reader:
     """A reader over `path` (or a list of paths, the parts of a split model: `ReadOp.file` indexes
     it): `uring`, `threads`, or `auto` (uring if it works here, else threads with a note).
-    Prefetch reads hold at most `ahead_depth` (default: all) of the `depth` places in flight."""
+    Prefetch reads hold at most `ahead_depth` (default: all) of the `depth` places in flight.
+    `on_loop`: the caller runs an asyncio loop and calls `start(loop)`, and the ring is driven
+    there (`reader_uring.LoopUringReader`) instead of by a thread of its own."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown reader backend {backend!r} (choose from {', '.join(BACKENDS)})")
     if not 1 <= depth <= MAX_DEPTH:
@@ -395,10 +404,10 @@ def open_reader(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
 
     if backend == "threads":
         return ThreadsReader(path, depth=depth, direct=direct, ahead_depth=ahead_depth)
-    from .reader_uring import UringReader, UringUnavailable
+    from .reader_uring import LoopUringReader, UringReader, UringUnavailable
 
     try:
-        return UringReader(path, depth=depth, direct=direct, ahead_depth=ahead_depth)
+        return (LoopUringReader if on_loop else UringReader)(path, depth=depth, direct=direct, ahead_depth=ahead_depth)
     except UringUnavailable as e:
         if backend == "uring":
             raise

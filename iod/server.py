@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 
 import zmq
@@ -68,6 +69,7 @@ class Server:
         self.sock = router(ctx, cfg.max_replies_queued)
         self.status = StatusEndpoint(self, router(ctx))
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = -1  # the loop's thread (`serve`): a loop-driven reader completes reads on it
         self._drain_scheduled = self._draining = False
         self.heartbeat_s = min(5.0, cfg.lease_timeout_s / 4)
         self.shares = Shares()
@@ -115,6 +117,8 @@ class Server:
 
     async def serve(self, stop: asyncio.Event) -> None:
         self.loop = self.deaths.loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self.reader.start(self.loop)
         self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
         self.status.start(self.loop)
         self._drain()
@@ -523,12 +527,18 @@ class Server:
     def _start_read(self, load: Load) -> None:
         parts = self.layout.experts.parts(*load.key)
         ops, load.parts = plan_reads(parts, self.arena.slot(load.slot), direct=self.cfg.direct)
-        loop = self.loop
         try:
-            load.handle = self.reader.submit(ops, lambda exc: _call_soon(loop, self._read_done, load, exc),
+            load.handle = self.reader.submit(ops, lambda exc: self._read_finished(load, exc),
                                              ahead=load.priority == "ahead")
         except Exception as e:  # noqa: BLE001 — e.g. reader closed: fail this load, not the loop
-            loop.call_soon(self._read_done, load, e)
+            self.loop.call_soon(self._read_done, load, e)
+
+    def _read_finished(self, load: Load, exc: BaseException | None) -> None:
+        """From the reader: on this loop's thread (a loop-driven reader), or one of its own."""
+        if threading.get_ident() == self._loop_thread:
+            self.loop.call_soon(self._read_done, load, exc)  # (after the reap: no self-pipe write)
+        else:
+            _call_soon(self.loop, self._read_done, load, exc)
 
     def _promote_read(self, load: Load) -> None:
         if load.handle is not None:

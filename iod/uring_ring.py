@@ -22,7 +22,8 @@ import os
 import platform
 import struct
 
-SYS_IO_URING_SETUP, SYS_IO_URING_ENTER = 425, 426  # same numbers on every architecture since 5.1
+SYS_IO_URING_SETUP, SYS_IO_URING_ENTER, SYS_IO_URING_REGISTER = 425, 426, 427  # every architecture since 5.1
+REGISTER_EVENTFD = 4
 OFF_SQ_RING, OFF_CQ_RING, OFF_SQES = 0, 0x8000000, 0x10000000
 FEAT_SINGLE_MMAP = 1 << 0
 ENTER_GETEVENTS = 1 << 0
@@ -57,6 +58,12 @@ def _syscall(*args: int | ctypes.c_void_p) -> int:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     return res
+
+
+def register_eventfd(ring: Ring, efd: int) -> None:
+    """Have the kernel signal `efd` (an eventfd) for every completion `ring` posts."""
+    fd = ctypes.c_int32(efd)
+    _syscall(SYS_IO_URING_REGISTER, ring.fd, REGISTER_EVENTFD, ctypes.c_void_p(ctypes.addressof(fd)), 1)
 
 
 def _u32(base: int, off: int) -> ctypes.c_uint32:
@@ -116,6 +123,10 @@ class Ring:
         self._sq_array[idx] = idx
         self._sq_tail.value = (tail + 1) & 0xFFFFFFFF  # published last: the kernel reads the entry after this
         self._to_submit += 1
+
+    def pending(self) -> int:
+        """Entries queued and not yet handed to the kernel."""
+        return self._to_submit
 
     def submit_and_wait(self, wait_nr: int) -> None:
         """Hand queued entries to the kernel; block until `wait_nr` completions are ready."""

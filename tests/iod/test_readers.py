@@ -266,3 +266,95 @@ def test_no_readahead_inflation(tmp_path: Path, backend: str) -> None:
     if disk == 0:
         pytest.skip("the file stayed in the page cache (fadvise DONTNEED had no effect here)")
     assert disk <= 2 * 32 * PAGE, f"read {disk} bytes from disk for 32 pages"
+
+
+# -- the loop-driven ring (the daemon's) --------------------------------------------------------------
+def _on_loop(body) -> object:
+    """Run `body(loop)` as a coroutine on a fresh asyncio loop; its result."""
+    import asyncio
+
+    async def main():
+        return await body(asyncio.get_running_loop())
+
+    return asyncio.run(main())
+
+
+@pytest.mark.skipif(bool(URING_WHY), reason=f"io_uring unavailable: {URING_WHY}")
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+def test_loop_reader_reads_every_expert_on_its_loop(model: Path, direct: bool) -> None:
+    """The daemon's reader: reads issued from the loop land exactly, and every on_done runs on the
+    loop's own thread, no thread of the reader's in between."""
+    import asyncio
+
+    layout = ModelLayout(model)
+    ex = layout.experts
+    keys = [(lay, e) for lay in range(ex.n_layer) for e in range(ex.n_expert)]
+    slot_bytes = ex.slot_bytes(direct)
+    arena = mmap.mmap(-1, slot_bytes * len(keys))
+    view = memoryview(arena)
+    threads_before = {t.ident for t in threading.enumerate()}
+
+    async def body(loop):
+        r = open_reader(model, backend="uring", depth=4, direct=direct, on_loop=True)
+        assert isinstance(r, reader_uring.LoopUringReader) and {t.ident for t in threading.enumerate()} == threads_before
+        r.start(loop)
+        placed, called, all_done = [], [], loop.create_future()
+
+        def on_done(err):
+            called.append((threading.get_ident(), err))
+            if len(called) == len(keys):
+                all_done.set_result(None)
+
+        for i, key in enumerate(keys):
+            ops, where = plan_reads(ex.parts(*key), view[i * slot_bytes : (i + 1) * slot_bytes], direct=direct)
+            placed.append(where)
+            r.submit(ops, on_done)
+        await asyncio.wait_for(all_done, 10)
+        stats = r.stats()
+        r.close()
+        return placed, called, stats
+
+    placed, called, stats = _on_loop(body)
+    assert {who for who, _ in called} == {threading.get_ident()} and [e for _, e in called] == [None] * len(keys)
+    file_bytes = model.read_bytes()
+    for i, key in enumerate(keys):
+        for part in ex.parts(*key):
+            off, n = placed[i][part.name]
+            assert view[i * slot_bytes + off : i * slot_bytes + off + n] == file_bytes[part.offset : part.offset + n]
+    assert stats["errors"] == 0 and stats["ops"] == sum(len(ex.parts(*k)) for k in keys)
+    view.release()
+    arena.close()
+
+
+@pytest.mark.skipif(bool(URING_WHY), reason=f"io_uring unavailable: {URING_WHY}")
+def test_loop_reader_errors_and_close_with_reads_in_flight(tmp_path: Path) -> None:
+    """A short read reaches on_done as an error; `close` before the loop reaped waits for the reads
+    in the kernel's hands (their bytes land) and fails those never started."""
+    import asyncio
+
+    path = tmp_path / "f.bin"
+    data = os.urandom(64 * PAGE + 100)
+    path.write_bytes(data)
+    bufs, tail = [bytearray(PAGE) for _ in range(200)], bytearray(PAGE)
+
+    async def body(loop):
+        r = open_reader(path, backend="uring", depth=2, on_loop=True)
+        r.start(loop)
+        got = loop.create_future()
+        r.submit([ReadOp(64 * PAGE, PAGE, memoryview(tail))], got.set_result)  # only 100 bytes there
+        err = await asyncio.wait_for(got, 10)
+        errors = []
+        for i in range(200):  # two in the kernel's hands at once, the rest queued
+            r.submit([ReadOp((i * 7 % 64) * PAGE, PAGE, memoryview(bufs[i]))], errors.append)
+        r.close()  # no await since: the loop never reaped them
+        return err, errors
+
+    err, errors = _on_loop(body)
+    assert isinstance(err, ReadError) and "short read" in str(err)
+    assert len(errors) == 200
+    read = [e for e in errors if e is None]
+    assert 1 <= len(read) < 200 and all(isinstance(e, ReadError) and "closed" in str(e) for e in errors if e is not None)
+    started = [i for i in range(200) if bytes(bufs[i]) != bytes(PAGE)]  # (random pages: never all zero)
+    assert len(started) == len(read)
+    for i in started:
+        assert bytes(bufs[i]) == data[(i * 7 % 64) * PAGE : (i * 7 % 64 + 1) * PAGE]
