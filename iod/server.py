@@ -1,9 +1,10 @@
 """The daemon's request loop: a ZeroMQ ROUTER driven straight from the uvloop event loop.
 
 The loop only routes small messages. It watches the socket's FD with `loop.add_reader` and
-drains `recv_multipart(NOBLOCK)` (zmq.asyncio costs ~3x the round trip here). Reader threads
-fill arena slots and hand completions back with `loop.call_soon_threadsafe`; each expert's
-`ready` goes out as soon as its bytes are in the arena. Every bad message gets an `error`
+drains `recv_multipart(NOBLOCK)` (zmq.asyncio costs ~3x the round trip here). The io_uring
+reader fills arena slots and its completions are reaped on this loop too (`LoopUringReader`;
+the `threads` backend's workers hand theirs back with `loop.call_soon_threadsafe`); each
+expert's `ready` goes out as soon as its bytes are in the arena. Every bad message gets an `error`
 reply; nothing a client sends can stop the loop.
 
 Fairness between peers (a user or a process, known from the kernel: peers.py): each share's
