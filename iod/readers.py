@@ -406,8 +406,16 @@ def open_reader(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         return ThreadsReader(path, depth=depth, direct=direct, ahead_depth=ahead_depth)
     from .reader_uring import LoopUringReader, UringReader, UringUnavailable
 
+    if on_loop:
+        try:
+            return LoopUringReader(path, depth=depth, direct=direct, ahead_depth=ahead_depth)
+        except UringUnavailable as e:  # (a ring its loop cannot watch may still work from a thread)
+            loop_note = f"io_uring on the event loop unavailable: {e}; using a ring thread"
     try:
-        return (LoopUringReader if on_loop else UringReader)(path, depth=depth, direct=direct, ahead_depth=ahead_depth)
+        reader = UringReader(path, depth=depth, direct=direct, ahead_depth=ahead_depth)
+        if on_loop:
+            reader.note = loop_note
+        return reader
     except UringUnavailable as e:
         if backend == "uring":
             raise

@@ -29,6 +29,17 @@ def _uring_ok() -> str:
 
 
 URING_WHY = _uring_ok()
+
+
+def _loop_uring_ok() -> str:
+    try:
+        reader_uring.LoopUringReader(__file__, depth=2).close()
+        return ""
+    except reader_uring.UringUnavailable as e:
+        return str(e)
+
+
+LOOP_URING_WHY = URING_WHY or _loop_uring_ok()
 BACKENDS = [
     "threads",
     pytest.param("uring", marks=pytest.mark.skipif(bool(URING_WHY), reason=f"io_uring unavailable: {URING_WHY}")),
@@ -245,6 +256,24 @@ def test_auto_falls_back_with_note(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         open_reader(path, backend="aio")
 
 
+@pytest.mark.skipif(bool(URING_WHY), reason=f"io_uring unavailable: {URING_WHY}")
+def test_a_ring_the_loop_cannot_watch_gets_a_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * PAGE)
+
+    def refuse(ring, efd: int) -> None:
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(reader_uring, "register_eventfd", refuse)
+    with open_reader(path, backend="uring", on_loop=True) as r:
+        assert type(r) is reader_uring.UringReader
+        assert "io_uring on the event loop unavailable: io_uring completion eventfd: Invalid argument" in r.note
+        done = Waiter(1)
+        buf = bytearray(PAGE)
+        r.submit([ReadOp(0, PAGE, memoryview(buf))], done)
+        assert done.wait() == [] and bytes(buf) == b"x" * PAGE
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_readahead_inflation(tmp_path: Path, backend: str) -> None:
     """Cold scattered 4 KiB reads fetch about 4 KiB each from disk, not a readahead window."""
@@ -279,7 +308,7 @@ def _on_loop(body) -> object:
     return asyncio.run(main())
 
 
-@pytest.mark.skipif(bool(URING_WHY), reason=f"io_uring unavailable: {URING_WHY}")
+@pytest.mark.skipif(bool(LOOP_URING_WHY), reason=f"io_uring on a loop unavailable: {LOOP_URING_WHY}")
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
 def test_loop_reader_reads_every_expert_on_its_loop(model: Path, direct: bool) -> None:
     """The daemon's reader: reads issued from the loop land exactly, and every on_done runs on the
@@ -326,7 +355,7 @@ def test_loop_reader_reads_every_expert_on_its_loop(model: Path, direct: bool) -
     arena.close()
 
 
-@pytest.mark.skipif(bool(URING_WHY), reason=f"io_uring unavailable: {URING_WHY}")
+@pytest.mark.skipif(bool(LOOP_URING_WHY), reason=f"io_uring on a loop unavailable: {LOOP_URING_WHY}")
 def test_loop_reader_errors_and_close_with_reads_in_flight(tmp_path: Path) -> None:
     """A short read reaches on_done as an error; `close` before the loop reaped waits for the reads
     in the kernel's hands (their bytes land) and fails those never started."""
