@@ -535,7 +535,10 @@ class Server:
             self.loop.call_soon(self._read_done, load, e)
 
     def _read_finished(self, load: Load, exc: BaseException | None) -> None:
-        """From the reader: on this loop's thread (a loop-driven reader), or one of its own."""
+        """From the reader: on this loop's thread (a loop-driven reader, or its `close` after the
+        loop ended), or one of its own."""
+        if self.loop.is_closed():  # a read that outlived the shutdown grace: no one left to tell
+            return
         if threading.get_ident() == self._loop_thread:
             self.loop.call_soon(self._read_done, load, exc)  # (after the reap: no self-pipe write)
         else:
