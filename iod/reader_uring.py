@@ -67,6 +67,17 @@ class UringBase(ReaderBase):
         self._flights: dict[int, _Flight] = {}
         self._next_id = WAKE + 1
 
+    def _probe_read(self, fd: int) -> None:
+        """One 8-byte READV of the eventfd `fd` (holding a count), waited for: proves READV
+        completes here before anything relies on it."""
+        buf = ctypes.create_string_buffer(8)
+        iov = _Iovec(ctypes.addressof(buf), 8)
+        self.ring.prep(OP_READV, fd, ctypes.addressof(iov), 1, 0, WAKE)
+        self.ring.submit_and_wait(1)
+        done = self.ring.reap()
+        if done != [(WAKE, 8)]:
+            raise OSError(5, f"io_uring probe read returned {done!r}, expected [(0, 8)]")
+
     def _fill(self) -> None:
         while len(self._flights) < self.depth and self.ring.free_sqes() > 0:
             run = self.queue.take(block=False)
@@ -148,19 +159,13 @@ class UringReader(UringBase):
         self._thread.start()
 
     def _probe(self) -> None:
-        """Arm the wake read and fire it once: proves READV completes here before we rely on it."""
+        """The wake read, fired once."""
         try:
-            self._arm_wake()
             os.eventfd_write(self.efd, 1)
-            self.ring.submit_and_wait(1)
-            done = self.ring.reap()
+            self._probe_read(self.efd)
         except OSError as e:
             self._teardown()
-            raise UringUnavailable(f"io_uring_enter failed: {e.strerror}") from None
-        if done != [(WAKE, 8)]:
-            self._teardown()
-            raise UringUnavailable(f"io_uring probe read returned {done!r}, expected [(0, 8)]")
-        self._wake_armed = False
+            raise UringUnavailable(f"io_uring read failed: {e.strerror}") from None
 
     def _wake(self) -> None:
         """The ring thread sleeps in io_uring_enter on the wake read. One wake in flight is enough:
@@ -224,18 +229,13 @@ class LoopUringReader(UringBase):
             raise UringUnavailable(f"io_uring completion eventfd: {e.strerror}") from None
 
     def _probe(self) -> None:
-        """One READV of an eventfd, waited for: proves READV completes here and signals efd."""
-        fd, buf = os.eventfd(1, os.EFD_CLOEXEC), ctypes.create_string_buffer(8)
-        iov = _Iovec(ctypes.addressof(buf), 8)
+        """A read of another eventfd: READV completes here, and its completion signals efd."""
+        fd = os.eventfd(1, os.EFD_CLOEXEC)
         try:
-            self.ring.prep(OP_READV, fd, ctypes.addressof(iov), 1, 0, WAKE)
-            self.ring.submit_and_wait(1)
-            done = self.ring.reap()
+            self._probe_read(fd)
         finally:
             os.close(fd)
-        if done != [(WAKE, 8)]:
-            raise OSError(5, f"io_uring probe read returned {done!r}, expected [(0, 8)]")
-        os.eventfd_read(self.efd)  # (the probe's signal)
+        os.eventfd_read(self.efd)  # (the probe's signal; BlockingIOError if none came)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Reap completions on `loop` from now on."""
