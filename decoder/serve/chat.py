@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import argparse
 import queue
+import signal
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -105,23 +109,24 @@ class Chat:
         seq = self.engine.submit(GenRequest(ids, min(a.max_tokens, self.limit - len(ids)), sampling), events.put)
         reply, text_out, t0 = [], ReplyText(self.tok.decode, lstrip=self.tok.space_prefix), time.perf_counter()
         self.last, self.replies = Turn(prompt_tokens=len(ids)), self.replies + 1
-        try:
+        stop, ev = _Stop(seq.cancel), None
+        with stop.on_ctrl_c():
             while True:
                 ev = events.get()
                 if isinstance(ev, DoneEvent):
                     self.last.cached_tokens = ev.cached_tokens
                 if isinstance(ev, (DoneEvent, ErrorEvent)):
                     break
+                if stop.asked:  # the engine ends the sequence before its next step; show no more
+                    continue
                 if not reply:
                     self.last.ttft_s = time.perf_counter() - t0
                 reply.append(ev.token)
                 self._show(text_out.add(ev.token), out)
-            self._show(text_out.finish(), out)
-            if isinstance(ev, ErrorEvent):
-                print(f"\n[error: {ev.message}]", file=out, flush=True)
-        except KeyboardInterrupt:
-            seq.cancel()
-            self._show(text_out.finish(), out)
+        self._show(text_out.finish(), out)
+        if isinstance(ev, ErrorEvent):
+            print(f"\n[error: {ev.message}]", file=out, flush=True)
+        elif stop.asked:
             print(" [stopped]", end="", file=out, flush=True)
         self.last.tokens, self.last.decode_s = len(reply), time.perf_counter() - t0 - self.last.ttft_s
         print(file=out, flush=True)
@@ -144,6 +149,36 @@ class Chat:
                 f"(prompt {t.prompt_tokens} tokens, {t.cached_tokens} reused from earlier turns); context {used}/{self.limit} tokens; {experts}")
 
 
+class _Stop:
+    """Ctrl-C during a reply: the first calls `cancel` (no exception, so nothing is cut short
+    half-way: the reply loop goes on until the engine says the sequence is done); a second, if the
+    engine is slow to answer, raises KeyboardInterrupt as usual."""
+
+    def __init__(self, cancel: Callable[[], None]) -> None:
+        self.cancel, self.asked = cancel, False
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        self.asked = True
+        self.cancel()
+
+    @contextmanager
+    def on_ctrl_c(self) -> Iterator[None]:
+        # only the main thread may set handlers; a SIGINT that is ignored (a background job) stays so
+        if threading.current_thread() is not threading.main_thread() or \
+                signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            yield
+            return
+        signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            yield
+        except KeyboardInterrupt:  # the second Ctrl-C
+            self.asked = True
+            self.cancel()
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def repl(chat: Chat, inp: Any = sys.stdin, out: Any = sys.stdout) -> int:
     chat.reset()
     interactive = inp.isatty()
@@ -162,14 +197,13 @@ def repl(chat: Chat, inp: Any = sys.stdin, out: Any = sys.stdout) -> int:
                 line = inp.readline()
                 if not line:
                     raise EOFError
+            if not command(chat, line.strip(), out):
+                return 0
         except EOFError:
             print(file=out)
             return 0
-        except KeyboardInterrupt:  # at the prompt: a fresh line, as a shell does
+        except KeyboardInterrupt:  # at the prompt (or between a reply and it): a fresh line, as a shell does
             print(file=out)
-            continue
-        if not command(chat, line.strip(), out):
-            return 0
 
 
 def command(chat: Chat, line: str, out: Any) -> bool:

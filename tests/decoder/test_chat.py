@@ -3,16 +3,21 @@
 from __future__ import annotations
 from moestream.decoder.experts.bank import ExpertBank
 
+import io
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 import moestream
+from moestream.decoder.serve.chat import repl
 
 MODEL = Path(moestream.__file__).parent / "data" / "tiny-qwen3moe-q8_0.gguf"
 CHAT = [sys.executable, "-m", "moestream", "chat", "--model", str(MODEL), "--resident", "--temperature", "0"]
@@ -53,15 +58,22 @@ def test_ctrl_c_stops_the_reply_not_the_program():
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
     reader.start()
+
+    def wait_for(seen: Callable[[str], bool]) -> None:
+        deadline = time.monotonic() + 120
+        while not seen("".join(out).split("> ", 1)[-1]):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(out)
+            time.sleep(0.02)
+
     try:
         proc.stdin.write("def parse(\n")
         proc.stdin.flush()
-        deadline = time.monotonic() + 120
-        while len("".join(out).split("> ", 1)[-1]) < 8:  # the reply has started streaming
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(out)
-            time.sleep(0.02)
+        wait_for(lambda reply: len(reply) >= 8)  # the reply has started streaming
         proc.send_signal(signal.SIGINT)
-        proc.stdin.write("/stats\n/quit\n")
+        wait_for(lambda reply: "\n> " in reply)  # ... and ended: the next prompt
+        # a 200-token reply takes ~0.3 s, so on a busy machine it may end before the signal lands;
+        # the empty line is for a Ctrl-C that lands at the prompt (it clears the line, as a shell does)
+        proc.stdin.write("\n/stats\n/quit\n")
         proc.stdin.close()
         proc.wait(120)
     finally:
@@ -71,9 +83,61 @@ def test_ctrl_c_stops_the_reply_not_the_program():
     reader.join(10)
     text = "".join(out)
     assert proc.returncode == 0, proc.stderr.read()
-    assert " [stopped]" in text
     tokens = int(text.split("last reply: ")[1].split(" tokens")[0])
-    assert 0 < tokens < 200
+    assert 0 < tokens <= 200
+    assert (" [stopped]" in text) == (tokens < 200), text
+
+
+class _CtrlCOn:
+    """A chat's output that presses Ctrl-C (SIGINT to this process, as a terminal does) on the
+    first write after which `when(everything written)` holds: a signal that lands at a known point,
+    not by timing."""
+
+    def __init__(self, when: Callable[[str], bool]) -> None:
+        self.when, self.text, self.pressed = when, "", False
+
+    def write(self, s: str) -> int:
+        self.text += s
+        if not self.pressed and self.when(self.text):
+            self.pressed = True
+            os.kill(os.getpid(), signal.SIGINT)
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.fixture
+def in_process_chat():
+    from moestream.decoder.serve.chat import Chat, build_parser
+    from moestream.decoder.serve.config import ServeConfig
+    from moestream.decoder.serve.main import open_engine
+
+    args = build_parser().parse_args(["--model", str(MODEL), "--resident", "--temperature", "0", "--max-tokens", "200"])
+    _, tok, engine, limit = open_engine(ServeConfig(model=str(MODEL), resident=True), "moestream-chat")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal (see above)
+    try:
+        chat = Chat(engine, tok, limit, args)
+        chat.reset()
+        yield chat
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        engine.close()
+
+
+def test_ctrl_c_during_a_reply_cancels_it_and_keeps_what_was_said(in_process_chat):
+    out = _CtrlCOn(lambda text: "> " in text and len(text.split("> ", 1)[1]) >= 8)  # a few pieces into the reply
+    repl(in_process_chat, io.StringIO("def parse(\n/quit\n"), out)
+    assert " [stopped]" in out.text
+    assert 0 < in_process_chat.last.tokens < 200  # the engine dropped it: no more tokens came
+    assert in_process_chat.history[-1]["role"] == "assistant" and in_process_chat.history[-1]["content"]
+
+
+def test_ctrl_c_between_replies_gives_a_fresh_prompt(in_process_chat):
+    """Ctrl-C while a command's answer prints (not a reply, not the prompt) leaves the program running."""
+    out = _CtrlCOn(lambda text: "last reply:" in text)
+    assert repl(in_process_chat, io.StringIO("hello\n/stats\n/help\n/quit\n"), out) == 0
+    assert out.pressed and "/reset" in out.text.split("last reply:")[1]  # /help answered after it
 
 
 def test_a_second_turn_reuses_the_first_and_a_full_context_says_what_it_dropped():
