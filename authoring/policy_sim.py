@@ -1,11 +1,13 @@
-"""Compare cache policies on an expert-access trace: decayed LFU, LRU and Belady's optimum.
+"""Compare cache policies on an expert-access trace: decayed LFU, LRU, the two dueling (the
+daemon's arena) and Belady's optimum.
 
 A trace is a list of steps; a step is the keys needed together (in practice the routed
 `(layer, expert)` pairs of one token). Every policy follows the rule the real caches follow:
 all keys of the current step are selected (pinned) before any miss is filled, so a step's
 own keys are never evicted while it runs, a key counts as a hit when it is resident at the
 start of its step, and a key repeated inside one step counts once. The capacity must hold
-one step's distinct keys. "lfu" runs the real `SlotPolicy`, with one `step()` per step.
+one step's distinct keys. "lfu" runs the real `SlotPolicy`, with one `step()` per step;
+"adaptive" the same with `adaptive=True` (it evicts as LRU while a shadow LRU hits more).
 
 Trace files: see `common.traces` (`generate --trace-out` writes them, `moestream warm` reads them too).
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from ..common.policy import SlotPolicy
 from ..common.traces import load_trace
 
-POLICIES = ("lfu", "lru", "belady")
+POLICIES = ("lfu", "lru", "adaptive", "belady")
 Trace = Sequence[Sequence[Hashable]]
 
 
@@ -55,7 +57,7 @@ def _check_capacity(capacity: int, need: int) -> None:
 
 
 def simulate(trace: Trace, capacity: int, policy: str = "lfu", decay: float = 0.9) -> SimResult:
-    """Replay `trace` on a cache of `capacity` slots under `policy` ("lfu", "lru", "belady")."""
+    """Replay `trace` on a cache of `capacity` slots under `policy` (one of `POLICIES`)."""
     steps = _dedup(trace)
     _check_capacity(capacity, _need(steps))
     return _run(steps, capacity, policy, decay)
@@ -63,8 +65,8 @@ def simulate(trace: Trace, capacity: int, policy: str = "lfu", decay: float = 0.
 
 def _run(steps: list[list[Hashable]], capacity: int, policy: str, decay: float) -> SimResult:
     """`simulate` on steps already deduplicated and checked against `capacity`."""
-    if policy == "lfu":
-        return _sim_lfu(steps, capacity, decay)
+    if policy in ("lfu", "adaptive"):
+        return _sim_lfu(steps, capacity, decay, adaptive=policy == "adaptive")
     if policy == "lru":
         return _sim_lru(steps, capacity)
     if policy == "belady":
@@ -72,8 +74,8 @@ def _run(steps: list[list[Hashable]], capacity: int, policy: str, decay: float) 
     raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
 
 
-def _sim_lfu(steps: list[list[Hashable]], capacity: int, decay: float) -> SimResult:
-    cache = SlotPolicy(capacity, decay)
+def _sim_lfu(steps: list[list[Hashable]], capacity: int, decay: float, adaptive: bool = False) -> SimResult:
+    cache = SlotPolicy(capacity, decay, adaptive=adaptive)
     for keys in steps:
         missed = []
         for key in keys:  # select the hits first, as the caches do
@@ -166,9 +168,9 @@ def split_per_layer(steps: Trace) -> list[list[tuple[int, int]]]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="moestream simulate",
-        description="Hit rates of decayed LFU, LRU and Belady's optimum on an expert trace "
-                    "(.json or .npy; formats in the module docstring), with lfu/belady and "
-                    "lru/belady ratios.",
+        description="Hit rates of decayed LFU, LRU, the two dueling (adaptive: moestream-iod's arena) "
+                    "and Belady's optimum on an expert trace (.json or .npy; formats in the module "
+                    "docstring), each also as a ratio to Belady's.",
         epilog="trace formats:\n"
                '  .json  {"n_layer": L, "n_expert": E, "steps": [[[layer, expert], ...], ...]}\n'
                "  .npy   integer expert ids, shape [tokens, layers, k]; one step per token\n"
@@ -185,14 +187,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def _report(steps: list[list[Hashable]], capacity: int, decay: float) -> str:
     """One capacity's line; `steps` were deduplicated and checked once, by main."""
-    res = {name: _run(steps, capacity, name, decay) for name in ("belady", "lfu", "lru")}
+    res = {name: _run(steps, capacity, name, decay) for name in POLICIES}
     best = res["belady"].hit_rate
 
     def ratio(name: str) -> str:
         return f"{res[name].hit_rate / best:.3f}" if best else "n/a"
 
-    return (f"capacity {capacity}: belady {best:.4f}  lfu {res['lfu'].hit_rate:.4f}  "
-            f"lru {res['lru'].hit_rate:.4f}  lfu/belady {ratio('lfu')}  lru/belady {ratio('lru')}")
+    online = [name for name in POLICIES if name != "belady"]
+    return (f"capacity {capacity}: belady {best:.4f}  " + "  ".join(f"{n} {res[n].hit_rate:.4f}" for n in online)
+            + "  " + "  ".join(f"{n}/belady {ratio(n)}" for n in online))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """The host cache tier: which expert lives in which arena slot, and who leases it.
 
-Slots are chosen by `common.policy.SlotPolicy` (hotness-decayed LFU, pins). A slot is pinned
+Slots are chosen by `common.policy.SlotPolicy` (hotness-decayed LFU, or LRU while a shadow LRU
+hits more: `adaptive`; pins). A slot is pinned
 in the policy while it is being read (one pin) and once per outstanding lease, so a leased
 or loading slot is never chosen for eviction and its bytes never change under a reader.
 Each (re)load of a slot bumps its generation: a lease names (slot, generation), so a stale
@@ -40,7 +41,7 @@ class HostCache:
         """`n_expert` and `part_names` (a key's part names, in the layout's order) are what the
         arena's directory needs to publish a slot; without a directory they are unused."""
         self.arena = arena
-        self.policy = SlotPolicy(arena.n_slots, decay)
+        self.policy = SlotPolicy(arena.n_slots, decay, adaptive=True)
         self.slots = [SlotInfo() for _ in range(arena.n_slots)]
         self.directory = getattr(arena, "directory", None)
         self.n_expert, self.part_names = n_expert, part_names
@@ -134,4 +135,5 @@ class HostCache:
             "leased_slots": sum(1 for s in self.slots if s.leases),
             "leases": sum(s.leases for s in self.slots),
             "free_slots": self.free_slots(),
+            "evicts_as": self.policy.stats()["follows"],  # "lfu" | "lru": which shadow hits more now
         }

@@ -55,7 +55,9 @@ def test_status_counts_not_cached_answers_apart_from_errors(start_daemon, wait_s
         for f in c.fetch([(0, 1), (1, 2)], priority="cached"):
             assert f.exception(30) is not None  # nothing is cached yet
     s = wait_status(d.status_endpoint, lambda s: s["errors_by_code"].get("not_cached", 0) >= 2)
-    row = next(ln for ln in format_status(get_status(d.status_endpoint)).splitlines() if ln.startswith("errors"))
+    text = format_status(get_status(d.status_endpoint))
+    row = next(ln for ln in text.splitlines() if ln.startswith("errors"))
+    assert "evicts as LFU" in next(ln for ln in text.splitlines() if ln.startswith("arena"))  # no access has hit yet
     assert row.split()[1] == str(s["errors"] - s["errors_by_code"]["not_cached"])
     assert "not_cached" in row.split(";", 1)[1]
 

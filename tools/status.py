@@ -117,7 +117,8 @@ def format_status(s: dict[str, Any]) -> str:
         ("backend", f"{b['name']} depth {b['queue_depth']}{' O_DIRECT' if b['direct'] else ''}"
                     + (f"  ({b['note']})" if b["note"] else "")),
         ("arena", f"{a['name']}: {a['n_slots']} slots x {_mib(a['slot_bytes'])} = {_mib(a['arena_bytes'])}; "
-                  f"{a['resident']} resident, {a['loading']} loading, {a['leased_slots']} leased"),
+                  f"{a['resident']} resident, {a['loading']} loading, {a['leased_slots']} leased"
+                  + (f"; evicts as {a['evicts_as'].upper()}" if "evicts_as" in a else "")),
         ("requests", f"{s['requests']:,}: {s['hits']:,} hits, {s['joined']:,} joined, {s['misses']:,} misses; "
                      f"{s.get('direct_hits', 0):,} read straight from the arena by decoders (hit rate "
                      f"{s['hit_rate']:.1%})"),

@@ -68,7 +68,7 @@ def test_belady_bounds_lru_and_lfu(seed):
     for capacity in (4, 8, 16):
         best = simulate(trace, capacity, "belady")
         total = best.hits + best.misses
-        for policy, decay in (("lru", 0.9), ("lfu", 0.9), ("lfu", 1.0), ("lfu", 0.5)):
+        for policy, decay in (("lru", 0.9), ("lfu", 0.9), ("lfu", 1.0), ("lfu", 0.5), ("adaptive", 0.9)):
             res = simulate(trace, capacity, policy, decay)
             assert res.hits + res.misses == total
             assert res.hits <= best.hits, (policy, decay, capacity)
@@ -132,13 +132,20 @@ def test_bad_trace_files(tmp_path, name, content, match):
         load_trace(path)
 
 
+def test_adaptive_keeps_the_hot_set_where_lru_loses_it():
+    """The trace above: the arena's adaptive policy must follow the LFU there, not LRU."""
+    trace = [[0, 1, 2] if t % 3 == 0 else [100 + t] for t in range(300)]
+    adaptive, lfu = simulate(trace, 4, "adaptive", 0.9), simulate(trace, 4, "lfu", 0.9)
+    assert adaptive.hits >= lfu.hits - 6 > simulate(trace, 4, "lru").hits
+
+
 def test_cli_prints_rates_and_ratios(tmp_path, capsys):
     rng = np.random.default_rng(0)
     ids = np.stack([rng.choice(16, size=(3, 2), replace=False) for _ in range(50)])  # [50, 3, 2]
     np.save(tmp_path / "t.npy", ids)
     assert main([str(tmp_path / "t.npy"), "--capacity", "6", "12", "--decay", "0.8"]) == 0
     out = capsys.readouterr().out
-    assert "50 steps, 300 accesses" in out and out.count("lfu/belady") == 2
+    assert "50 steps, 300 accesses" in out and out.count("lfu/belady") == 2 and out.count("adaptive/belady") == 2
     assert main([str(tmp_path / "t.npy"), "--capacity", "2", "--per-layer"]) == 0
     assert "150 steps" in capsys.readouterr().out
 

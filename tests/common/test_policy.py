@@ -198,10 +198,11 @@ def test_long_run_stays_finite_and_small():
 
 
 # -- random workloads ------------------------------------------------------------------------
+@pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("seed", range(5))
-def test_random_workload_invariants(seed):
+def test_random_workload_invariants(seed, adaptive):
     rng = random.Random(seed)
-    p = SlotPolicy(rng.randint(1, 8), rng.choice([1.0, 0.9, 0.5]))
+    p = SlotPolicy(rng.randint(1, 8), rng.choice([1.0, 0.9, 0.5]), adaptive=adaptive)
     pins: dict[str, int] = {}
     lookups = 0
     for _ in range(3000):
@@ -349,3 +350,102 @@ def test_victim_has_lowest_score_with_any_decay(capacity, decay, ops):
         apply(p, ref, op, key, flag)
         for k in ref.accesses:
             assert p.score(k) == pytest.approx(ref.score(k), rel=1e-9, abs=1e-300)
+
+
+# -- adaptive: LRU or the LFU, whichever a shadow of each says hits more --------------------------
+DECAY = 0.985  # a step's share of the daemon's 0.9 a second, at 7 tokens a second
+
+
+def _replay_steps(p: SlotPolicy, steps: list[list[int]]) -> float:
+    """Each step's keys selected (hits pinned) before its misses are filled, as the arena does;
+    one decay tick per step. The hit rate."""
+    hits = total = 0
+    for keys in steps:
+        missed = []
+        for k in keys:
+            if p.lookup(k) is None:
+                missed.append(k)
+            else:
+                p.pin(k)
+        for k in missed:
+            p.insert(k, pin=True)
+        for k in keys:
+            p.unpin(k)
+        p.step()
+        hits, total = hits + len(keys) - len(missed), total + len(keys)
+    return hits / total
+
+
+def _lru_hit_rate(steps: list[list[int]], capacity: int) -> float:
+    """An independent LRU (an ordered dict), for reference."""
+    from collections import OrderedDict
+
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = total = 0
+    for keys in steps:
+        for k in keys:
+            total += 1
+            if k in cache:
+                hits += 1
+                cache.move_to_end(k)
+        for k in keys:
+            if k not in cache:
+                if len(cache) >= capacity:
+                    cache.popitem(last=False)
+                cache[k] = None
+    return hits / total
+
+
+def _recency_steps(n: int, rng: random.Random) -> list[list[int]]:
+    """4 keys a step out of 6 that change every 50 steps: recency is everything, and the last
+    phase's keys, heavily used, are what an LFU keeps too long."""
+    return [rng.sample(range(6 * (t // 50), 6 * (t // 50) + 6), 4) for t in range(n)]
+
+
+def _hot_cycle_steps(n: int, rng: random.Random) -> list[list[int]]:
+    """4 keys a step: 2 of 5 hot keys and 2 of a cycle of 300 keys: frequency is everything, and a
+    cache of 8 is far smaller than the cycle, so LRU keeps nothing useful."""
+    cold = iter(range(10**9))
+    return [rng.sample(range(5), 2) + [1000 + next(cold) % 300, 1000 + next(cold) % 300] for _ in range(n)]
+
+
+@pytest.mark.parametrize("workload", ["recency", "hot-cycle"])
+def test_adaptive_follows_whichever_of_lru_and_lfu_hits_more(workload):
+    rng = random.Random(7)
+    steps = (_recency_steps if workload == "recency" else _hot_cycle_steps)(3000, rng)
+    lru = _lru_hit_rate(steps, 8)
+    lfu = _replay_steps(SlotPolicy(8, DECAY), steps)
+    adaptive = SlotPolicy(8, DECAY, adaptive=True)
+    got = _replay_steps(adaptive, steps)
+    best, worst = max(lru, lfu), min(lru, lfu)
+    assert best - worst > 0.1  # the workload does separate them
+    assert got >= best - 0.03, (got, lru, lfu)
+    assert adaptive.stats()["follows"] == ("lru" if lru > lfu else "lfu")
+    check_invariants(adaptive)
+
+
+def test_adaptive_switches_when_the_workload_does():
+    rng = random.Random(3)
+    p = SlotPolicy(8, DECAY, adaptive=True)
+    _replay_steps(p, _hot_cycle_steps(1000, rng))
+    assert p.stats()["follows"] == "lfu"
+    tail = _recency_steps(1000, rng)
+    _replay_steps(p, tail[:500])
+    assert p.stats()["follows"] == "lru"
+    assert _replay_steps(p, tail[500:]) >= _lru_hit_rate(tail[500:], 8) - 0.03
+
+
+def test_adaptive_never_evicts_a_pinned_entry_even_when_it_is_the_least_recent():
+    p = SlotPolicy(3, 0.9, adaptive=True)
+    p.insert("a")
+    p.touch("a", 5)  # the LFU's victim would be b, the least recent is a
+    p.insert("b")
+    p.insert("c")
+    p._duel.lead = 1.0  # following LRU
+    assert p.victim() == "a"
+    p.pin("a")
+    assert p.victim() == "b" and p.insert("x")[1] == "b"
+    p.pin("c")
+    p.pin("x")
+    assert p.victim() is None and p.try_insert("y") is None
+    check_invariants(p)

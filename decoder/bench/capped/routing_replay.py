@@ -44,21 +44,22 @@ def ideal_lru(steps: Steps, capacity: int, expert_bytes: float, decode_from: int
 
 def arena_policy(steps: Steps, capacity: int, expert_bytes: float, decode_from: int = 1,
                  decay: float = DAEMON_DECAY) -> dict[str, Any]:
-    """`ideal_lru`'s figures for the daemon's own policy (`common.policy.SlotPolicy`: hotness-decayed
-    LFU) on the same per-layer pieces, hotness decaying by `decay` per step (the daemon decays per
-    tick of up to a second, about a token at these speeds). On skewed routing it keeps the hot
+    """`ideal_lru`'s figures for the daemon's own policy (`common.policy.SlotPolicy(adaptive=True)`:
+    hotness-decayed LFU, or LRU while a shadow LRU hits more) on the same per-layer pieces, hotness
+    decaying by `decay` per step (the daemon decays per tick of up to a second, about a token at
+    these speeds). On skewed routing with room for less than a token's experts it keeps the hot
     experts an LRU cycles out: on a Qwen3-235B-curve trace, 102 slots of 16 x 64 experts top-8, LRU
-    hits 0 %, this 52 % (the arena's run: ~40 %)."""
+    hits 0 %, this 52 %; with room for a token's, it follows LRU."""
     out: dict[str, Any] = {"capacity": capacity, "decode_steps": len(steps) - decode_from}
     if capacity < 1:
         return {**out, "error": f"an arena of {capacity} slots holds no expert"}
-    return {**out, **_replay(steps, capacity, expert_bytes, decode_from, "lfu", decay)}
+    return {**out, **_replay(steps, capacity, expert_bytes, decode_from, "adaptive", decay)}
 
 
 def _replay(steps: Steps, capacity: int, expert_bytes: float, decode_from: int, policy: str,
             decay: float = DAEMON_DECAY) -> dict[str, Any]:
     """`policy` over the per-layer pieces of `steps`; the decode steps' hits and misses (the
-    prefill's warm the cache), `decay` spread over each step's pieces (lfu only)."""
+    prefill's warm the cache), `decay` spread over each step's pieces (lfu and adaptive)."""
     flat = _pieces(steps, capacity)
     n_pre = len(_pieces(steps[:decode_from], capacity))
     per_piece = decay ** (len(steps) / max(1, len(flat)))
