@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ...common.layout import ModelLayout
+from ..footprint import advise_random
 from ..kernels.dequant.blocks import dequantize
 
 Dense = "torch.Tensor | QuantWeight"
@@ -97,6 +98,8 @@ def load_quantized(layout: ModelLayout, name: str, mapped: bool = False) -> Quan
     (Qwen3's vocabulary at 4096 wide: 661 MB at Q8_0, 88 MB at Q1_0, otherwise copied)."""
     t = layout.tensors[name]
     raw = layout.tensor_bytes(name) if mapped else np.array(layout.tensor_bytes(name), copy=True)
+    if mapped:
+        advise_random(raw)  # a row's own pages, not the readahead window around them
     return QuantWeight(raw, int(t.qtype), t.shape[1], t.shape[0])
 
 
