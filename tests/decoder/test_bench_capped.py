@@ -467,3 +467,19 @@ def test_the_report_gives_each_process_reads_in_the_decode():
     assert cap["decoder_reads_per_token"] == 2e6 and cap["daemon_reads_per_token"] == 10e6  # over 31 steps
     assert "own reads in the decode: decoder 2.00 MB/token" in report.format_report(r)
     assert "decoder_reads_per_token" not in report._flat(_run(5.0, 12e6))  # runs without the counters
+
+
+def test_the_decode_reads_end_with_the_decode_not_the_process():
+    """The decoder's reads after its last step (its exit faulting back paged-out library pages) are
+    not decode reads: llama.cpp's side stops counting at its last token too."""
+    from moestream.decoder.bench.capped.moestream_run import _moestream_disk
+
+    sampler = object.__new__(hc.Sampler)  # its samples only: no thread, no processes
+    mb = 1 << 20
+    # t: 0 load, 1 first request, 1-3 prefill (2 s), 3-7 decode (4 s, 10 MB a second), 9 the exit
+    reads = {0: 0, 1: 50, 2: 60, 3: 70, 4: 80, 5: 90, 6: 100, 7: 110, 8: 110, 9: 170, 10: 170}
+    sampler.samples = [(float(t), reads[t] * mb, {"decoder": reads[t] * mb, "daemon": 0}) for t in range(11)]
+    sampler.start = 1.0
+    disk = _moestream_disk(sampler, prefill_s=2.0, decode_s=4.0, decode_tokens=4, mode="block")
+    assert disk["own_reads"]["decode"]["decoder"] == 40 * mb  # not the exit's 60
+    assert disk["disk_per_token"] == 10 * mb

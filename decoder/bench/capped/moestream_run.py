@@ -158,21 +158,22 @@ def _moestream_figures(result: dict, sampler: Sampler, status: dict | None, layo
         "prefetch_wide": (result.get("prefetch") or {}).get("wide"),
         "peak_daemon": sampler.peak.get("daemon"), "need_decoder": sampler.need("decoder"),
         "need_daemon": sampler.need("daemon"), "spread": routing_spread(steps, hp.n_layer, hp.n_expert)}
-    out.update(_moestream_disk(sampler, result["prefill_s"], decode_tokens, disk_counter))
-    out.update(_daemon_cpu(sampler, result["prefill_s"], out.get("disk_per_token"), decode_tokens, layout))
+    out.update(_moestream_disk(sampler, result["prefill_s"], result["decode_s"], decode_tokens, disk_counter))
+    out.update(_daemon_cpu(sampler, result["prefill_s"], result["decode_s"], out.get("disk_per_token"),
+                           decode_tokens, layout))
     if status is not None:
         out.update(_daemon_figures(status, steps, layout))
     return out
 
 
-def _daemon_cpu(sampler: Sampler, prefill_s: float, disk_per_token: float | None, decode_tokens: int,
-                layout: Any) -> dict[str, Any]:
+def _daemon_cpu(sampler: Sampler, prefill_s: float, decode_s: float, disk_per_token: float | None,
+                decode_tokens: int, layout: Any) -> dict[str, Any]:
     """The daemon's CPU seconds in the decode steps, and per expert read (its disk bytes over the
     mean expert's): on a host with no core to spare beside the decoder's threads, the daemon's time
     comes out of the kernels'."""
     if sampler.start is None:
         return {}
-    cpu = sampler.cpu_delta(sampler.at(sampler.start + prefill_s), len(sampler.samples) - 1, "daemon")
+    cpu = sampler.cpu_delta(*_decode_span(sampler, prefill_s, decode_s), "daemon")
     if cpu is None:
         return {}
     ex = layout.experts
@@ -197,12 +198,21 @@ def _reads(status: dict) -> str:
     return "O_DIRECT" if status.get("backend", {}).get("direct") else "page cache"
 
 
-def _moestream_disk(sampler: Sampler, prefill_s: float, decode_tokens: int, mode: str) -> dict[str, Any]:
-    """Disk bytes by phase: load (to the first request), prefill (its reported time), decode."""
+def _decode_span(sampler: Sampler, prefill_s: float, decode_s: float) -> tuple[int, int]:
+    """The samples that bound the decode steps, by the decoder's own phase times (as llama.cpp's
+    side marks its own): not to the process's end, whose exit faulted back ~60 MB of library pages
+    that `footprint.trim` had paged out (with this VM's 8 MB readahead), counted as decode reads."""
+    start = sampler.start + prefill_s
+    return sampler.at(start), sampler.at(start + decode_s)
+
+
+def _moestream_disk(sampler: Sampler, prefill_s: float, decode_s: float, decode_tokens: int,
+                    mode: str) -> dict[str, Any]:
+    """Disk bytes by phase: load (to the first request), prefill and decode (their reported times)."""
     if sampler.start is None:
         return {"disk_per_token": None, "disk_source": None}
     first = max(0, sampler.at(sampler.start) - 1)
-    marks = [0, first, sampler.at(sampler.start + prefill_s), len(sampler.samples) - 1]
+    marks = [0, first, *_decode_span(sampler, prefill_s, decode_s)]
     block, own, by_name = {}, {}, {}
     for phase, i, j in zip(("load", "prefill", "decode"), marks, marks[1:], strict=False):
         block[phase] = sampler.delta(i, j)
