@@ -218,7 +218,7 @@ class SlotPolicy:
                 raise CacheFull(
                     f"all {self.capacity} slots are pinned; cannot insert {key!r}"
                 )
-            self._forget_slot(evicted)  # (its heap item, if any, goes stale)
+            self._forget_slot(evicted)  # (its heap item, if any, is stale now: dropped lazily)
             self.evictions += 1
         entry = _Entry(self._free.pop(), self._history.pop(key, 0.0), 0, 0)
         self._entries[key] = entry
@@ -282,7 +282,6 @@ class SlotPolicy:
 
     def _forget_slot(self, key: Hashable) -> int:
         entry = self._entries.pop(key)
-        entry.token = -1  # its heap item is stale now, and lazily dropped
         self._recent.pop(key, None)
         if entry.pins:
             self._pinned -= 1
