@@ -157,8 +157,8 @@ class Sampler:
     pages touched since are read every WORKING_SET_EVERY_S (`file_used`): what a cap must hold of
     their file-backed memory, where the last RssFile also counts library pages only the load
     touched (libtorch's, the tokenizer's, the GGUF reader's: ~70 of a decoder's ~76 MiB). It falls
-    a little short: under the cap the decoder re-reads ~1.1-1.5 MB a token of its file pages, and a
-    margin for them cost more arena slots than it saved (docs/BENCHMARKS.md, 2026-12-06 evening);
+    a little short: under the cap the decoder re-reads 0.2-0.4 MB a token of its file pages (a
+    margin for them cost more arena slots than it saved: docs/BENCHMARKS.md, 2026-12-06 evening);
     `own reads in the decode` in the report shows them."""
 
     def __init__(self, block_stat: Path | None, pids: dict[str, int],
