@@ -109,7 +109,7 @@ class Chat:
         seq = self.engine.submit(GenRequest(ids, min(a.max_tokens, self.limit - len(ids)), sampling), events.put)
         reply, text_out, t0 = [], ReplyText(self.tok.decode, lstrip=self.tok.space_prefix), time.perf_counter()
         self.last, self.replies = Turn(prompt_tokens=len(ids)), self.replies + 1
-        stop, ev = _Stop(seq.cancel), None
+        stop, ev, unseen = _Stop(seq.cancel), None, 0
         with stop.on_ctrl_c():
             while True:
                 ev = events.get()
@@ -118,6 +118,7 @@ class Chat:
                 if isinstance(ev, (DoneEvent, ErrorEvent)):
                     break
                 if stop.asked:  # the engine ends the sequence before its next step; show no more
+                    unseen += 1
                     continue
                 if not reply:
                     self.last.ttft_s = time.perf_counter() - t0
@@ -126,7 +127,8 @@ class Chat:
         self._show(text_out.finish(), out)
         if isinstance(ev, ErrorEvent):
             print(f"\n[error: {ev.message}]", file=out, flush=True)
-        elif stop.asked:
+        elif stop.asked and (unseen or not isinstance(ev, DoneEvent) or ev.finish == "cancelled"):
+            # (a Ctrl-C that came after the last token stopped nothing: the reply is whole)
             print(" [stopped]", end="", file=out, flush=True)
         self.last.tokens, self.last.decode_s = len(reply), time.perf_counter() - t0 - self.last.ttft_s
         print(file=out, flush=True)
