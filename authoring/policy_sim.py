@@ -75,7 +75,12 @@ def _run(steps: list[list[Hashable]], capacity: int, policy: str, decay: float) 
 
 
 def _sim_lfu(steps: list[list[Hashable]], capacity: int, decay: float, adaptive: bool = False) -> SimResult:
-    cache = SlotPolicy(capacity, decay, adaptive=adaptive)
+    return replay(SlotPolicy(capacity, decay, adaptive=adaptive), steps)
+
+
+def replay(cache: SlotPolicy, steps: list[list[Hashable]]) -> SimResult:
+    """`steps` (deduplicated) through `cache`, one `step()` each: this replay's hits and misses."""
+    hits, misses = cache.hits, cache.misses
     for keys in steps:
         missed = []
         for key in keys:  # select the hits first, as the caches do
@@ -88,7 +93,7 @@ def _sim_lfu(steps: list[list[Hashable]], capacity: int, decay: float, adaptive:
         for key in keys:
             cache.unpin(key)
         cache.step()
-    return SimResult(cache.hits, cache.misses)
+    return SimResult(cache.hits - hits, cache.misses - misses)
 
 
 def _sim_lru(steps: list[list[Hashable]], capacity: int) -> SimResult:

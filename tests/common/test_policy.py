@@ -357,23 +357,10 @@ DECAY = 0.985  # a step's share of the daemon's 0.9 a second, at 7 tokens a seco
 
 
 def _replay_steps(p: SlotPolicy, steps: list[list[int]]) -> float:
-    """Each step's keys selected (hits pinned) before its misses are filled, as the arena does;
-    one decay tick per step. The hit rate."""
-    hits = total = 0
-    for keys in steps:
-        missed = []
-        for k in keys:
-            if p.lookup(k) is None:
-                missed.append(k)
-            else:
-                p.pin(k)
-        for k in missed:
-            p.insert(k, pin=True)
-        for k in keys:
-            p.unpin(k)
-        p.step()
-        hits, total = hits + len(keys) - len(missed), total + len(keys)
-    return hits / total
+    """The hit rate of `steps` through `p`, selected as the arena does (`policy_sim.replay`)."""
+    from moestream.authoring.policy_sim import replay
+
+    return replay(p, steps).hit_rate
 
 
 def _lru_hit_rate(steps: list[list[int]], capacity: int) -> float:
