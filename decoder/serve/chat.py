@@ -166,19 +166,20 @@ class _Stop:
 
     @contextmanager
     def on_ctrl_c(self) -> Iterator[None]:
-        # only the main thread may set handlers; a SIGINT that is ignored (a background job) stays so
-        if threading.current_thread() is not threading.main_thread() or \
-                signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-            yield
-            return
-        signal.signal(signal.SIGINT, self._on_sigint)
+        # only the main thread may set handlers; a SIGINT that is ignored (a background job), or
+        # handled by whoever embeds us, stays so
+        install = threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        if install:
+            signal.signal(signal.SIGINT, self._on_sigint)
         try:
             yield
-        except KeyboardInterrupt:  # the second Ctrl-C
+        except KeyboardInterrupt:  # the second Ctrl-C (or one raised by another handler)
             self.asked = True
             self.cancel()
         finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            if install:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def repl(chat: Chat, inp: Any = sys.stdin, out: Any = sys.stdout) -> int:
