@@ -31,18 +31,20 @@ class _Entry:
 
 class _Duel:
     """Which of two shadow caches of the same capacity, pure LRU and the decayed LFU, has hit more
-    of the recent accesses (keys only, no slots or pins): an `adaptive` policy evicts as the leader
-    would. Neither wins everywhere: with room for about one token's experts, LRU keeps the last
-    token's picks for the next (consecutive tokens share experts), and on a Qwen3.5-397B-curve trace
-    hits 0.58 against the LFU's 0.49; with room for less than a token, LRU cycles everything out
-    (hit rate 0) while the LFU keeps the hot experts (0.15-0.27). Set dueling, as CPU caches choose
-    an insertion policy: the advantage forgets with a horizon of two cache turnovers, so the
-    policy follows a workload that changes."""
+    of the recent accesses (keys only, no slots): an `adaptive` policy evicts as the leader would.
+    Neither wins everywhere: with room for about one token's experts, LRU keeps the last token's
+    picks for the next (consecutive tokens share experts), and on a Qwen3.5-397B-curve trace hits
+    0.58 against the LFU's 0.49; with room for less than a token, LRU cycles everything out (hit
+    rate 0) while the LFU keeps the hot experts (0.15-0.27). Set dueling, as CPU caches choose an
+    insertion policy: the advantage forgets with a horizon of two cache turnovers, so the policy
+    follows a workload that changes. The real cache's pins hold in both shadows too (a shadow that
+    could evict what the real one cannot would judge another game)."""
 
     def __init__(self, capacity: int, decay: float) -> None:
         self.capacity = capacity
         self.lru: OrderedDict[Hashable, None] = OrderedDict()
         self.lfu = SlotPolicy(capacity, decay)
+        self.pinned: set[Hashable] = set()  # keys the real cache has pinned
         self.lead = 0.0  # > 0: LRU has hit more lately
         self.keep = 1.0 - 1.0 / (2 * capacity)
 
@@ -53,15 +55,27 @@ class _Duel:
         else:
             self.lru[key] = None
             if len(self.lru) > self.capacity:
-                self.lru.popitem(last=False)
+                victim = next((k for k in self.lru if k not in self.pinned), None)
+                if victim is not None:
+                    del self.lru[victim]
         lfu_hit = self.lfu.slot_of(key) is not None
         if lfu_hit:
             self.lfu.touch(key, count)
-        else:
-            self.lfu.insert(key)  # unpinned: it always finds a victim
-            if count > 1:
-                self.lfu.touch(key, count - 1)
+        elif self.lfu.try_insert(key, pin=key in self.pinned) is not None and count > 1:
+            self.lfu.touch(key, count - 1)
         self.lead = self.lead * self.keep + (lru_hit - lfu_hit)
+
+    def pin(self, key: Hashable) -> None:
+        """The real cache pinned `key` (its first pin)."""
+        self.pinned.add(key)
+        if key in self.lfu and not self.lfu.pin_count(key):
+            self.lfu.pin(key)
+
+    def unpin(self, key: Hashable) -> None:
+        """The real cache's last pin of `key` went (unpinned, or the key removed)."""
+        self.pinned.discard(key)
+        if key in self.lfu and self.lfu.pin_count(key):
+            self.lfu.unpin(key)
 
     @property
     def follows(self) -> str:
@@ -226,6 +240,8 @@ class SlotPolicy:
         if pin:
             entry.pins = 1
             self._pinned += 1
+            if self._duel is not None:
+                self._duel.pin(key)  # (before the access, which inserts it into the shadows pinned)
         self._access(key, entry)
         return entry.slot, evicted
 
@@ -251,6 +267,8 @@ class SlotPolicy:
         if entry.pins == 1:
             self._pinned += 1
             entry.token = self._next_seq()  # invalidates its heap item
+            if self._duel is not None:
+                self._duel.pin(key)
 
     def unpin(self, key: Hashable) -> None:
         entry = self._get(key)
@@ -260,6 +278,8 @@ class SlotPolicy:
         if entry.pins == 0:
             self._pinned -= 1
             self._push(key, entry)
+            if self._duel is not None:
+                self._duel.unpin(key)
 
     def step(self) -> None:
         """One decay tick: every score is multiplied by `decay`."""
@@ -285,6 +305,8 @@ class SlotPolicy:
         self._recent.pop(key, None)
         if entry.pins:
             self._pinned -= 1
+            if self._duel is not None:
+                self._duel.unpin(key)
         self._free.append(entry.slot)
         self._history[key] = entry.stored
         return entry.slot

@@ -20,6 +20,10 @@ def check_invariants(p: SlotPolicy) -> None:
     s = p.stats()
     assert s["resident"] == len(p) == s["inserts"] - s["evictions"] - s["removes"]
     assert s["pinned"] == p.pinned == sum(1 for k in p.keys() if p.pin_count(k) > 0)
+    if p._duel is not None:  # the shadows hold the real cache's pins, no others
+        pinned = {k for k in p.keys() if p.pin_count(k)}
+        assert p._duel.pinned == pinned
+        assert {k for k in p._duel.lfu.keys() if p._duel.lfu.pin_count(k)} == pinned & set(p._duel.lfu.keys())
 
 
 # -- construction and basics ---------------------------------------------------------------
