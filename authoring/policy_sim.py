@@ -5,8 +5,9 @@ A trace is a list of steps; a step is the keys needed together (in practice the 
 `(layer, expert)` pairs of one token). Every policy follows the rule the real caches follow:
 all keys of the current step are selected (pinned) before any miss is filled, so a step's
 own keys are never evicted while it runs, a key counts as a hit when it is resident at the
-start of its step, and a key repeated inside one step counts once. The capacity must hold
-one step's distinct keys. "lfu" runs the real `SlotPolicy`, with one `step()` per step;
+start of its step, and a key repeated inside one step counts once; "lfu" and "adaptive" weigh
+its repeats as uses (a prompt's tokens routed to it: the daemon's `SlotPolicy.credit`). The
+capacity must hold one step's distinct keys. "lfu" runs the real `SlotPolicy`, with one `step()` per step;
 "adaptive" the same with `adaptive=True` (it evicts as LRU while a shadow LRU hits more).
 
 Trace files: see `common.traces` (`generate --trace-out` writes them, `moestream warm` reads them too).
@@ -46,6 +47,17 @@ def _dedup(trace: Trace) -> list[list[Hashable]]:
     return [list(dict.fromkeys(step)) for step in trace]
 
 
+def _repeats(trace: Trace) -> list[dict[Hashable, int]]:
+    """Per step, the keys it lists more than once and how many times beyond the first."""
+    out = []
+    for step in trace:
+        seen: dict[Hashable, int] = {}
+        for key in step:
+            seen[key] = seen.get(key, -1) + 1
+        out.append({k: n for k, n in seen.items() if n})
+    return out
+
+
 def _need(steps: list[list[Hashable]]) -> int:
     """The least capacity that holds every (deduplicated) step."""
     return max(1, max((len(s) for s in steps), default=0))
@@ -60,13 +72,15 @@ def simulate(trace: Trace, capacity: int, policy: str = "lfu", decay: float = 0.
     """Replay `trace` on a cache of `capacity` slots under `policy` (one of `POLICIES`)."""
     steps = _dedup(trace)
     _check_capacity(capacity, _need(steps))
-    return _run(steps, capacity, policy, decay)
+    return _run(steps, capacity, policy, decay, _repeats(trace))
 
 
-def _run(steps: list[list[Hashable]], capacity: int, policy: str, decay: float) -> SimResult:
-    """`simulate` on steps already deduplicated and checked against `capacity`."""
+def _run(steps: list[list[Hashable]], capacity: int, policy: str, decay: float,
+         repeats: list[dict[Hashable, int]] | None = None) -> SimResult:
+    """`simulate` on steps already deduplicated and checked against `capacity` (`repeats`: the
+    uses beyond each key's first, per step)."""
     if policy in ("lfu", "adaptive"):
-        return _sim_lfu(steps, capacity, decay, adaptive=policy == "adaptive")
+        return replay(SlotPolicy(capacity, decay, adaptive=policy == "adaptive"), steps, repeats)
     if policy == "lru":
         return _sim_lru(steps, capacity)
     if policy == "belady":
@@ -74,14 +88,12 @@ def _run(steps: list[list[Hashable]], capacity: int, policy: str, decay: float) 
     raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
 
 
-def _sim_lfu(steps: list[list[Hashable]], capacity: int, decay: float, adaptive: bool = False) -> SimResult:
-    return replay(SlotPolicy(capacity, decay, adaptive=adaptive), steps)
-
-
-def replay(cache: SlotPolicy, steps: list[list[Hashable]]) -> SimResult:
-    """`steps` (deduplicated) through `cache`, one `step()` each: this replay's hits and misses."""
+def replay(cache: SlotPolicy, steps: list[list[Hashable]],
+           repeats: list[dict[Hashable, int]] | None = None) -> SimResult:
+    """`steps` (deduplicated) through `cache`, one `step()` each, with `repeats[s]`'s uses beyond
+    the first credited as the daemon does: this replay's hits and misses."""
     hits, misses = cache.hits, cache.misses
-    for keys in steps:
+    for s, keys in enumerate(steps):
         missed = []
         for key in keys:  # select the hits first, as the caches do
             if cache.lookup(key) is None:
@@ -90,6 +102,8 @@ def replay(cache: SlotPolicy, steps: list[list[Hashable]]) -> SimResult:
                 cache.pin(key)
         for key in missed:
             cache.insert(key, pin=True)
+        for key, n in (repeats[s] if repeats else {}).items():
+            cache.credit(key, n)
         for key in keys:
             cache.unpin(key)
         cache.step()
@@ -190,9 +204,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _report(steps: list[list[Hashable]], capacity: int, decay: float) -> str:
+def _report(steps: list[list[Hashable]], repeats: list[dict[Hashable, int]], capacity: int, decay: float) -> str:
     """One capacity's line; `steps` were deduplicated and checked once, by main."""
-    res = {name: _run(steps, capacity, name, decay) for name in POLICIES}
+    res = {name: _run(steps, capacity, name, decay, repeats) for name in POLICIES}
     best = res["belady"].hit_rate
 
     def ratio(name: str) -> str:
@@ -209,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = load_trace(args.trace)
         if args.per_layer:
             steps = split_per_layer(steps)
-        steps = _dedup(steps)  # once, for every policy and capacity
+        steps, repeats = _dedup(steps), _repeats(steps)  # once, for every policy and capacity
         need = _need(steps)
         n_access = sum(len(s) for s in steps)
         n_keys = len({k for s in steps for k in s})
@@ -217,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
               f"lfu decay {args.decay}")
         for capacity in args.capacity:
             _check_capacity(capacity, need)
-            print(_report(steps, capacity, args.decay))
+            print(_report(steps, repeats, capacity, args.decay))
     except (OSError, ValueError) as exc:
         print(f"policy_sim: error: {exc}", file=sys.stderr)
         return 1

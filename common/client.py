@@ -110,9 +110,13 @@ class _Request:
     rid: int
     priority: str
     futures: dict[tuple[int, int], cf.Future]
+    uses: dict[tuple[int, int], int] | None = None  # rows per key (`fetch`'s uses), None: one each
 
     def message(self) -> bytes:
-        return P.Fetch(self.rid, [list(k) for k in self.futures], self.priority).encode()
+        keys = list(self.futures)
+        uses = None if self.uses is None else [self.uses[k] for k in keys]
+        return P.Fetch(self.rid, [list(k) for k in keys], self.priority,
+                       uses if uses and max(uses) > 1 else None).encode()
 
 
 def fingerprint_mismatch(expect: dict, got: dict) -> str | None:
@@ -178,18 +182,23 @@ class IodClient:
             raise dead
 
     # -- public API ---------------------------------------------------------------------------
-    def fetch(self, keys: Sequence[tuple[int, int]], priority: str = "now") -> list[cf.Future]:
+    def fetch(self, keys: Sequence[tuple[int, int]], priority: str = "now",
+              uses: Sequence[int] | None = None) -> list[cf.Future]:
         """One future per key, completed with a Lease as each expert lands in the arena (kept
-        across a reconnect; failed with IodUnavailable once the client is dead)."""
+        across a reconnect; failed with IodUnavailable once the client is dead). `uses` (`now`
+        only): the rows of the step each key serves, for the daemon's cache policy (P.Fetch)."""
         if priority not in P.PRIORITIES:
             raise ValueError(f"priority must be one of {P.PRIORITIES}, got {priority!r}")
         keys = [(int(layer), int(expert)) for layer, expert in keys]
         if len(set(keys)) != len(keys):
             raise ValueError("duplicate keys in one fetch")
+        if uses is not None and (priority != "now" or len(uses) != len(keys) or min(uses, default=1) < 1):
+            raise ValueError("uses: one count >= 1 per key, and only for a `now` fetch")
+        by_key = None if uses is None else dict(zip(keys, (int(n) for n in uses)))
         futures: list[cf.Future] = []
         for i in range(0, len(keys), P.MAX_KEYS):
             batch = keys[i : i + P.MAX_KEYS]
-            req = _Request(next(self._rids), priority, {k: cf.Future() for k in batch})
+            req = _Request(next(self._rids), priority, {k: cf.Future() for k in batch}, by_key)
             for k, f in req.futures.items():
                 f.iod_rid, f.iod_key = req.rid, k  # for cancel()
             futures += req.futures.values()  # before the hand-over: from then on the record is the I/O thread's
@@ -251,20 +260,27 @@ class IodClient:
         if keys:
             self._send_command(("release", keys, epoch))
 
-    def touch(self, layer: int, experts: list[int]) -> None:
+    def touch(self, layer: int, experts: list[int], rows: list[int] | None = None) -> None:
         """Report experts of `layer` computed straight from the arena through its directory (hits
         that took no lease; an expert listed n times counts n), so the daemon's decayed LFU and
-        history see them. Never answered; dropped while not connected (it is a hint)."""
+        history see them; `rows` (one per expert, default 1): the rows (tokens) each served, the
+        uses its policy weighs. Never answered; dropped while not connected (it is a hint)."""
         # Kept here, not queued: the I/O thread sends what gathered in one message whenever it
         # runs next (its next command or timer). No wake-up: that would cost the compute thread a
         # GIL hand-over per step, and a queue of one message per step could fill the socket. A
         # list append (atomic under the GIL) is all the compute thread pays; the I/O thread counts.
-        self._touched.append((int(layer), experts))
+        self._touched.append((int(layer), experts, rows))
 
-    def _take_touched(self) -> list[tuple[tuple[int, int], int]]:
+    def _take_touched(self) -> list[tuple[tuple[int, int], int, int]]:
+        """(key, times computed, rows served) of the touches gathered since the last call, by key."""
         with self._lock:
             out, self._touched = self._touched, []
-        return sorted(Counter((layer, int(e)) for layer, es in out for e in es).items())
+        counts, uses = Counter(), Counter()
+        for layer, es, rows in out:
+            for i, e in enumerate(es):
+                counts[layer, int(e)] += 1
+                uses[layer, int(e)] += 1 if rows is None else int(rows[i])
+        return [(k, n, uses[k]) for k, n in sorted(counts.items())]
 
     def cancel(self, futures: Iterable[cf.Future]) -> None:
         """Cancel requests still pending (typically stale prefetches); leases that arrive anyway are released."""
@@ -569,7 +585,9 @@ class _IoThread(threading.Thread):
         touched = self.c._take_touched()
         for i in range(0, len(touched), P.MAX_KEYS):
             batch = touched[i:i + P.MAX_KEYS]
-            self._send(P.Touch([list(k) for k, _ in batch], [n for _, n in batch]).encode())
+            uses = [u for _, _, u in batch]
+            self._send(P.Touch([list(k) for k, _, _ in batch], [n for _, n, _ in batch],
+                               uses if any(u > n for _, n, u in batch) else None).encode())
 
     def _cmd_cancel(self, rid: int, keys: list[tuple[int, int]]) -> None:
         req = self.requests.get(rid)

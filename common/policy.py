@@ -216,6 +216,23 @@ class SlotPolicy:
         """`count` accesses without hit/miss accounting; raises KeyError when not resident."""
         self._access(key, self._get(key), count)
 
+    def credit(self, key: Hashable, count: int) -> None:
+        """`count` more uses of `key`, resident or not, without hit/miss accounting: a step's
+        rows beyond the one its lookup or insert counted (a prompt's tokens routed to the expert),
+        so the frequency an eviction weighs is tokens, not requests. A key not resident keeps
+        them in its history and resumes them when inserted."""
+        if count < 1:
+            return
+        entry = self._entries.get(key)
+        if entry is None:
+            self._history[key] = self._history.get(key, 0.0) + count * self._scale
+        else:  # (recency stays the access's: these uses came with it)
+            entry.stored += count * self._scale
+            if not entry.pins:
+                self._push(key, entry)
+        if self._duel is not None:  # the LFU shadow weighs the same uses; neither shadow scores a hit
+            self._duel.lfu.credit(key, count)
+
     def insert(self, key: Hashable, *, pin: bool = False) -> tuple[int, Hashable | None]:
         """Give `key` a slot, evicting the victim when the cache is full.
 

@@ -126,6 +126,12 @@ def _keys(v: Any) -> list[tuple[int, int]]:
     return out
 
 
+def _counts(v: Any, keys: list, what: str) -> list[int]:
+    if not isinstance(v, list) or len(v) != len(keys):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{what} must be a list as long as the keys")
+    return [_int(n, what, 1, 2**31) for n in v]
+
+
 @cache
 def _names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
@@ -180,10 +186,15 @@ class Welcome(Message):
 
 @dataclass
 class Fetch(Message):
+    """Lease these experts. `uses` (a `now` fetch only, one per key, each >= 1): how many of the
+    step's rows (tokens) the expert serves; the cache policy counts each as a use, where the
+    request alone is one (a prompt's hot experts then weigh what they carry). None: one each."""
+
     op: ClassVar[str] = "fetch"
     rid: int
     keys: list
     priority: str = "now"
+    uses: list | None = None
 
     @classmethod
     def from_map(cls, m: dict[str, Any]) -> Fetch:
@@ -192,7 +203,12 @@ class Fetch(Message):
             prio = _str(m.get("priority", "now"), "priority")
             if prio not in PRIORITIES:
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, f"priority {prio!r:.20} is not one of {PRIORITIES}")
-            return cls(rid, _keys(m.get("keys")), prio)
+            keys, uses = _keys(m.get("keys")), m.get("uses")
+            if uses is not None:
+                if prio != "now":
+                    raise ProtocolError(ErrorCode.BAD_MESSAGE, f"uses with priority {prio!r}: a prefetch is no use")
+                uses = _counts(uses, keys, "uses")
+            return cls(rid, keys, prio, uses)
         except ProtocolError as e:
             e.rid = rid  # so the client can fail the right futures
             raise
@@ -260,13 +276,17 @@ class Touch(Message):
     op: ClassVar[str] = "touch"
     keys: list
     counts: list
+    uses: list | None = None  # the rows (tokens) those computations served, each >= its count; None: counts
 
     @classmethod
     def from_map(cls, m: dict[str, Any]) -> Touch:
-        keys, counts = _keys(m.get("keys")), m.get("counts")
-        if not isinstance(counts, list) or len(counts) != len(keys):
-            raise ProtocolError(ErrorCode.BAD_MESSAGE, "touch counts must be a list as long as its keys")
-        return cls(keys, [_int(n, "count", 1, 2**31) for n in counts])
+        keys, uses = _keys(m.get("keys")), m.get("uses")
+        counts = _counts(m.get("counts"), keys, "counts")
+        if uses is not None:
+            uses = _counts(uses, keys, "uses")
+            if any(u < n for u, n in zip(uses, counts)):
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, "touch uses must be >= its counts (a row per computation)")
+        return cls(keys, counts, uses)
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """Routing trace files: what a decoder writes (`generate --trace-out`) and what the cache
 simulator (`moestream simulate`) and `moestream warm` read.
 
-A trace is a list of steps; a step is the (layer, expert) keys one forward pass routed to.
+A trace is a list of steps; a step is the (layer, expert) keys one forward pass routed to, a key
+once per row (token) that chose it: a prompt's step lists an expert as often as its tokens did,
+which the cache policy counts as uses (`SlotPolicy.credit`); the hits and misses count it once.
 - JSON: `{"n_layer": L, "n_expert": E, "steps": [[[layer, expert], ...], ...]}`
   with 0 <= layer < L and 0 <= expert < E.
 - .npy: an integer array of shape [tokens, layers, k] holding expert ids; step t is

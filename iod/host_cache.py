@@ -102,6 +102,11 @@ class HostCache:
         self.policy.touch(key, count)
         return True
 
+    def credit(self, key: Key, count: int) -> None:
+        """`count` more uses of `key` for the policy's frequency, resident or not (a step's rows
+        beyond its one request: `SlotPolicy.credit`)."""
+        self.policy.credit(key, count)
+
     def lease(self, slot: int) -> int:
         """Pin a ready slot for one client lease; returns its generation."""
         info = self.slots[slot]

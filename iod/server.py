@@ -399,6 +399,8 @@ class Server:
                 raise P.ProtocolError(P.ErrorCode.OUT_OF_RANGE, f"expert ({layer}, {expert}): layer {layer} "
                                       f"has a dense FFN, no experts", msg.rid)
         c.add_pending(msg.rid, len(msg.keys))
+        for key, n in zip(msg.keys, msg.uses or ()):  # the rows beyond the one each request counts
+            self.cache.credit(key, n - 1)
         t0 = time.monotonic()
         c.unsorted = len(msg.keys)
         try:
@@ -469,11 +471,12 @@ class Server:
             if key[0] >= index.n_layer or key[1] >= index.n_expert:
                 raise P.ProtocolError(P.ErrorCode.OUT_OF_RANGE, f"touch of expert {key} not in "
                                       f"[0,{index.n_layer}) x [0,{index.n_expert})")
-        for key, n in zip(msg.keys, msg.counts):
+        for key, n, uses in zip(msg.keys, msg.counts, msg.uses or msg.counts):
             self.stats.hot[key] += n
-            if self.cache.touch(key, n):  # (else evicted since: the accesses still count in the history)
-                c.n.direct_hits += n
-                self.stats.totals.direct_hits += n
+            counted = n if self.cache.touch(key, n) else 0  # (0: evicted since)
+            c.n.direct_hits += counted
+            self.stats.totals.direct_hits += counted
+            self.cache.credit(key, uses - counted)  # the rows the touches did not count, resident or not
 
     def _release(self, c: ClientState, msg: P.Release) -> None:
         bad = []

@@ -73,10 +73,11 @@ class WarmResult:
 
 
 def keys_from_trace(path: str) -> list[Key]:
-    """Every (layer, expert) of the trace, most often routed to first (ties: first seen first)."""
+    """Every (layer, expert) of the trace, most often routed to first (rows: a prompt's tokens
+    count each; ties: first seen first)."""
     counts: Counter[Key] = Counter()
     for step in load_trace(path):
-        counts.update(set(step))
+        counts.update(step)
     return [k for k, _ in counts.most_common()]
 
 

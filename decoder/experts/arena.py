@@ -162,10 +162,11 @@ class ArenaExperts(ExpertBackend):
         self.prefetches.hand_back_recalled()
         xs, w, routed = cpu_inputs(x, weights, ids)
         wanted = routed.experts.tolist()
+        uses = dict(zip(wanted, np.diff(routed.row_ptr).tolist())) if x.shape[0] > 1 else None  # rows per expert
         landed = self.prefetches.take(layer, {}, wanted)
         arena = self.client.arena  # (one arena for the lookup and the compute: a reconnect swaps it)
         direct = self._look_up(arena, layer, [e for e in wanted if e not in landed] if landed else wanted)
-        owed = self.leases.request(layer, [e for e in wanted if e not in landed and e not in direct], landed)
+        owed = self.leases.request(layer, [e for e in wanted if e not in landed and e not in direct], landed, uses)
         self._send_deferred()  # behind this layer's demand at the daemon
         outputs = []
         try:
@@ -245,7 +246,9 @@ class ArenaExperts(ExpertBackend):
         changed = arena.directory.moved(direct)
         for e in changed:
             self.leases.refetch(owed, e, "changed")
-        self.client.touch(layer, [e for e in direct if e not in changed] if changed else list(direct))  # sent later
+        done = [e for e in direct if e not in changed] if changed else list(direct)
+        self.client.touch(layer, done, [int(mine.row_ptr[i + 1] - mine.row_ptr[i]) for i in
+                                        np.searchsorted(mine.experts, done)] if x.shape[0] > 1 else None)  # sent later
         self.counts.direct += len(direct) - len(changed)
         self.counts.compute_s += time.perf_counter() - t0
         return computed.without(changed)

@@ -48,11 +48,15 @@ class LeasePipeline:
     def begin_step(self) -> None:
         self._deadline_since.clear()
 
-    def request(self, layer: int, fresh: list[int], joined: dict[int, cf.Future] | None = None) -> Owed:
-        """One `fetch now` for `fresh`, plus the `joined` futures: what the layer is owed."""
+    def request(self, layer: int, fresh: list[int], joined: dict[int, cf.Future] | None = None,
+                uses: dict[int, int] | None = None) -> Owed:
+        """One `fetch now` for `fresh`, plus the `joined` futures: what the layer is owed. `uses`:
+        the rows of the step each expert serves (the daemon's policy weighs them; a retry does not)."""
         owed = Owed(layer, {f: e for e, f in (joined or {}).items()})
         if fresh:
-            owed.pending.update(zip(self.client.fetch([(layer, e) for e in fresh], "now"), fresh))
+            futures = self.client.fetch([(layer, e) for e in fresh], "now",
+                                        None if uses is None else [uses[e] for e in fresh])
+            owed.pending.update(zip(futures, fresh))
             self.counts.demand += len(fresh)
         return owed
 

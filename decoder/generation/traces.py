@@ -188,8 +188,9 @@ if __name__ == "__main__":
 
 
 class RoutingRecorder(ExpertBackend):
-    """An expert backend that records, per forward pass, the (layer, expert) keys it routed to
-    (`generate --trace-out`), then hands everything to the backend it wraps."""
+    """An expert backend that records, per forward pass, the (layer, expert) keys it routed to,
+    each once per row (token) that chose it (`generate --trace-out`), then hands everything to
+    the backend it wraps."""
 
     def __init__(self, inner: ExpertBackend):
         self.inner = inner
@@ -208,7 +209,7 @@ class RoutingRecorder(ExpertBackend):
         return self.inner.prefetch_top(k)
 
     def mix(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        self.steps[-1].extend((layer, e) for e in sorted(set(ids.flatten().tolist())))  # one sync, tracing only
+        self.steps[-1].extend((layer, e) for e in sorted(ids.flatten().tolist()))  # a key per row; one sync
         return self.inner.mix(layer, x, weights, ids)
 
     def stats(self) -> dict:

@@ -78,9 +78,20 @@ def test_belady_bounds_lru_and_lfu(seed):
 def test_lfu_with_vanishing_decay_is_lru(seed):
     # With decay 2**-60 the last step's access outweighs any history and scores of one
     # step tie exactly, so the LRU tiebreak decides: the SlotPolicy path must equal LRU.
+    # (Steps without repeats: a repeat is a use, which breaks the tie.)
     rng = random.Random(seed)
-    trace = random_trace(rng, 300, 20, 4)
+    trace = [list(dict.fromkeys(step)) for step in random_trace(rng, 300, 20, 4)]
     assert simulate(trace, 6, "lfu", 2.0**-60) == simulate(trace, 6, "lru")
+
+
+@pytest.mark.parametrize("policy", ["lfu", "adaptive"])
+def test_a_steps_repeats_are_uses_for_the_lfu(policy):
+    # A prompt's step lists key 0 three times (three tokens chose it): 0 outweighs 1 when 2 needs
+    # room, so the next step's 0 hits. Listed once, 0 is the older of two equals and goes first.
+    # LRU counts no uses: the repeats change nothing there.
+    rows, once = [[0, 0, 0, 1], [2], [0]], [[0, 1], [2], [0]]
+    assert simulate(rows, 2, policy, 1.0).hits == 1 and simulate(once, 2, policy, 1.0).hits == 0
+    assert simulate(rows, 2, "lru") == simulate(once, 2, "lru")
 
 
 def test_lfu_beats_lru_on_a_hot_set_with_scans():

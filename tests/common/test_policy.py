@@ -232,6 +232,8 @@ def test_random_workload_invariants(seed, adaptive):
         elif op < 0.9 and key in p:
             p.remove(key)
             pins.pop(key, None)
+        elif op < 0.95:
+            p.credit(key, rng.randint(1, 4))  # a step's rows beyond its request, resident or not
         else:
             p.step()
         assert {k: n for k, n in pins.items() if n} == {k: p.pin_count(k) for k in p.keys()
@@ -260,6 +262,10 @@ class Reference:
         self.accesses[key].append(self.now)
         self.last[key] = self.clock
 
+    def credit(self, key: int, n: int) -> None:
+        """n uses now, recency unchanged; a key not resident keeps them in its history."""
+        (self.accesses[key] if key in self.accesses else self.history.setdefault(key, [])).extend([self.now] * n)
+
     def victim(self) -> int | None:
         free = [k for k in self.accesses if self.pins[k] == 0]
         return min(free, key=lambda k: (self.score(k), self.last[k]), default=None)
@@ -284,7 +290,7 @@ class Reference:
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["lookup", "insert", "pin", "unpin", "remove", "step",
-                                          "touch"]), st.integers(0, 5), st.booleans()),
+                                          "touch", "credit"]), st.integers(0, 5), st.booleans()),
                max_size=60)
 
 
@@ -305,6 +311,9 @@ def apply(p: SlotPolicy, ref: Reference, op: str, key: int, flag: bool) -> None:
     elif op == "touch" and resident:
         p.touch(key)
         ref.access(key)
+    elif op == "credit":
+        p.credit(key, 2 if flag else 1)
+        ref.credit(key, 2 if flag else 1)
     elif op == "pin" and resident:
         p.pin(key)
         ref.pins[key] += 1

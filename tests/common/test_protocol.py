@@ -18,14 +18,16 @@ def pack(m) -> bytes:
     P.Release(3, 9),
     P.Cancel(7), P.Cancel(7, [[1, 2]]),
     P.Ping(1.25), P.Bye(), P.Status(), P.Touch([[0, 1], [2, 3]], [1, 7]),
+    P.Fetch(7, [[0, 1], [3, 2]], "now", [5, 1]), P.Touch([[0, 1], [2, 3]], [1, 7], [4, 7]),
 ])
 def test_requests_round_trip(msg):
     got = P.decode_request(msg.encode())
     assert type(got) is type(msg)
     if isinstance(msg, P.Touch):
-        assert got.keys == [(0, 1), (2, 3)] and got.counts == [1, 7]
+        assert got.keys == [(0, 1), (2, 3)] and got.counts == [1, 7] and got.uses == msg.uses
     elif isinstance(msg, P.Fetch):
-        assert got.keys == [tuple(k) for k in msg.keys] and got.rid == 7 and got.priority == "ahead"
+        assert got.keys == [tuple(k) for k in msg.keys] and got.rid == 7 and got.priority == msg.priority
+        assert got.uses == msg.uses
     elif isinstance(msg, P.Cancel):
         assert got.rid == 7 and got.keys == (None if msg.keys is None else [(1, 2)])
     else:
@@ -73,6 +75,13 @@ def test_requests_and_replies_are_separate():
     (pack({"op": "touch", "keys": [[0, 1]], "counts": [1, 2]}), P.ErrorCode.BAD_MESSAGE),
     (pack({"op": "touch", "keys": [[0, 1]], "counts": [0]}), P.ErrorCode.BAD_MESSAGE),
     (pack({"op": "touch", "keys": [[0, 1], [0, 1]], "counts": [1, 1]}), P.ErrorCode.BAD_MESSAGE),
+    (pack({"op": "touch", "keys": [[0, 1]], "counts": [2], "uses": [1]}), P.ErrorCode.BAD_MESSAGE),  # < counts
+    (pack({"op": "touch", "keys": [[0, 1]], "counts": [1], "uses": 3}), P.ErrorCode.BAD_MESSAGE),
+    (pack({"op": "fetch", "rid": 1, "keys": [[0, 0]], "uses": [0]}), P.ErrorCode.BAD_MESSAGE),
+    (pack({"op": "fetch", "rid": 1, "keys": [[0, 0]], "uses": [1, 2]}), P.ErrorCode.BAD_MESSAGE),
+    (pack({"op": "fetch", "rid": 1, "keys": [[0, 0]], "uses": [1.5]}), P.ErrorCode.BAD_MESSAGE),
+    (pack({"op": "fetch", "rid": 1, "keys": [[0, 0]], "priority": "ahead", "uses": [2]}),
+     P.ErrorCode.BAD_MESSAGE),  # a prefetch is no use
 ])
 def test_bad_requests(frame, code):
     with pytest.raises(P.ProtocolError) as e:

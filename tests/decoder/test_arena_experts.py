@@ -210,6 +210,23 @@ def test_experts_in_the_arena_cost_no_request(setups, start_daemon, wait_status)
         assert after["requests"] == first["requests"] and after["reads"] == first["reads"] == 3
 
 
+def test_a_prompts_rows_weigh_in_the_arenas_policy(setups, start_daemon, wait_status):
+    """A step of several rows tells the daemon how many each expert served (`fetch`'s uses):
+    expert 0, chosen by all six rows of a prompt, outlives experts 1-3 (two rows each) when a
+    token's experts 4 and 5 need room, so the next token's 0 is read once, not twice (counted
+    one a request, 0 is the oldest and would go first)."""
+    s = setups("Q8_0")
+    daemon = start_daemon(s.path, arena_slots=4)
+    prompt = torch.tensor([[0, 1], [0, 2], [0, 3], [0, 1], [0, 2], [0, 3]])
+    with open_arena(s.layout, daemon.endpoint, prefetch_limit=0) as src:
+        for ids in (prompt, torch.tensor([[4, 5]]), torch.tensor([[0, 3]])):
+            x = torch.randn(len(ids), s.layout.hparams.n_embd)
+            src.mix(0, x, torch.full(ids.shape, 0.5), ids)
+            src.begin_step()
+        st = wait_status(daemon.status_endpoint, lambda st: st["arena"]["leases"] == 0)
+    assert st["reads"] == 6  # 0-3, then 4 and 5 in place of 1 and 2: 0 and 3 are still there
+
+
 CHURN = """
 import random, sys, time
 from moestream.common.client import IodClient

@@ -136,9 +136,9 @@ class HeldAhead:
         self.client = client
         return self
 
-    def fetch(self, keys, priority="now"):
+    def fetch(self, keys, priority="now", uses=None):
         if priority != "ahead":
-            return self.client.fetch(keys, priority)
+            return self.client.fetch(keys, priority, uses)
         real = self.client.fetch(keys, priority) if self.send else [None] * len(keys)
         out = [cf.Future() for _ in keys]
         self.held += zip(real, out)

@@ -306,3 +306,39 @@ def test_client_notices_a_killed_daemon_fast(tiny_model, start_daemon):
     assert "left by a daemon that died" in d2.log_text()
     with IodClient(d2.endpoint) as c2:
         c2.ping()
+
+
+@pytest.mark.parametrize("uses", [None, [6, 1, 1, 1]])
+def test_the_rows_a_fetch_serves_weigh_in_the_arenas_policy(tiny_model, start_daemon, uses):
+    """The rows a `now` fetch says each expert serves count as uses (a prompt's tokens): the expert
+    six rows chose outlives three used once when a fifth needs a slot. Without them all four
+    weigh the same and the least recent, that same expert, goes first."""
+    d = start_daemon(tiny_model, arena_slots=4, extra_args=["--client-lease-share", "1"])
+    with IodClient(d.endpoint, name="uses") as c:
+        for keys, n in (([(0, e) for e in range(4)], uses), ([(0, 4)], None)):  # the 5th evicts one
+            for x in [f.result(10) for f in c.fetch(keys, "now", n)]:
+                c.release(x)
+        before = get_status(d.status_endpoint)
+        c.release(c.fetch([(0, 0)])[0].result(10))
+        after = get_status(d.status_endpoint)
+    assert after["hits"] - before["hits"] == (1 if uses else 0)
+    assert after["misses"] - before["misses"] == (0 if uses else 1)
+
+
+@pytest.mark.parametrize("rows", [None, [5]])
+def test_the_rows_a_touch_reports_weigh_in_the_arenas_policy(tiny_model, start_daemon, rows):
+    """A lease-free hit reported with the rows it served counts them as uses: expert 1 (one
+    request, then 5 rows) outweighs expert 0 (3 rows) when the last of three new experts needs a
+    slot; reported without rows it weighs 2 and goes instead."""
+    d = start_daemon(tiny_model, arena_slots=4, extra_args=["--client-lease-share", "1"])
+    with IodClient(d.endpoint, name="rows") as c:
+        for x in [f.result(10) for f in c.fetch([(0, e) for e in range(4)], "now", [3, 1, 1, 1])]:
+            c.release(x)
+        c.touch(0, [1], rows)
+        c.ping(10)  # (the touch goes out behind the ping, before the fetch below)
+        for x in [f.result(10) for f in c.fetch([(0, 4), (0, 5), (0, 6)])]:  # in place of 2, 3, then 0 or 1
+            c.release(x)
+        before = get_status(d.status_endpoint)
+        c.release(c.fetch([(0, 1)])[0].result(10))
+        after = get_status(d.status_endpoint)
+    assert after["hits"] - before["hits"] == (1 if rows else 0)

@@ -73,11 +73,14 @@ def _replay(steps: Steps, capacity: int, expert_bytes: float, decode_from: int, 
 
 
 def _pieces(steps: Steps, capacity: int) -> list[list[tuple[int, int]]]:
-    """Steps split per layer, then into pieces of at most `capacity` distinct keys."""
+    """Steps split per layer, then into pieces of at most `capacity` distinct keys, each key
+    repeated as often as in its step (a row each: uses the daemon's policy counts)."""
     out = []
     for step in split_per_layer(steps):
         keys = list(dict.fromkeys(step))
-        out += [keys[i:i + capacity] for i in range(0, len(keys), capacity)]
+        for i in range(0, len(keys), capacity):
+            piece = set(keys[i:i + capacity])
+            out.append([k for k in step if k in piece])
     return out
 
 
