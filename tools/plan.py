@@ -176,33 +176,40 @@ def forecast_slots(s: Shape, memory: int, slots: int, hit_rate: float, bandwidth
     `demand_io_s`), `fill_bandwidth` at the daemon's (default the same): the cold fill, and the
     prefetched figure's reads, which the daemon keeps as deep. Each missed expert costs
     `miss_cpu_s` of CPU: within its layer's demand fetch (`demand_io_s`), or, where prefetched
-    reads hide behind compute, beside the compute on the same cores."""
+    reads hide behind compute, beside the compute on the same cores. A layer's hits are computed
+    while its misses read (`demand_io_s`'s overlap): an expert's share of `compute_s` by bytes."""
     misses = (1.0 - hit_rate) * s.moe_layers * s.top_k  # expert reads a token
     missed = misses * s.expert_bytes
-    io = demand_io_s(s, hit_rate, bandwidth, one_bandwidth, miss_cpu_s)
+    io = demand_io_s(s, hit_rate, bandwidth, one_bandwidth, miss_cpu_s, compute_s * s.expert_bytes / s.active_bytes)
     deep = fill_bandwidth or bandwidth
     return Forecast(memory, slots, slots / s.n_blobs, hit_rate, missed, io, compute_s, 1.0 / (compute_s + io),
                     1.0 / max(compute_s + misses * miss_cpu_s, missed / deep), slots * s.slot_bytes / deep)
 
 
 def demand_io_s(s: Shape, hit_rate: float, bandwidth: float, one_bandwidth: float | None = None,
-                miss_cpu_s: float = 0.0) -> float:
-    """A token's seconds of demand fetches: each MoE layer fetches its m missed experts together (m
-    of top-k, each missed with probability 1 - hit_rate: binomial) and waits for the longer of
+                miss_cpu_s: float = 0.0, expert_compute_s: float = 0.0) -> float:
+    """A token's seconds waiting on demand fetches: each MoE layer fetches its m missed experts
+    together (m of top-k, each missed with probability 1 - hit_rate: binomial) and waits for the
+    longer of
     - their reads: m x the expert's bytes at the bandwidth of m experts' reads in flight, linear
       from `one_bandwidth` (m = 1; None: the same) to `bandwidth` (m = top-k). A layer that misses
       one expert reads at one expert's depth: on the development VM's disk 0.81-0.94 GB/s against
-      1.04-1.15 with 12 reads in flight; more on NVMe;
+      1.04-1.15 with 12 reads in flight; more on NVMe; less the k - m hits' compute
+      (`expert_compute_s` each), which runs meanwhile (the decoder sends the fetch first);
     - their CPU, m x `miss_cpu_s`: the daemon handles one miss while the others read, so the CPU
-      adds up only where it outlasts the reads. Added instead, the forecast was 1.42-1.45x too low
+      adds up only where it outlasts the reads; it shares the cores with the hits' compute, so
+      nothing hides it. Added instead, the forecast was 1.42-1.45x too low
       for 3.2 MiB experts (8 a layer, 4 of them missed) and 0.92x for 0.8 MiB ones (1-2 missed):
-      with the longer of the two, 0.95-0.97x and 0.81x (docs/BENCHMARKS.md, 2026-12-06 (night))."""
+      with the longer of the two, 0.95-0.97x and 0.81x (docs/BENCHMARKS.md, 2026-12-06 (night)).
+    Without the hits' overlap the 40 GiB file's forecast was 0.72-0.78x of its runs once the arena
+    kept 0.79 of its experts (docs/BENCHMARKS.md, 2026-12-06 (noon))."""
     k, q = s.top_k, 1.0 - hit_rate
     one = one_bandwidth or bandwidth
     per_layer = 0.0
     for m in range(1, k + 1):
         bw = one + (bandwidth - one) * (m - 1) / (k - 1) if k > 1 else bandwidth
-        per_layer += math.comb(k, m) * q ** m * (1.0 - q) ** (k - m) * max(m * s.expert_bytes / bw, m * miss_cpu_s)
+        wait = max(m * s.expert_bytes / bw - (k - m) * expert_compute_s, m * miss_cpu_s, 0.0)
+        per_layer += math.comb(k, m) * q ** m * (1.0 - q) ** (k - m) * wait
     return s.moe_layers * per_layer
 
 

@@ -49,9 +49,13 @@ def test_forecast_arithmetic_on_a_made_model(make_tiny_model, capsys):
     assert f["missed_bytes_per_token"] == pytest.approx(missed)
     compute = 1 / 50
     assert f["compute_s"] == pytest.approx(compute) and r["miss_cpu_s"] == pytest.approx(2.5e-3)
-    # one bandwidth at every depth: a layer's m misses take m x the longer of a read and a miss's CPU
-    assert f["io_s"] == pytest.approx(misses * max(expert / 1e8, 2.5e-3))
-    assert f["tok_s"] == pytest.approx(1 / (compute + misses * max(expert / 1e8, 2.5e-3)))
+    # one bandwidth at every depth: a layer's m misses take the longer of their reads, less the
+    # compute of its 2 - m hits meanwhile (an expert's share of the compute by bytes), and m x a
+    # miss's CPU (on the cores the hits use: not hidden)
+    read, cpu, q = expert / 1e8, 2.5e-3, 1 - f["hit_rate"]
+    per_expert = compute * expert / (2 * 2 * expert + dense - table)
+    io = 2 * (2 * q * (1 - q) * max(read - per_expert, cpu) + q * q * 2 * max(read, cpu))
+    assert f["io_s"] == pytest.approx(io) and f["tok_s"] == pytest.approx(1 / (compute + io))
     # prefetched, the reads hide behind compute and their CPU joins it
     assert f["tok_s_prefetched"] == pytest.approx(1 / max(compute + misses * 2.5e-3, missed / 1e8))
     assert f["cold_fill_s"] == pytest.approx(slots * s["slot_bytes"] / 1e8)
@@ -116,8 +120,9 @@ def test_a_layer_that_misses_few_experts_reads_at_their_depth():
     by_hand = 10 * (2 * q * (1 - q) * 1e6 / one + q * q * 2e6 / two)  # P(m = 1) x 1 MB, P(m = 2) x 2 MB
     assert pl.demand_io_s(s, 0.75, two, one) == pytest.approx(by_hand)
     assert pl.demand_io_s(s, 0.75, two) == pytest.approx(10 * 2 * q * 1e6 / two)  # one depth: missed bytes / bw
+    f = pl.forecast_slots(s, 1 << 30, 8, 0.75, two, 0.0, fill_bandwidth=2e9, miss_cpu_s=0.0, one_bandwidth=one)
+    assert f.io_s == pytest.approx(by_hand) and f.tok_s == pytest.approx(1 / by_hand)  # (no compute to overlap)
     f = pl.forecast_slots(s, 1 << 30, 8, 0.75, two, 0.01, fill_bandwidth=2e9, miss_cpu_s=0.0, one_bandwidth=one)
-    assert f.io_s == pytest.approx(by_hand) and f.tok_s == pytest.approx(1 / (0.01 + by_hand))
     assert f.tok_s_prefetched == pytest.approx(1 / max(0.01, f.missed_bytes_per_token / 2e9))
     assert f.cold_fill_s == pytest.approx(8 * (1 << 20) / 2e9)
 
@@ -131,5 +136,22 @@ def test_a_layer_waits_for_the_longer_of_its_reads_and_its_misses_cpu():
     by_hand = 10 * (2 * q * (1 - q) * max(1e6 / one, cpu) + q * q * max(2e6 / two, 2 * cpu))  # 2 ms, then 3 ms
     assert pl.demand_io_s(s, 0.75, two, one, cpu) == pytest.approx(by_hand)
     assert by_hand < pl.demand_io_s(s, 0.75, two, one) + 10 * 2 * q * cpu  # less than reads + CPU
-    f = pl.forecast_slots(s, 1 << 30, 8, 0.75, two, 0.01, miss_cpu_s=cpu, one_bandwidth=one)
-    assert f.tok_s == pytest.approx(1 / (0.01 + by_hand)) and f.compute_s == pytest.approx(0.01)
+    f = pl.forecast_slots(s, 1 << 30, 8, 0.75, two, 0.0, miss_cpu_s=cpu, one_bandwidth=one)
+    assert f.tok_s == pytest.approx(1 / by_hand) and f.compute_s == 0.0
+
+
+def test_a_layers_hits_are_computed_while_its_misses_read():
+    """The decoder sends a layer's fetch, then computes its hits: a layer waits only for what is
+    left of its reads after k - m hits' compute (an expert's share of the token's compute by
+    bytes), never less than nothing, nor less than its misses' CPU, which shares the hits' cores."""
+    s = pl.Shape(moe_layers=10, n_expert=8, top_k=2, expert_bytes=1e6, slot_bytes=1 << 20, dense_bytes=0,
+                 file_bytes=10 ** 9)
+    q, one, two = 0.25, 0.5e9, 1e9  # one miss: 2 ms of reads; two: 2 ms
+    compute = 0.03  # 20 experts a token, no dense bytes: 1.5 ms an expert
+    by_hand = 10 * (2 * q * (1 - q) * (2e-3 - 1.5e-3) + q * q * 2e-3)  # one miss waits 0.5 ms; two miss 2 ms
+    assert pl.demand_io_s(s, 0.75, two, one, 0.0, 1.5e-3) == pytest.approx(by_hand)
+    f = pl.forecast_slots(s, 1 << 30, 8, 0.75, two, compute, miss_cpu_s=0.0, one_bandwidth=one)
+    assert f.io_s == pytest.approx(by_hand) and f.tok_s == pytest.approx(1 / (compute + by_hand))
+    assert pl.demand_io_s(s, 0.75, two, one, 0.0, 1.0) == pytest.approx(10 * q * q * 2e-3)  # only 2 misses wait
+    with_cpu = 10 * (2 * q * (1 - q) * 1e-3 + q * q * 2e-3)  # one miss: its 1 ms of CPU outlasts 0.5 ms of reads
+    assert pl.demand_io_s(s, 0.75, two, one, 1e-3, 1.5e-3) == pytest.approx(with_cpu)
