@@ -10,23 +10,25 @@ The arithmetic (one decoded token, CPU decoder computing from the daemon's arena
 | decoder, daemon        | the dense weights but a mapped embedding table + DECODER_BASE_BYTES;          |
 |                        | DAEMON_BASE_BYTES (measured defaults)                                         |
 | cached share f         | slots / (MoE layers x experts)                                                |
-| hit rate h(f)          | the daemon's own policy (decayed LFU, `common.policy`) of that many slots     |
+| hit rate h(f)          | the daemon's own policy (`common.policy`: decayed LFU or LRU, uses per token) |
 |                        | replayed on --trace, else the --curve's points (published LRU hit rates),     |
 |                        | linear between (0, 0), the points and (1, 1)                                  |
 | missed bytes / token   | (1 - h) x MoE layers x top-k x mean expert bytes                              |
 | I/O s / token          | per MoE layer, its m missed experts (binomial: each of top-k missed with      |
 |                        | probability 1 - h) fetched together: the longer of their reads (at the disk's |
 |                        | bandwidth for random expert reads with m experts' parts in flight, linear     |
-|                        | from one expert's to top-k's) and their CPU (m x --miss-cpu: the daemon works |
-|                        | on one miss while the others read). --probe measures both bandwidths (a few   |
+|                        | from one expert's to top-k's; less the k - m hits' compute, which runs        |
+|                        | meanwhile: an expert's share of the compute by bytes) and their CPU (m x      |
+|                        | --miss-cpu: the daemon works on one miss while the others read; it shares the |
+|                        | hits' cores, so nothing hides it). --probe measures both bandwidths (a few    |
 |                        | seconds of cold reads through the daemon's own reader: io_uring, O_DIRECT;    |
 |                        | the median of 3 rounds), else --bandwidth (stated, at every depth)            |
 | compute s / token      | 1 / --compute-tok-s (a measured resident rate), or --probe's: one token       |
 |                        | through the CPU kernels on top-k experts of one layer x MoE layers,           |
 |                        | the dense bytes at the same rate, LAYER_GLUE_S per layer (stated); else       |
 |                        | active bytes / --compute-rate (stated)                                        |
-| tok/s                  | 1 / (compute + I/O): compute and fetches not overlapped (forced routing runs  |
-|                        | so)                                                                           |
+| tok/s                  | 1 / (compute + I/O): no prefetch, a layer's fetch overlaps only its own hits  |
+|                        | (forced routing runs so)                                                      |
 | prefetched tok/s       | 1 / max(compute + misses x --miss-cpu, missed bytes / the bandwidth at depth  |
 |                        | 32): the decoder's prefetch hides reads behind compute and keeps the daemon's |
 |                        | queue deep; their CPU then takes the compute's cores                          |
@@ -396,7 +398,7 @@ def report(r: dict[str, Any]) -> str:
                      f"{f['missed_bytes_per_token'] / 1e6:>9.2f} {f['io_s'] * 1e3:>8.1f} {f['tok_s']:>7.2f} "
                      f"{f['tok_s_prefetched']:>11.2f} {f['cold_fill_s']:>12.1f}")
     lines.append("tok/s = 1 / (compute + I/O per token): each layer's misses fetched together, the longer of their "
-                 "reads and their CPU; prefetched = 1 / max(compute + the misses' CPU, I/O at depth 32): reads "
+                 "reads (less its hits' compute meanwhile) and their CPU; prefetched = 1 / max(compute + the misses' CPU, I/O at depth 32): reads "
                  "hidden behind compute")
     return "\n".join(lines)
 
