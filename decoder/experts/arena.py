@@ -162,7 +162,8 @@ class ArenaExperts(ExpertBackend):
         self.prefetches.hand_back_recalled()
         xs, w, routed = cpu_inputs(x, weights, ids)
         wanted = routed.experts.tolist()
-        uses = dict(zip(wanted, np.diff(routed.row_ptr).tolist())) if x.shape[0] > 1 else None  # rows per expert
+        uses = dict(zip(wanted, np.diff(routed.row_ptr).tolist())) if x.shape[0] > 1 else None  # rows per expert:
+        # the daemon's policy counts a prompt's tokens, not one use per request
         landed = self.prefetches.take(layer, {}, wanted)
         arena = self.client.arena  # (one arena for the lookup and the compute: a reconnect swaps it)
         direct = self._look_up(arena, layer, [e for e in wanted if e not in landed] if landed else wanted)
@@ -171,7 +172,7 @@ class ArenaExperts(ExpertBackend):
         outputs = []
         try:
             if direct:  # computed while the misses are on their way
-                outputs.append(self._compute_direct(arena, layer, xs, routed, w, direct, owed))
+                outputs.append(self._compute_direct(arena, layer, xs, routed, w, direct, owed, uses))
             if owed.pending:
                 self._compute_arrivals(layer, xs, routed, w, owed, outputs)
         except BaseException:
@@ -232,9 +233,10 @@ class ArenaExperts(ExpertBackend):
         return d.lookup(experts, first=layer * self._n_expert)
 
     def _compute_direct(self, arena: ArenaView, layer: int, x: np.ndarray, routed: Routed, w: np.ndarray,
-                        direct: dict[int, tuple[int, int]], owed: Owed) -> ExpertRows:
+                        direct: dict[int, tuple[int, int]], owed: Owed, uses: dict[int, int] | None) -> ExpertRows:
         """Outputs of the experts found through the directory, computed from their slots without a
-        lease; an expert whose slot changed meanwhile (evicted, reloaded) is fetched `now` instead."""
+        lease; an expert whose slot changed meanwhile (evicted, reloaded) is fetched `now` instead.
+        The hits go to the daemon with the rows each served (`uses`; None: one each)."""
         t0 = time.perf_counter()
         mine = routed.only(sorted(direct))
         rows = self._rows_of(layer, arena)
@@ -247,8 +249,7 @@ class ArenaExperts(ExpertBackend):
         for e in changed:
             self.leases.refetch(owed, e, "changed")
         done = [e for e in direct if e not in changed] if changed else list(direct)
-        self.client.touch(layer, done, [int(mine.row_ptr[i + 1] - mine.row_ptr[i]) for i in
-                                        np.searchsorted(mine.experts, done)] if x.shape[0] > 1 else None)  # sent later
+        self.client.touch(layer, done, [uses[e] for e in done] if uses else None)  # sent later
         self.counts.direct += len(direct) - len(changed)
         self.counts.compute_s += time.perf_counter() - t0
         return computed.without(changed)

@@ -227,6 +227,26 @@ def test_a_prompts_rows_weigh_in_the_arenas_policy(setups, start_daemon, wait_st
     assert st["reads"] == 6  # 0-3, then 4 and 5 in place of 1 and 2: 0 and 3 are still there
 
 
+def test_a_prompts_hits_weigh_their_rows_too(setups, start_daemon, wait_status):
+    """Experts a several-row step finds in the arena (lease-free, through the directory) are
+    reported with the rows each served: after a second prompt's six rows chose 1 and 2 or 3,
+    expert 1 (2 + 6 uses) and 0 (6) outweigh 2 and 3 (2 + 3), so a token's 4 and 5 take their
+    slots and the next token's 0 and 1 are read once. Counted one a hit, 1 would weigh 3 and go."""
+    s = setups("Q8_0")
+    daemon = start_daemon(s.path, arena_slots=4)
+    first = torch.tensor([[0, 1], [0, 2], [0, 3], [0, 1], [0, 2], [0, 3]])
+    second = torch.tensor([[1, 2], [1, 3], [1, 2], [1, 3], [1, 2], [1, 3]])
+    with open_arena(s.layout, daemon.endpoint, prefetch_limit=0) as src:
+        for ids in (first, second, torch.tensor([[4, 5]]), torch.tensor([[0, 1]])):
+            x = torch.randn(len(ids), s.layout.hparams.n_embd)
+            src.mix(0, x, torch.full(ids.shape, 0.5), ids)
+            src.begin_step()
+            src.client.ping(10)  # (the hits' report goes out before the next step's fetch)
+        assert src.stats().counts.direct == 3 + 2  # the second prompt's three, then 0 and 1
+        st = wait_status(daemon.status_endpoint, lambda st: st["arena"]["leases"] == 0)
+    assert st["reads"] == 6
+
+
 CHURN = """
 import random, sys, time
 from moestream.common.client import IodClient
