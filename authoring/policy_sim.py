@@ -7,8 +7,9 @@ all keys of the current step are selected (pinned) before any miss is filled, so
 own keys are never evicted while it runs, a key counts as a hit when it is resident at the
 start of its step, and a key repeated inside one step counts once; "lfu" and "adaptive" weigh
 its repeats as uses (a prompt's tokens routed to it: the daemon's `SlotPolicy.credit`). The
-capacity must hold one step's distinct keys. "lfu" runs the real `SlotPolicy`, with one `step()` per step;
-"adaptive" the same with `adaptive=True` (it evicts as LRU while a shadow LRU hits more).
+capacity must hold one step's distinct keys. "lfu" runs the real `SlotPolicy`, with one
+`step()` per step; "adaptive" the same with `adaptive=True` (it evicts as LRU while a shadow
+LRU hits more).
 
 Trace files: see `common.traces` (`generate --trace-out` writes them, `moestream warm` reads them too).
 

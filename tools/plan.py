@@ -398,8 +398,8 @@ def report(r: dict[str, Any]) -> str:
                      f"{f['missed_bytes_per_token'] / 1e6:>9.2f} {f['io_s'] * 1e3:>8.1f} {f['tok_s']:>7.2f} "
                      f"{f['tok_s_prefetched']:>11.2f} {f['cold_fill_s']:>12.1f}")
     lines.append("tok/s = 1 / (compute + I/O per token): each layer's misses fetched together, the longer of their "
-                 "reads (less its hits' compute meanwhile) and their CPU; prefetched = 1 / max(compute + the misses' CPU, I/O at depth 32): reads "
-                 "hidden behind compute")
+                 "reads (less its hits' compute meanwhile) and their CPU; prefetched = 1 / max(compute + the "
+                 "misses' CPU, I/O at depth 32): reads hidden behind compute")
     return "\n".join(lines)
 
 
