@@ -172,6 +172,7 @@ class ExpertIndex:
     # parts[layer] = list of (part name, tensor) for that layer's expert tensors, in blob order
     # (empty for a dense layer)
     tensors: list[list[tuple[str, TensorInfo]]] = field(default_factory=list)
+    _parts: dict[tuple[int, int], tuple[ExpertPart, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def moe_layers(self) -> list[int]:
@@ -186,6 +187,9 @@ class ExpertIndex:
         return len(self.moe_layers) * self.n_expert
 
     def parts(self, layer: int, expert: int) -> list[ExpertPart]:
+        known = self._parts.get((layer, expert))  # (the daemon asks once per miss: built once per key)
+        if known is not None:
+            return list(known)
         if not (0 <= layer < self.n_layer and 0 <= expert < self.n_expert):
             raise IndexError(f"expert ({layer}, {expert}) out of range [0,{self.n_layer}) x [0,{self.n_expert})")
         if not self.tensors[layer]:
@@ -194,6 +198,7 @@ class ExpertIndex:
         for name, t in self.tensors[layer]:
             stride = t.nbytes // self.n_expert
             out.append(ExpertPart(name, t.qtype, t.shape[:-1], t.offset + expert * stride, stride, t.file))
+        self._parts[layer, expert] = tuple(out)
         return out
 
     def blob_bytes(self, layer: int) -> int:

@@ -38,7 +38,7 @@ import numpy as np
 
 from moestream.common.layout import PAGE, ModelLayout, round_up
 
-from .readers import BACKENDS, open_reader, plan_reads, proc_read_bytes
+from .readers import BACKENDS, open_reader, plan_reads, proc_read_bytes, slot_pieces
 
 Key = tuple[int, int]
 RUNS = ("cold_raw_fio", "cold_raw_preadv", "cold", "warm_raw", "warm")
@@ -114,7 +114,8 @@ def raw_cold_reads(layout: ModelLayout, keys: list[Key], depth: int, direct: boo
                 done.set()
 
     with open_reader([str(f.path) for f in layout.files], backend=backend, depth=depth, direct=direct) as reader:
-        tool = f"{'preadv' if reader.name == 'threads' else 'io_uring'} x{depth}"
+        fixed = reader.register(slot_pieces(memoryview(ring), slot)) == ""  # as the daemon reads into its arena
+        tool = f"{'preadv' if reader.name == 'threads' else 'io_uring'}{' READ_FIXED' if fixed else ''} x{depth}"
         io0, t0 = proc_read_bytes(), time.perf_counter()
         for i, k in enumerate(keys):  # slots reused round-robin: overlapping writes of discarded data are fine
             ops, _ = plan_reads(ex.parts(*k), memoryview(ring)[(i % ring_slots) * slot : (i % ring_slots + 1) * slot], direct=direct)

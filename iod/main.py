@@ -32,7 +32,7 @@ from .config import ConfigError, IodConfig, load_config, resolve_slots
 from .limits import memory_limit
 from .logs import error_line
 from .notify import notify
-from .readers import ReadError, open_reader
+from .readers import Reader, ReadError, open_reader, slot_pieces
 from .server import Server
 from .startup import check_endpoints, check_group, choose_direct, fit_arena, is_socket, open_model
 
@@ -110,16 +110,17 @@ def run(cfg: IodConfig) -> int:
         stack.callback(reader.close)
         if reader.note:
             log.warning("%s", reader.note)
+        fixed = _register_arena(reader, arena)
         ctx = zmq.Context()
         stack.callback(ctx.destroy, 200)
         server = Server(cfg, layout, reader, arena, ctx, daemon_bytes=overhead)
         stack.callback(_remove_socket_files, cfg)  # only now: never delete another daemon's files
         _bind(server, cfg)
-        log.info("serving %s%s (%d layers x %d experts) on %s: arena %s, %d slots x %d bytes, reader %s %s (%s)",
+        log.info("serving %s%s (%d layers x %d experts) on %s: arena %s, %d slots x %d bytes, reader %s %s (%s)%s",
                  layout.path.name, f" and {len(layout.files) - 1} more parts" if len(layout.files) > 1 else "",
                  layout.experts.n_layer, layout.experts.n_expert, cfg.endpoint,
                  arena.name, n_slots, slot_bytes, reader.name,
-                 "with O_DIRECT" if direct else "through the page cache", why)
+                 "with O_DIRECT" if direct else "through the page cache", why, fixed)
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_serve(server))
         # the loop restored default handlers: a second SIGTERM now must not skip the clean-up
@@ -127,6 +128,15 @@ def run(cfg: IodConfig) -> int:
             signal.signal(sig, signal.SIG_IGN)
         log.info("stopped")
     return 0
+
+
+def _register_arena(reader: Reader, arena: Arena) -> str:
+    """Pin the arena's slots with the reader once (io_uring's registered buffers), so no read pins
+    its slot's pages again. Returns how reads go, for the log."""
+    note = reader.register(slot_pieces(arena.whole(), arena.slot_bytes))
+    if note and reader.name == "uring":
+        log.warning("%s", note)
+    return "" if note else ", READ_FIXED into the registered arena"
 
 
 def directory_keys(cfg: IodConfig, layout: ModelLayout) -> int:

@@ -10,29 +10,33 @@ Two drivers of the same ring work (`UringBase`):
   watches (`start`), so `on_done` runs on the loop's thread: per expert read no ring thread is
   woken and no callback crosses back to the loop. On a 2-vCPU VM the daemon's CPU an expert read
   fell from 0.46-0.48 to 0.40-0.42 ms, and tok/s rose 2-5 % in capped runs (docs/BENCHMARKS.md).
+
+Registered buffers (`register`): the daemon pins its arena with the ring once, and a read into
+it is a READ_FIXED of one chunk (no coalescing then: each read names one buffer), so the kernel
+does not pin the destination's pages again on every read. With O_DIRECT that pinning was most
+of the kernel's CPU a read: 0.054-0.082 ms of system time a 3.4 MB read against 0.009-0.018
+with READ_FIXED (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import ctypes
+import errno
 import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .readers import ReadError, ReaderBase, Run, chunk_errors
-from .uring_ring import OP_READV, Ring, RingUnavailable, register_eventfd
+from .uring_ring import MAX_FIXED_BYTES, OP_READ_FIXED, OP_READV, Iovec, Ring, RingUnavailable, register_buffers, register_eventfd
 
 WAKE = 0  # user_data of the eventfd read
 
 
 class UringUnavailable(RuntimeError):
     """io_uring cannot be used here; the message says why."""
-
-
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
 @dataclass
@@ -66,12 +70,42 @@ class UringBase(ReaderBase):
         self.efd = os.eventfd(0, os.EFD_CLOEXEC)
         self._flights: dict[int, _Flight] = {}
         self._next_id = WAKE + 1
+        self._fixed: list[tuple[int, int]] = []  # registered (address, end), by address: buffer i
+        self._fixed_starts: list[int] = []
+        self._fixed_anchors: list[ctypes.c_char] = []
+
+    def register(self, pieces: Sequence[memoryview]) -> str:
+        """Pin `pieces` (writable, each at most 1 GiB, before any read) as the ring's registered
+        buffers: reads into them go as READ_FIXED from now on. Returns "" or why not (reads then
+        go on as READVs)."""
+        if self._fixed or self._flights or self._stats["ops"]:
+            raise RuntimeError("register: buffers are registered once, before the first read")
+        big = [len(b) for b in pieces if len(b) > MAX_FIXED_BYTES]
+        if not pieces or big:
+            return f"no registered buffers: a piece of {big[0]} bytes is over 1 GiB" if big else "no registered buffers: none given"
+        anchors = [ctypes.c_char.from_buffer(b) for b in pieces]
+        regions = sorted((ctypes.addressof(a), len(b)) for a, b in zip(anchors, pieces))
+        try:
+            register_buffers(self.ring, regions)
+        except OSError as e:
+            hint = " (raise the locked-memory limit: LimitMEMLOCK= in the unit, ulimit -l)" if e.errno == errno.ENOMEM else ""
+            return f"registered buffers unavailable: {e.strerror}{hint}; reading with READV"
+        self._fixed_anchors = anchors
+        self._fixed = [(a, a + n) for a, n in regions]
+        self._fixed_starts = [a for a, _ in self._fixed]
+        self.queue.max_iovecs = 1  # a READ_FIXED names one buffer
+        return ""
+
+    def _fixed_index(self, addr: int, length: int) -> int:
+        """The registered buffer holding [addr, addr + length), or -1."""
+        i = bisect.bisect_right(self._fixed_starts, addr) - 1
+        return i if i >= 0 and addr + length <= self._fixed[i][1] else -1
 
     def _probe_read(self, fd: int) -> None:
         """One 8-byte READV of the eventfd `fd` (holding a count), waited for: proves READV
         completes here before anything relies on it."""
         buf = ctypes.create_string_buffer(8)
-        iov = _Iovec(ctypes.addressof(buf), 8)
+        iov = Iovec(ctypes.addressof(buf), 8)
         self.ring.prep(OP_READV, fd, ctypes.addressof(iov), 1, 0, WAKE)
         self.ring.submit_and_wait(1)
         done = self.ring.reap()
@@ -101,12 +135,18 @@ class UringBase(ReaderBase):
                 continue
             iovs.append((addr + skip, c.length - skip))
             skip = 0
-        f.iov = (_Iovec * len(iovs))(*iovs)
         uid, self._next_id = self._next_id, self._next_id + 1
         self._flights[uid] = f
-        self.ring.prep(OP_READV, self.fds[f.run[0].file], ctypes.addressof(f.iov), len(iovs), f.run[0].offset + f.got, uid)
+        fd, at = self.fds[f.run[0].file], f.run[0].offset + f.got
+        buf = self._fixed_index(*iovs[0]) if len(iovs) == 1 and self._fixed else -1
+        if buf >= 0:
+            self.ring.prep(OP_READ_FIXED, fd, iovs[0][0], iovs[0][1], at, uid, buf)
+        else:
+            f.iov = (Iovec * len(iovs))(*iovs)
+            self.ring.prep(OP_READV, fd, ctypes.addressof(f.iov), len(iovs), at, uid)
         with self._lock:
             self._stats["preadv_calls"] += 1
+            self._stats["fixed_reads"] += buf >= 0
 
     def _complete(self, uid: int, res: int) -> None:
         f = self._flights.pop(uid)
@@ -138,7 +178,8 @@ class UringBase(ReaderBase):
             c.batch.finish(1, err)
 
     def _teardown(self) -> None:
-        self.ring.close()
+        self.ring.close()  # (unpins the registered buffers)
+        self._fixed_anchors = []
         self._close_files()
         if self.efd >= 0:
             os.close(self.efd)
@@ -151,7 +192,7 @@ class UringReader(UringBase):
     def __init__(self, paths: str | Sequence[str], *, depth: int = 32, direct: bool = False, ahead_depth: int | None = None):
         super().__init__(paths, depth, direct, ahead_depth)
         self._wake_buf = ctypes.create_string_buffer(8)
-        self._wake_iov = _Iovec(ctypes.addressof(self._wake_buf), 8)
+        self._wake_iov = Iovec(ctypes.addressof(self._wake_buf), 8)
         self._wake_armed = False
         self._wake_pending = False  # a wake written and not yet reaped (`_wake`)
         self._probe()

@@ -33,6 +33,7 @@ from moestream.common.layout import PAGE, ExpertPart, round_up, slot_offsets
 from moestream.common.procfs import proc_read_bytes
 
 from .depth_gauge import DepthGauge
+from .uring_ring import MAX_FIXED_BYTES
 
 OnDone = Callable[[BaseException | None], None]
 BACKENDS = ("auto", "uring", "threads")
@@ -78,6 +79,7 @@ class Reader(Protocol):
     note: str  # why `auto` fell back, "" if it did not
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None: ...
+    def register(self, pieces: Sequence[memoryview]) -> str: ...
     def submit(self, ops: list[ReadOp], on_done: OnDone, *, ahead: bool = False) -> Batch: ...
     def promote(self, batch: Batch) -> None: ...
     def stats(self) -> dict: ...
@@ -103,6 +105,13 @@ def plan_reads(parts: Sequence[ExpertPart], slot: memoryview, *, direct: bool) -
     return ops, {p.name: (first[p.name], p.nbytes) for p in parts}
 
 
+def slot_pieces(view: memoryview, slot_bytes: int) -> list[memoryview]:
+    """`view` (slots of `slot_bytes`) cut into pieces of whole slots, each at most the 1 GiB one
+    registered buffer may be (`Reader.register`): no slot's read crosses two of them."""
+    step = max(1, MAX_FIXED_BYTES // slot_bytes) * slot_bytes
+    return [view[i : i + step] for i in range(0, len(view), step)]
+
+
 # -- shared machinery -----------------------------------------------------------------------
 class ReaderBase:
     """What both backends share: the files, the pending queue, `submit`, counters, closing."""
@@ -123,11 +132,16 @@ class ReaderBase:
         self.sizes = [os.fstat(fd).st_size for fd in self.fds]
         self.queue = PendingQueue(depth, ahead_depth)
         self._lock = threading.Lock()
-        self._stats = {"ops": 0, "bytes": 0, "preadv_calls": 0, "errors": 0}
+        self._stats = {"ops": 0, "bytes": 0, "preadv_calls": 0, "fixed_reads": 0, "errors": 0}
         self._io0 = proc_read_bytes()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """The owner's event loop runs now (a loop-driven backend reaps on it; threads need nothing)."""
+
+    def register(self, pieces: Sequence[memoryview]) -> str:
+        """Destination memory to pin once for all reads (io_uring's registered buffers); "" if
+        done, else why not. Reads into other memory work either way."""
+        return f"no registered buffers with the {self.name} reader"
 
     def submit(self, ops: list[ReadOp], on_done: OnDone, *, ahead: bool = False) -> Batch:
         """Queue `ops` (a prefetch if `ahead`); `on_done(None | exception)` runs once, after the
@@ -257,6 +271,7 @@ class PendingQueue:
         self.depth = depth
         self.ahead_depth = depth if ahead_depth is None else max(1, min(ahead_depth, depth))
         self.cond = threading.Condition()
+        self.max_iovecs = MAX_RUN_IOVECS  # chunks a run may merge (1: none)
         self.fifos: dict[bool, deque[Chunk]] = {False: deque(), True: deque()}  # by `ahead`
         self.by_start: dict[tuple[int, int], Chunk] = {}  # (file, offset)
         self.by_end: dict[tuple[int, int], Chunk] = {}
@@ -329,7 +344,7 @@ class PendingQueue:
         self._unindex(first)
         run, size = deque([first]), first.length
         for forward in (True, False):
-            while len(run) < MAX_RUN_IOVECS:
+            while len(run) < self.max_iovecs:
                 nxt = self.by_start.get(run[-1].end_key) if forward else self.by_end.get(run[0].start_key)
                 if nxt is None or size + nxt.length > MAX_RUN_BYTES:
                     break

@@ -1,12 +1,14 @@
 """A minimal io_uring ring over the raw syscalls (ctypes, no compile step, no dependency).
 
-Only what the reader needs: set up a ring, queue READV entries, submit and wait, reap
-completions. One thread owns a ring. The kernel's structures (linux/io_uring.h):
+Only what the reader needs: set up a ring, register buffers, queue READV and READ_FIXED entries,
+submit and wait, reap completions. One thread owns a ring. The kernel's structures
+(linux/io_uring.h):
 
     SQ ring mmap (IORING_OFF_SQ_RING): head, tail, ring_mask, ..., array[u32 index into SQEs]
     CQ ring mmap (IORING_OFF_CQ_RING, or the SQ mmap with IORING_FEAT_SINGLE_MMAP): head, tail, ..., cqes[]
     SQE mmap (IORING_OFF_SQES): 64-byte entries
-        opcode u8 | flags u8 | ioprio u16 | fd s32 | off u64 | addr u64 | len u32 | rw_flags u32 | user_data u64 | pad[24]
+        opcode u8 | flags u8 | ioprio u16 | fd s32 | off u64 | addr u64 | len u32 | rw_flags u32 | user_data u64
+        | buf_index u16 | pad[22]
     CQE: user_data u64 | res s32 | flags u32
 
 Ordering: x86-64 keeps stores in order and loads in order, so plain stores of the SQE, then the
@@ -23,12 +25,13 @@ import platform
 import struct
 
 SYS_IO_URING_SETUP, SYS_IO_URING_ENTER, SYS_IO_URING_REGISTER = 425, 426, 427  # every architecture since 5.1
-REGISTER_EVENTFD = 4
+REGISTER_BUFFERS, REGISTER_EVENTFD = 0, 4
 OFF_SQ_RING, OFF_CQ_RING, OFF_SQES = 0, 0x8000000, 0x10000000
 FEAT_SINGLE_MMAP = 1 << 0
 ENTER_GETEVENTS = 1 << 0
-OP_READV = 1
-_SQE = struct.Struct("<BBHiQQIIQ24x")  # 64 bytes
+OP_READV, OP_READ_FIXED = 1, 4
+MAX_FIXED_BYTES = 1 << 30  # the kernel's limit on one registered buffer
+_SQE = struct.Struct("<BBHiQQIIQH22x")  # 64 bytes
 _CQE = struct.Struct("<QiI")  # 16 bytes
 
 
@@ -64,6 +67,18 @@ def register_eventfd(ring: Ring, efd: int) -> None:
     """Have the kernel signal `efd` (an eventfd) for every completion `ring` posts."""
     fd = ctypes.c_int32(efd)
     _syscall(SYS_IO_URING_REGISTER, ring.fd, REGISTER_EVENTFD, ctypes.c_void_p(ctypes.addressof(fd)), 1)
+
+
+def register_buffers(ring: Ring, regions: list[tuple[int, int]]) -> None:
+    """Pin the memory regions (address, length) for READ_FIXED: buffer index i is regions[i].
+    The kernel pins them once here instead of on every read (OSError: e.g. ENOMEM past the
+    locked-memory limit)."""
+    iovs = (Iovec * len(regions))(*regions)
+    _syscall(SYS_IO_URING_REGISTER, ring.fd, REGISTER_BUFFERS, ctypes.c_void_p(ctypes.addressof(iovs)), len(regions))
+
+
+class Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
 def _u32(base: int, off: int) -> ctypes.c_uint32:
@@ -115,11 +130,12 @@ class Ring:
     def free_sqes(self) -> int:
         return self.sq_entries - (self._sq_tail.value - self._sq_head.value) % (1 << 32)
 
-    def prep(self, opcode: int, fd: int, addr: int, length: int, offset: int, user_data: int) -> None:
+    def prep(self, opcode: int, fd: int, addr: int, length: int, offset: int, user_data: int,
+             buf_index: int = 0) -> None:
         """Queue one entry (not yet submitted). The caller checks `free_sqes()` first."""
         tail = self._sq_tail.value
         idx = tail & self._sq_mask
-        _SQE.pack_into(self._sqe_map, idx * _SQE.size, opcode, 0, 0, fd, offset, addr, length, 0, user_data)
+        _SQE.pack_into(self._sqe_map, idx * _SQE.size, opcode, 0, 0, fd, offset, addr, length, 0, user_data, buf_index)
         self._sq_array[idx] = idx
         self._sq_tail.value = (tail + 1) & 0xFFFFFFFF  # published last: the kernel reads the entry after this
         self._to_submit += 1

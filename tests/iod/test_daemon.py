@@ -66,6 +66,11 @@ def test_direct_io_serves_same_bytes(tiny_model, start_daemon, backend):
     d = start_daemon(tiny_model, arena_slots=4, extra_args=["--direct", "--backend", backend])
     got = run_check_all(d.endpoint, tiny_model, "inprocess")
     assert got["served"] == ModelLayout(tiny_model).experts.total_bytes
+    reader = get_status(d.status_endpoint)["reader"]
+    if reader["backend"] == "uring":  # the arena is registered with the ring: every read a READ_FIXED
+        assert reader["fixed_reads"] == reader["preadv_calls"] >= got["checked"]
+    else:
+        assert reader["fixed_reads"] == 0
 
 
 def test_concurrent_clients_single_flight(tiny_model, start_daemon):

@@ -101,6 +101,103 @@ def test_reads_every_expert_exactly(model: Path, backend: str, direct: bool) -> 
     arena.close()
 
 
+URING_ONLY = pytest.mark.skipif(bool(URING_WHY), reason=f"io_uring unavailable: {URING_WHY}")
+
+
+@URING_ONLY
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+def test_registered_buffers_read_fixed(model: Path, direct: bool) -> None:
+    """Reads into registered memory go as READ_FIXED, one per chunk, across the pieces' edges;
+    a read into other memory still goes as READV; the bytes are the file's either way."""
+    ex = ModelLayout(model).experts
+    keys = [(lay, e) for lay in range(ex.n_layer) for e in range(ex.n_expert)]
+    slot_bytes = ex.slot_bytes(direct)
+    arena, other = mmap.mmap(-1, slot_bytes * len(keys)), mmap.mmap(-1, slot_bytes)
+    view, file_bytes = memoryview(arena), model.read_bytes()
+    pieces = [view[i : i + 3 * slot_bytes] for i in range(0, len(view), 3 * slot_bytes)]  # the last one shorter
+    placed, done = [], Waiter(len(keys) + 1)
+    with open_reader(model, backend="uring", depth=4, direct=direct) as r:
+        assert r.register(pieces) == ""
+        for i, key in enumerate(keys):
+            ops, where = plan_reads(ex.parts(*key), view[i * slot_bytes : (i + 1) * slot_bytes], direct=direct)
+            placed.append(where)
+            r.submit(ops, done)
+        outside, where_out = plan_reads(ex.parts(0, 0), memoryview(other), direct=direct)
+        r.submit(outside, done)
+        assert done.wait() == []
+        stats = r.stats()
+    for i, key in enumerate(keys):
+        for part in ex.parts(*key):
+            off, n = placed[i][part.name]
+            assert view[i * slot_bytes + off : i * slot_bytes + off + n] == file_bytes[part.offset : part.offset + n]
+    for part in ex.parts(0, 0):
+        off, n = where_out[part.name]
+        assert other[off : off + n] == file_bytes[part.offset : part.offset + n]
+    n_ops = sum(len(ex.parts(*k)) for k in keys)
+    assert stats["errors"] == 0 and stats["ops"] == n_ops + len(outside)
+    assert stats["fixed_reads"] == n_ops and stats["preadv_calls"] == n_ops + len(outside)  # no coalescing
+    del ops, outside, pieces
+    view.release()
+    arena.close()
+    other.close()
+
+
+@URING_ONLY
+def test_registered_read_past_eof_and_refusals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An aligned READ_FIXED past the end of the file delivers what the file has; registering
+    twice, after a read, or a piece over 1 GiB is refused; a kernel refusal leaves READV reads."""
+    path = tmp_path / "f.bin"
+    data = os.urandom(2 * PAGE + 100)
+    path.write_bytes(data)
+    buf = mmap.mmap(-1, 3 * PAGE)
+    with open_reader(path, backend="uring", direct=True) as r:
+        assert r.register([memoryview(buf)]) == ""
+        with pytest.raises(RuntimeError, match="once"):
+            r.register([memoryview(buf)])
+        done = Waiter(1)
+        r.submit([ReadOp(0, 3 * PAGE, memoryview(buf), required=2 * PAGE + 100)], done)  # the file ends 100 bytes in
+        assert done.wait() == [] and r.stats()["fixed_reads"] >= 1
+    assert bytes(buf[: 2 * PAGE + 100]) == data
+    buf[:] = bytes(3 * PAGE)
+    with open_reader(path, backend="uring", direct=True) as r:  # two pieces; a read across their edge is a READV
+        assert r.register([memoryview(buf)[:PAGE], memoryview(buf)[PAGE:]]) == ""
+        done = Waiter(1)
+        r.submit([ReadOp(0, 2 * PAGE, memoryview(buf)[: 2 * PAGE])], done)
+        assert done.wait() == [] and r.stats()["fixed_reads"] == 0
+    assert bytes(buf[: 2 * PAGE]) == data[: 2 * PAGE]
+    big = mmap.mmap(-1, (1 << 30) + PAGE)  # never touched: no memory used
+    with open_reader(path, backend="uring") as r:
+        assert "over 1 GiB" in r.register([memoryview(big)])
+        done = Waiter(1)
+        r.submit([ReadOp(0, PAGE, memoryview(buf)[:PAGE])], done)
+        assert done.wait() == []
+        with pytest.raises(RuntimeError, match="before the first read"):
+            r.register([memoryview(buf)])
+    big.close()
+
+    def refuse(ring, regions):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(reader_uring, "register_buffers", refuse)
+    buf[:] = bytes(3 * PAGE)
+    with open_reader(path, backend="uring") as r:
+        assert "LimitMEMLOCK" in r.register([memoryview(buf)])
+        done = Waiter(1)
+        r.submit([ReadOp(0, PAGE, memoryview(buf)[:PAGE]), ReadOp(PAGE, PAGE, memoryview(buf)[PAGE : 2 * PAGE])], done)
+        assert done.wait() == []
+        st = r.stats()
+    assert st["fixed_reads"] == 0 and st["preadv_calls"] == 1  # READV, coalesced as before
+    assert bytes(buf[: 2 * PAGE]) == data[: 2 * PAGE]
+    buf.close()
+
+
+def test_threads_reader_registers_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * PAGE)
+    with open_reader(path, backend="threads") as r:
+        assert "threads" in r.register([memoryview(bytearray(PAGE))])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_submits_racing_the_reader_all_finish(model: Path, backend: str) -> None:
     """Four threads submitting one-read batches as fast as they can while the reader works: every

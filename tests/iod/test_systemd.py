@@ -76,6 +76,7 @@ def test_unit_essentials() -> None:
     assert not any("/dev/shm" in keys.get(k, "") for k in ("InaccessiblePaths", "ReadOnlyPaths", "TemporaryFileSystem"))
     assert keys.get("PrivateIPC", "no") == "no"
     assert "AF_UNIX" in keys["RestrictAddressFamilies"]  # ipc sockets
+    assert keys["LimitMEMLOCK"] == "infinity"  # the arena registered with the ring (READ_FIXED)
 
 
 def test_example_config_loads_and_covers_every_key(tmp_path: Path) -> None:
