@@ -1,4 +1,4 @@
-"""`uring` readers: an io_uring ring keeps up to `depth` coalesced READVs in flight.
+"""`uring` readers: an io_uring ring keeps up to `depth` reads in flight.
 
 Two drivers of the same ring work (`UringBase`):
 - `UringReader`: a thread owns the ring. New work wakes it through an eventfd whose read is
@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .readers import ReadError, ReaderBase, Run, chunk_errors
-from .uring_ring import MAX_FIXED_BYTES, OP_READ_FIXED, OP_READV, Iovec, Ring, RingUnavailable, register_buffers, register_eventfd
+from .uring_ring import (MAX_FIXED_BYTES, OP_READ_FIXED, OP_READV, Iovec, Ring, RingUnavailable, register_buffers,
+                         register_eventfd)
 
 WAKE = 0  # user_data of the eventfd read
 
@@ -81,14 +82,18 @@ class UringBase(ReaderBase):
         if self._fixed or self._flights or self._stats["ops"]:
             raise RuntimeError("register: buffers are registered once, before the first read")
         big = [len(b) for b in pieces if len(b) > MAX_FIXED_BYTES]
-        if not pieces or big:
-            return f"no registered buffers: a piece of {big[0]} bytes is over 1 GiB" if big else "no registered buffers: none given"
+        if big:
+            return f"no registered buffers: a piece of {big[0]} bytes is over 1 GiB"
+        if not pieces:
+            return "no registered buffers: none given"
         anchors = [ctypes.c_char.from_buffer(b) for b in pieces]
         regions = sorted((ctypes.addressof(a), len(b)) for a, b in zip(anchors, pieces))
         try:
             register_buffers(self.ring, regions)
         except OSError as e:
-            hint = " (raise the locked-memory limit: LimitMEMLOCK= in the unit, ulimit -l)" if e.errno == errno.ENOMEM else ""
+            hint = ""
+            if e.errno == errno.ENOMEM:
+                hint = " (raise the locked-memory limit: LimitMEMLOCK= in the unit, ulimit -l)"
             return f"registered buffers unavailable: {e.strerror}{hint}; reading with READV"
         self._fixed_anchors = anchors
         self._fixed = [(a, a + n) for a, n in regions]

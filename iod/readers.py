@@ -11,7 +11,9 @@ from several files in one submit.
 
 Ops submitted together, or pending at the same time, whose ranges in one file touch are coalesced
 into one vectored read (one iovec per op), so a layer's worth of adjacent experts costs a
-few large reads instead of many small ones.
+few large reads instead of many small ones. A ring reading into registered buffers (the
+daemon's arena, `register`) reads each op on its own instead: a READ_FIXED names one buffer,
+and the kernel's block layer can still merge neighbours handed over in one submit.
 
 Each submit is demand (default) or `ahead` (a prefetch). Pending demand chunks are always
 taken before prefetch chunks, and prefetch reads may hold at most `ahead_depth` of the
@@ -132,6 +134,7 @@ class ReaderBase:
         self.sizes = [os.fstat(fd).st_size for fd in self.fds]
         self.queue = PendingQueue(depth, ahead_depth)
         self._lock = threading.Lock()
+        # preadv_calls: reads issued (READV, preadv or READ_FIXED), fixed_reads of them READ_FIXED
         self._stats = {"ops": 0, "bytes": 0, "preadv_calls": 0, "fixed_reads": 0, "errors": 0}
         self._io0 = proc_read_bytes()
 

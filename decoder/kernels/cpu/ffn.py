@@ -317,7 +317,14 @@ class TableRows:
 
     def set(self, i: int, key: int, mats: Mats) -> None:
         """Row i := the expert `mats` (checked as `expert_table` checks it), held under `key`."""
-        one = expert_table(self.base, [mats])
+        self.put(i, key, self.check(mats))
+
+    def check(self, mats: Mats) -> ExpertTable:
+        """The expert `mats` as a checked one-row table over this base, for `put`."""
+        return expert_table(self.base, [mats])
+
+    def put(self, i: int, key: int, one: ExpertTable) -> None:
+        """Row i := the one-row table `one` (from `check` on this base), held under `key`."""
         t = self._table
         if t is None:
             n = self.held.size
