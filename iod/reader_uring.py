@@ -99,6 +99,7 @@ class UringBase(ReaderBase):
         self._fixed = [(a, a + n) for a, n in regions]
         self._fixed_starts = [a for a, _ in self._fixed]
         self.queue.max_iovecs = 1  # a READ_FIXED names one buffer
+        self.registered = True
         return ""
 
     def _fixed_index(self, addr: int, length: int) -> int:

@@ -79,6 +79,7 @@ class ReadOp:
 class Reader(Protocol):
     name: str  # "uring" | "threads"
     note: str  # why `auto` fell back, "" if it did not
+    registered: bool  # destination memory pinned once (`register`)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None: ...
     def register(self, pieces: Sequence[memoryview]) -> str: ...
@@ -122,6 +123,7 @@ class ReaderBase:
 
     def __init__(self, paths: str | Sequence[str], depth: int, direct: bool, ahead_depth: int | None = None):
         self.note = ""
+        self.registered = False  # reads into `register`ed memory go as READ_FIXED
         one = isinstance(paths, (str, os.PathLike))
         self.paths, self.depth, self.direct = [os.fspath(paths)] if one else [os.fspath(p) for p in paths], depth, direct
         self.fds: list[int] = []

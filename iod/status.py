@@ -143,7 +143,8 @@ def build_status(server: Server, hottest: int = 10) -> dict[str, Any]:
         "index": layout.experts.summary(),
         "endpoint": cfg.endpoint,
         "backend": {"name": server.reader.name, "note": server.reader.note, "direct": cfg.direct,
-                    "queue_depth": cfg.queue_depth},  # as configured; `reader` has its live counters
+                    "queue_depth": cfg.queue_depth, "registered": server.reader.registered},
+        # (as configured; `reader` has its live counters)
         "arena": {"name": server.arena.name, **server.cache.stats()},
         "memory": {"budget": cfg.memory, "daemon_bytes": server.daemon_bytes,  # budget None: arena sized directly
                    "arena_bytes": server.arena.n_slots * server.arena.slot_bytes},

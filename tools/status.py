@@ -115,6 +115,7 @@ def format_status(s: dict[str, Any]) -> str:
         ("model", f"{s['model']} ({s['arch']}, {s['index']['n_layer']} layers x {s['index']['n_expert']} experts)"),
         ("pid / uptime", f"{s['pid']} / {s['uptime_s']:.0f} s" + _cpu(s)),
         ("backend", f"{b['name']} depth {b['queue_depth']}{' O_DIRECT' if b['direct'] else ''}"
+                    f"{', READ_FIXED into the registered arena' if b.get('registered') else ''}"
                     + (f"  ({b['note']})" if b["note"] else "")),
         ("arena", f"{a['name']}: {a['n_slots']} slots x {_mib(a['slot_bytes'])} = {_mib(a['arena_bytes'])}; "
                   f"{a['resident']} resident, {a['loading']} loading, {a['leased_slots']} leased"

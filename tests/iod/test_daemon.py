@@ -24,7 +24,7 @@ from moestream.common.client import (
     IodUnavailable,
 )
 from moestream.common.layout import ModelLayout
-from moestream.tools.status import get_status
+from moestream.tools.status import format_status, get_status
 
 # Takes leases, says so, then waits to be killed.
 HOLD_LEASES = r"""
@@ -66,8 +66,11 @@ def test_direct_io_serves_same_bytes(tiny_model, start_daemon, backend):
     d = start_daemon(tiny_model, arena_slots=4, extra_args=["--direct", "--backend", backend])
     got = run_check_all(d.endpoint, tiny_model, "inprocess")
     assert got["served"] == ModelLayout(tiny_model).experts.total_bytes
-    reader = get_status(d.status_endpoint)["reader"]
-    if reader["backend"] == "uring":  # the arena is registered with the ring: every read a READ_FIXED
+    s = get_status(d.status_endpoint)
+    reader, registered = s["reader"], s["backend"]["registered"]
+    assert registered == (reader["backend"] == "uring")
+    assert ("READ_FIXED" in format_status(s)) == registered
+    if registered:  # the arena is pinned with the ring: every read a READ_FIXED
         assert reader["fixed_reads"] == reader["preadv_calls"] >= got["checked"]
     else:
         assert reader["fixed_reads"] == 0
