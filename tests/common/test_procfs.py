@@ -47,27 +47,38 @@ def test_cpu_seconds_grow_with_work_and_a_gone_process_has_none():
     assert proc_cpu_s(2 ** 22 + 12345) is None  # above any pid_max
 
 
+_REFERENCED = """
+import mmap, sys
+from moestream.common.procfs import clear_referenced, referenced_file_bytes
+size, maps = 16 << 20, []
+for path in sys.argv[1:]:
+    with open(path, "rb") as f:
+        maps.append(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
+assert clear_referenced()
+before = referenced_file_bytes()
+for m in maps:
+    sum(m[i] for i in range(0, size, 4096))
+print(referenced_file_bytes() - before)
+"""
+
+
 def test_file_pages_referenced_since_a_clear_and_shared_memory_left_out(tmp_path):
-    """This process's file pages touched after clear_refs: a mapped file read after the clear
-    counts, the same bytes in shared memory (/dev/shm) do not; a gone process has no figure."""
-    import mmap
+    """A process's file pages touched after clear_refs: a mapped file read after the clear counts,
+    the same bytes in shared memory (/dev/shm) do not; a gone process has no figure. (In a process
+    of its own: in pytest's, another test's leftover thread could touch library pages meanwhile.)"""
+    import subprocess
+    import sys
 
     size = 16 << 20
     paths = [tmp_path / "f.bin", Path("/dev/shm") / f"moestream-test-{os.getpid()}"]
-    maps = []
     try:
         for path in paths:
             path.write_bytes(b"\1" * size)
-            with open(path, "rb") as f:
-                maps.append(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
-        assert clear_referenced()
-        before = referenced_file_bytes()
-        for m in maps:
-            sum(m[i] for i in range(0, size, 4096))
-        grew = referenced_file_bytes() - before
+        out = subprocess.run([sys.executable, "-c", _REFERENCED, *map(str, paths)], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        grew = int(out.stdout)
         assert size <= grew < 2 * size, grew  # the file's 16 MiB, not the shared memory's too
     finally:
-        for m in maps:
-            m.close()
         paths[1].unlink(missing_ok=True)
     assert referenced_file_bytes(2 ** 22 + 12345) is None and clear_referenced(2 ** 22 + 12345) is False
