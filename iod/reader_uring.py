@@ -71,15 +71,19 @@ class UringBase(ReaderBase):
         self.efd = os.eventfd(0, os.EFD_CLOEXEC)
         self._flights: dict[int, _Flight] = {}
         self._next_id = WAKE + 1
-        self._fixed: list[tuple[int, int]] = []  # registered (address, end), by address: buffer i
-        self._fixed_starts: list[int] = []
+        self._fixed_starts: list[int] = []  # registered buffer i: [starts[i], ends[i]), by address
+        self._fixed_ends: list[int] = []
         self._fixed_anchors: list[ctypes.c_char] = []
+
+    @property
+    def registered(self) -> bool:
+        return bool(self._fixed_starts)
 
     def register(self, pieces: Sequence[memoryview]) -> str:
         """Pin `pieces` (writable, each at most 1 GiB, before any read) as the ring's registered
         buffers: reads into them go as READ_FIXED from now on. Returns "" or why not (reads then
         go on as READVs)."""
-        if self._fixed or self._flights or self._stats["ops"]:
+        if self.registered or self._flights or self._stats["ops"]:
             raise RuntimeError("register: buffers are registered once, before the first read")
         big = [len(b) for b in pieces if len(b) > MAX_FIXED_BYTES]
         if big:
@@ -96,16 +100,14 @@ class UringBase(ReaderBase):
                 hint = " (raise the locked-memory limit: LimitMEMLOCK= in the unit, ulimit -l)"
             return f"registered buffers unavailable: {e.strerror}{hint}; reading with READV"
         self._fixed_anchors = anchors
-        self._fixed = [(a, a + n) for a, n in regions]
-        self._fixed_starts = [a for a, _ in self._fixed]
+        self._fixed_starts, self._fixed_ends = [a for a, _ in regions], [a + n for a, n in regions]
         self.queue.max_iovecs = 1  # a READ_FIXED names one buffer
-        self.registered = True
         return ""
 
     def _fixed_index(self, addr: int, length: int) -> int:
         """The registered buffer holding [addr, addr + length), or -1."""
         i = bisect.bisect_right(self._fixed_starts, addr) - 1
-        return i if i >= 0 and addr + length <= self._fixed[i][1] else -1
+        return i if i >= 0 and addr + length <= self._fixed_ends[i] else -1
 
     def _probe_read(self, fd: int) -> None:
         """One 8-byte READV of the eventfd `fd` (holding a count), waited for: proves READV
@@ -144,7 +146,7 @@ class UringBase(ReaderBase):
         uid, self._next_id = self._next_id, self._next_id + 1
         self._flights[uid] = f
         fd, at = self.fds[f.run[0].file], f.run[0].offset + f.got
-        buf = self._fixed_index(*iovs[0]) if len(iovs) == 1 and self._fixed else -1
+        buf = self._fixed_index(*iovs[0]) if len(iovs) == 1 and self.registered else -1
         if buf >= 0:
             self.ring.prep(OP_READ_FIXED, fd, iovs[0][0], iovs[0][1], at, uid, buf)
         else:
@@ -185,7 +187,7 @@ class UringBase(ReaderBase):
 
     def _teardown(self) -> None:
         self.ring.close()  # (unpins the registered buffers)
-        self._fixed_anchors = []
+        self._fixed_anchors, self._fixed_starts, self._fixed_ends = [], [], []
         self._close_files()
         if self.efd >= 0:
             os.close(self.efd)

@@ -123,7 +123,6 @@ class ReaderBase:
 
     def __init__(self, paths: str | Sequence[str], depth: int, direct: bool, ahead_depth: int | None = None):
         self.note = ""
-        self.registered = False  # reads into `register`ed memory go as READ_FIXED
         one = isinstance(paths, (str, os.PathLike))
         self.paths, self.depth, self.direct = [os.fspath(paths)] if one else [os.fspath(p) for p in paths], depth, direct
         self.fds: list[int] = []
@@ -142,6 +141,8 @@ class ReaderBase:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """The owner's event loop runs now (a loop-driven backend reaps on it; threads need nothing)."""
+
+    registered = False  # reads into `register`ed memory go as READ_FIXED
 
     def register(self, pieces: Sequence[memoryview]) -> str:
         """Destination memory to pin once for all reads (io_uring's registered buffers); "" if
