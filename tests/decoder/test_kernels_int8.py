@@ -525,9 +525,10 @@ def test_iq_aux_signs_on_each_path(monkeypatch, without) -> None:
 @pytest.mark.parametrize("without", [None, "bmi2+avx512vbmi"], ids=["host", "no-bmi2-vbmi"])
 def test_iq_indices_on_each_path(monkeypatch, without) -> None:
     """IQ1_S's, IQ1_M's, IQ2_S's and IQ3_S's code-book indices (a byte of qs and 1 to 4 bits of qh
-    above it), put together by two pdep per four or a byte at a time: read back through a table
-    whose entry i is i, against ggml's layouts in numpy; IQ3_S's (with VBMI looked up as level
-    words in registers) through its code book, with its signs; compiled afresh per path."""
+    above it), put together by two pdep per four or a byte at a time (IQ1_S's also as vector lanes
+    for gathers, iq1s_runs): read back through a table whose entry i is i, against ggml's layouts
+    in numpy; IQ3_S's (with VBMI looked up as level words in registers) through its code book,
+    with its signs; compiled afresh per path."""
     from moestream.decoder.kernels.cpu.rows_int import WORDS_IQ3_S
     from moestream.decoder.kernels.cpu.rows_iq import GRID32_IQ3_S
     from moestream.decoder.kernels.cpu.simd import blocks as blk
@@ -543,6 +544,12 @@ def test_iq_indices_on_each_path(monkeypatch, without) -> None:
             U, _, _ = blk.iq1m_prep(addr(block), 0, addr(table))
         for j in range(8):
             _st_b(addr(out), 32 * j, U[j])
+
+    @njit(cache=False)
+    def iq1s_runs(block, table, out):
+        U, _, _ = blk.iq1s_runs(addr(block), 0, addr(table))
+        for r in range(4):
+            sv.st_i32(addr(out), 64 * r, U[r])
 
     @njit(cache=False)
     def iq2s(block, table, out):
@@ -566,6 +573,8 @@ def test_iq_indices_on_each_path(monkeypatch, without) -> None:
         got = np.zeros(256, np.uint8)
         indices(block, table, got, 0)  # IQ1_S: f16 d, qs[32], u16 qh[8] (3 bits per group)
         qs, qh = block[2:34].astype(np.int64), block[34:50].view(np.uint16).astype(np.int64)
+        np.testing.assert_array_equal(got.view(np.uint64), qs | (qh[k32 // 4] >> (3 * (k32 % 4)) & 7) << 8)
+        iq1s_runs(block, table, got)
         np.testing.assert_array_equal(got.view(np.uint64), qs | (qh[k32 // 4] >> (3 * (k32 % 4)) & 7) << 8)
         indices(block, table, got, 1)  # IQ1_M: qs[32], qh[16] (a nibble per group)
         qs, qh = block[:32].astype(np.int64), block[32:48].astype(np.int64)

@@ -111,6 +111,7 @@ KV2_E2M1 = np.tile(np.array((0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8,
 # 0.61 a row ahead, 0.78 per step).
 PREFETCH_BYTES = 2048
 WIDE_TYPES = (Q.Q1_0, Q.TQ1_0, Q.TQ2_0, Q.Q2_K, Q.Q3_K, Q.IQ2_XS, Q.IQ2_S)  # wide activations (above)
+_FAST_GATHER = blk.has_fast_gather()  # (IQ1_S: iq1s_runs' gathers, else iq1s_prep's loads)
 _EIGHTH, _QUARTER, _INV127, _F127 = np.float32(0.125), np.float32(0.25), np.float32(1.0 / 127.0), np.float32(127.0)
 
 
@@ -504,6 +505,8 @@ def _iq1_s(p, off, n_in, R, nx):
     """50 B / 256: f16 d, qs[32], u16 qh[8]: sub-block ib's 4 groups are grid entries of 8 + 3
     bits (qs[4 ib + l], bits 3l.. of qh[ib]); w = d (2 s + 1) (grid + delta), delta = +-1/8,
     dotted as d (2 s + 1) ((grid + 1) . a) - d / 8 x 8 (1 - delta) (2 s + 1) x sum(a)."""
+    if _FAST_GATHER:
+        return _iq1_s_runs(p, off, n_in, R, nx)
     o, grid = np.int64(off), addr(GRID64_IQ1_S_P1)
     c0, c1, c2, c3 = _zeros()
     for sb in range(n_in // 256):
@@ -515,6 +518,50 @@ def _iq1_s(p, off, n_in, R, nx):
         c0, c1, c2, c3 = _sb(U, U, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 50
     return _fin(c0, c1, c2, c3)
+
+
+@njit(**_INL)
+def _iq1_s_row(i, R, U, c, cm, e, acc):
+    """acc + activation row i's dots with an IQ1_S super-block's four 64-byte runs of grid + 1
+    (each sub-block's 8 lanes times its c and the activations' d), then its offsets in lanes 0-7
+    (cm times the activations' d x sum per 32). One chain of FMAs (llvm.fma: numba's fast-math
+    flags reach adds and multiplies, and a block's terms summed apart were reassociated
+    differently in the one-row kernel than in the four-row one)."""
+    a = R[i]
+    cd = s.f8_fma(c, s.f8_ld(R[4 + i], (e >> 5) * 4), s.f8_splat(np.float32(0.0)))  # (as _runs_row's)
+    acc = _plain_run(a, U, cd, 0, e, acc)
+    acc = _plain_run(a, U, cd, 1, e, acc)
+    acc = _plain_run(a, U, cd, 2, e, acc)
+    acc = _plain_run(a, U, cd, 3, e, acc)
+    return v.fma(s.f8_wide(s.f8_ld(R[8 + i], (e >> 5) * 4)), s.f8_wide(cm), acc)
+
+
+@njit(**_INL)
+def _plain_run(a, U, cd, r, e, acc):
+    """_run_row without signs."""
+    t = s.dp64_neg(v.izero(), U[r], np.int64(0), a, e + 64 * r)
+    return v.fma(v.to_f(t), s.f8_pair(cd, r), acc)
+
+
+@njit(**_INL)
+def _iq1_s_runs(p, off, n_in, R, nx):
+    """_iq1_s with the code book gathered as four 64-byte runs (iq1s_runs, has_fast_gather)."""
+    o, grid = np.int64(off), addr(GRID64_IQ1_S_P1)
+    c0, c1, c2, c3 = v.zero(), v.zero(), v.zero(), v.zero()
+    for sb in range(n_in // 256):
+        s.prefetch_lines(p, o + PREFETCH_BYTES, 50)
+        U, k, m = blk.iq1s_runs(p, o, grid)
+        d = f16_at(p, o)
+        c = s.f8_mul(k, s.f8_splat(d))
+        cm = s.f8_mul(m, s.f8_splat(-(d * _EIGHTH)))
+        e = 256 * sb
+        c0 = _iq1_s_row(0, R, U, c, cm, e, c0)
+        if nx > 1:
+            c1 = _iq1_s_row(1, R, U, c, cm, e, c1)
+            c2 = _iq1_s_row(2, R, U, c, cm, e, c2)
+            c3 = _iq1_s_row(3, R, U, c, cm, e, c3)
+        o += 50
+    return v.hsum(c0), v.hsum(c1), v.hsum(c2), v.hsum(c3)
 
 
 @njit(**_INL)

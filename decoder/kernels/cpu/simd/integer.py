@@ -784,6 +784,18 @@ def f8_hsum(typingctx, a):
 
 
 @intrinsic
+def f8_wide(typingctx, a):
+    """The 8 floats a in lanes 0-7 of a 16-lane vector, zeros above (a 256-bit register read as 512)."""
+    if a != vf8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.shuffle_vector(args[0], ir.Constant(_VF, [0.0] * 8), ir.Constant(ir.VectorType(_I32, 16), list(range(16))))
+
+    return _vecf(a), codegen
+
+
+@intrinsic
 def prefetch_lines(typingctx, p, off, nbytes):
     """Ask for the cache lines of the nbytes at address p + off (llvm.prefetch: read, keep in all
     levels). Addresses past a mapping are harmless: a prefetch never faults. Without it the dots
