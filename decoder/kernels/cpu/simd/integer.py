@@ -674,7 +674,12 @@ def tq1_dot256(typingctx, sums, p, off, a, e):
     bytes are one 64-byte vector X; X 3^n (n = 0..4, byte adds: x86 has no byte multiply) hold
     every digit plane of every byte at once, and the four 64-element runs of the block are their
     16-byte lanes in element order (lane shuffles; qh's 16 digits one dword permute). A digit is
-    (x >= 86) + (x >= 171): two unsigned compares. One 64-byte vpdpbusd per run, as tq2_dot256."""
+    (x >= 86) + (x >= 171): two unsigned compares, and one 64-byte vpdpbusd per run, as
+    tq2_dot256. With VNNI (whose u8 x s8 products never saturate) no digit is made: as 3 x mod
+    256 is the next plane's byte, digit = (3 x - (3 x mod 256)) / 256, so the digits' dot is
+    (3 A - B) / 256 for A the dot of the bytes x and B of the bytes 3 x (two adds), exact in
+    int32; the compares and their port 5 go (one thread, a 4096 x 1536 expert: 0.79 / 0.76 ->
+    0.73 / 0.73 ms)."""
     if sums != _veci or not _ints(p, off, a, e):
         return None
 
@@ -723,6 +728,15 @@ def tq1_dot256(typingctx, sums, p, off, a, e):
         runs = [lanes((0, 0), (0, 1), (1, 0), (1, 1)), lanes((2, 0), (2, 1), (3, 0), (3, 1)),
                 lanes((4, 0), (4, 1), (0, 2), (1, 2)), lanes((2, 2), (3, 2), (4, 2)) + hq]
         acc = args[0]
+        if has_vnni():  # digits linear in the planes: no compares (above)
+            zero = ir.Constant(d16, [0] * 16)
+            A = B = zero
+            for c, picks in enumerate(runs):
+                q, a = gather(picks), _ld64(builder, args[3], args[4], 64 * c)
+                A = _dp512(builder, A, q, a)
+                B = _dp512(builder, B, builder.add(builder.add(q, q), q), a)
+            exact = builder.sub(builder.add(builder.add(A, A), A), B)  # 256 x each lane's digit dot
+            return builder.add(acc, builder.ashr(exact, ir.Constant(d16, [8] * 16)))
         for c, picks in enumerate(runs):
             q = gather(picks)
             one = [builder.zext(builder.icmp_unsigned(">=", q, ir.Constant(v64, [t] * 64)), v64) for t in (86, 171)]
