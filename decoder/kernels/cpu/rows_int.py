@@ -512,12 +512,17 @@ def _iq1_s(p, off, n_in, R, nx):
     for sb in range(n_in // 256):
         s.prefetch_lines(p, o + PREFETCH_BYTES, 50)
         U, k, m = blk.iq1s_prep(p, o, grid)
-        d = f16_at(p, o)
-        c = s.f8_mul(k, s.f8_splat(d))
-        cm = s.f8_mul(m, s.f8_splat(-(d * _EIGHTH)))
+        c, cm = _iq1_s_scales(p, o, k, m)
         c0, c1, c2, c3 = _sb(U, U, _NK, 0, c, cm, True, 256 * sb, nx, R, c0, c1, c2, c3)
         o += 50
     return _fin(c0, c1, c2, c3)
+
+
+@njit(**_INL)
+def _iq1_s_scales(p, o, k, m):
+    """(c, cm) of the IQ1_S super-block at p + o: its d times k, and -d / 8 times m."""
+    d = f16_at(p, o)
+    return s.f8_mul(k, s.f8_splat(d)), s.f8_mul(m, s.f8_splat(-(d * _EIGHTH)))
 
 
 @njit(**_INL)
@@ -551,9 +556,7 @@ def _iq1_s_runs(p, off, n_in, R, nx):
     for sb in range(n_in // 256):
         s.prefetch_lines(p, o + PREFETCH_BYTES, 50)
         U, k, m = blk.iq1s_runs(p, o, grid)
-        d = f16_at(p, o)
-        c = s.f8_mul(k, s.f8_splat(d))
-        cm = s.f8_mul(m, s.f8_splat(-(d * _EIGHTH)))
+        c, cm = _iq1_s_scales(p, o, k, m)
         e = 256 * sb
         c0 = _iq1_s_row(0, R, U, c, cm, e, c0)
         if nx > 1:
