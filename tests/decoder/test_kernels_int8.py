@@ -298,10 +298,10 @@ def test_dpbusd_on_each_path(monkeypatch, features) -> None:
     bytes <= 128, as the kernels keep them), also with per-lane scales (dpbusd_k); the 16-entry
     lookup (vpshufb or per byte), the bit expansion, the 64-byte dots of activations negated by
     bits (a masked subtract, psignb or a select; also with per-16 scales, dp64_neg_k), the TQ1_0
-    block dot (one masked load or three; digits by compares, or with VNNI none: 3 A - B), Q2_K's (its codes by vgf2p8affineqb or a shift and a
-    mask; a vpshufb, two or one per byte) and Q3_K's (its unsigned codes by vgf2p8affineqb or
-    shifts, vpmaddubsw + vpdpwssd on 64 or 32 bytes or plain IR; against gguf-py's dequantizer)
-    agree; each compiled afresh per path."""
+    block dot (one masked load or three; digits by compares, or with VNNI none: 3 A - B), Q2_K's
+    (its codes by vgf2p8affineqb or a shift and a mask; a vpshufb, two or one per byte) and Q3_K's
+    (its unsigned codes by vgf2p8affineqb or shifts, vpmaddubsw + vpdpwssd on 64 or 32 bytes or
+    plain IR; against gguf-py's dequantizer) agree; each compiled afresh per path."""
     if features == "no gfni":
         _without(monkeypatch, "gfni")
     elif features is not None:

@@ -729,8 +729,7 @@ def tq1_dot256(typingctx, sums, p, off, a, e):
                 lanes((4, 0), (4, 1), (0, 2), (1, 2)), lanes((2, 2), (3, 2), (4, 2)) + hq]
         acc = args[0]
         if has_vnni():  # digits linear in the planes: no compares (above)
-            zero = ir.Constant(d16, [0] * 16)
-            A = B = zero
+            A = B = ir.Constant(d16, [0] * 16)
             for c, picks in enumerate(runs):
                 q, a = gather(picks), _ld64(builder, args[3], args[4], 64 * c)
                 A = _dp512(builder, A, q, a)
