@@ -71,6 +71,28 @@ class Waiter:
         return self.errors
 
 
+def _submit_each(r, ex, keys, view: memoryview, slot_bytes: int, direct: bool, on_done) -> list[dict]:
+    """One submit per expert into its own slot of `view`, all pending at once, as the daemon issues
+    them; where each expert's parts land."""
+    placed = []
+    for i, key in enumerate(keys):
+        ops, where = plan_reads(ex.parts(*key), view[i * slot_bytes : (i + 1) * slot_bytes], direct=direct)
+        placed.append(where)
+        r.submit(ops, on_done)
+    return placed
+
+
+def _assert_slots_hold(model: Path, ex, keys, view: memoryview, slot_bytes: int, placed: list[dict]) -> None:
+    """Every expert's parts in its slot are the file's bytes (a plain read of the file: the
+    independent reference)."""
+    file_bytes = model.read_bytes()
+    for i, key in enumerate(keys):
+        for part in ex.parts(*key):
+            off, n = placed[i][part.name]
+            assert view[i * slot_bytes + off : i * slot_bytes + off + n] == file_bytes[part.offset : part.offset + n], \
+                f"expert {key} part {part.name} differs"
+
+
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_reads_every_expert_exactly(model: Path, backend: str, direct: bool) -> None:
@@ -80,23 +102,14 @@ def test_reads_every_expert_exactly(model: Path, backend: str, direct: bool) -> 
     slot_bytes = ex.slot_bytes(direct)
     arena = mmap.mmap(-1, slot_bytes * len(keys))  # page-aligned, like the shared-memory arena
     view = memoryview(arena)
-    file_bytes = model.read_bytes()  # independent reference: a plain read of the file
-    placed, done = [], Waiter(len(keys))
+    done = Waiter(len(keys))
     with open_reader(model, backend=backend, depth=4, direct=direct) as r:
         assert r.name == backend and r.note == ""
-        for i, key in enumerate(keys):  # one submit per expert, all pending at once, like the daemon
-            ops, where = plan_reads(ex.parts(*key), view[i * slot_bytes : (i + 1) * slot_bytes], direct=direct)
-            placed.append(where)
-            r.submit(ops, done)
+        placed = _submit_each(r, ex, keys, view, slot_bytes, direct, done)
         assert done.wait() == []
         stats = r.stats()
-    for i, key in enumerate(keys):
-        for part in ex.parts(*key):
-            off, n = placed[i][part.name]
-            got = view[i * slot_bytes + off : i * slot_bytes + off + n]
-            assert got == file_bytes[part.offset : part.offset + n], f"expert {key} part {part.name} differs"
+    _assert_slots_hold(model, ex, keys, view, slot_bytes, placed)
     assert stats["errors"] == 0 and stats["ops"] == sum(len(ex.parts(*k)) for k in keys)
-    del ops, got
     view.release()
     arena.close()
 
@@ -113,30 +126,22 @@ def test_registered_buffers_read_fixed(model: Path, direct: bool) -> None:
     keys = [(lay, e) for lay in range(ex.n_layer) for e in range(ex.n_expert)]
     slot_bytes = ex.slot_bytes(direct)
     arena, other = mmap.mmap(-1, slot_bytes * len(keys)), mmap.mmap(-1, slot_bytes)
-    view, file_bytes = memoryview(arena), model.read_bytes()
+    view = memoryview(arena)
     pieces = [view[i : i + 3 * slot_bytes] for i in range(0, len(view), 3 * slot_bytes)]  # the last one shorter
-    placed, done = [], Waiter(len(keys) + 1)
+    done = Waiter(len(keys) + 1)
     with open_reader(model, backend="uring", depth=4, direct=direct) as r:
         assert r.register(pieces) == ""
-        for i, key in enumerate(keys):
-            ops, where = plan_reads(ex.parts(*key), view[i * slot_bytes : (i + 1) * slot_bytes], direct=direct)
-            placed.append(where)
-            r.submit(ops, done)
+        placed = _submit_each(r, ex, keys, view, slot_bytes, direct, done)
         outside, where_out = plan_reads(ex.parts(0, 0), memoryview(other), direct=direct)
         r.submit(outside, done)
         assert done.wait() == []
         stats = r.stats()
-    for i, key in enumerate(keys):
-        for part in ex.parts(*key):
-            off, n = placed[i][part.name]
-            assert view[i * slot_bytes + off : i * slot_bytes + off + n] == file_bytes[part.offset : part.offset + n]
-    for part in ex.parts(0, 0):
-        off, n = where_out[part.name]
-        assert other[off : off + n] == file_bytes[part.offset : part.offset + n]
+    _assert_slots_hold(model, ex, keys, view, slot_bytes, placed)
+    _assert_slots_hold(model, ex, [(0, 0)], memoryview(other), slot_bytes, [where_out])
     n_ops = sum(len(ex.parts(*k)) for k in keys)
     assert stats["errors"] == 0 and stats["ops"] == n_ops + len(outside)
     assert stats["fixed_reads"] == n_ops and stats["preadv_calls"] == n_ops + len(outside)  # no coalescing
-    del ops, outside, pieces
+    del outside, pieces
     view.release()
     arena.close()
     other.close()
@@ -424,17 +429,14 @@ def test_loop_reader_reads_every_expert_on_its_loop(model: Path, direct: bool) -
         r = open_reader(model, backend="uring", depth=4, direct=direct, on_loop=True)
         assert isinstance(r, reader_uring.LoopUringReader) and {t.ident for t in threading.enumerate()} == threads_before
         r.start(loop)
-        placed, called, all_done = [], [], loop.create_future()
+        called, all_done = [], loop.create_future()
 
         def on_done(err):
             called.append((threading.get_ident(), err))
             if len(called) == len(keys):
                 all_done.set_result(None)
 
-        for i, key in enumerate(keys):
-            ops, where = plan_reads(ex.parts(*key), view[i * slot_bytes : (i + 1) * slot_bytes], direct=direct)
-            placed.append(where)
-            r.submit(ops, on_done)
+        placed = _submit_each(r, ex, keys, view, slot_bytes, direct, on_done)
         await asyncio.wait_for(all_done, 10)
         stats = r.stats()
         r.close()
@@ -442,11 +444,7 @@ def test_loop_reader_reads_every_expert_on_its_loop(model: Path, direct: bool) -
 
     placed, called, stats = _on_loop(body)
     assert {who for who, _ in called} == {threading.get_ident()} and [e for _, e in called] == [None] * len(keys)
-    file_bytes = model.read_bytes()
-    for i, key in enumerate(keys):
-        for part in ex.parts(*key):
-            off, n = placed[i][part.name]
-            assert view[i * slot_bytes + off : i * slot_bytes + off + n] == file_bytes[part.offset : part.offset + n]
+    _assert_slots_hold(model, ex, keys, view, slot_bytes, placed)
     assert stats["errors"] == 0 and stats["ops"] == sum(len(ex.parts(*k)) for k in keys)
     view.release()
     arena.close()

@@ -532,20 +532,13 @@ def _iq1_s_row(i, R, U, c, cm, e, acc):
     (cm times the activations' d x sum per 32). One chain of FMAs (llvm.fma: numba's fast-math
     flags reach adds and multiplies, and a block's terms summed apart were reassociated
     differently in the one-row kernel than in the four-row one)."""
-    a = R[i]
+    a, unsigned = R[i], s.i8_zero()  # (no sign bits: _run_row's negations fold away)
     cd = s.f8_fma(c, s.f8_ld(R[4 + i], (e >> 5) * 4), s.f8_splat(np.float32(0.0)))  # (as _runs_row's)
-    acc = _plain_run(a, U, cd, 0, e, acc)
-    acc = _plain_run(a, U, cd, 1, e, acc)
-    acc = _plain_run(a, U, cd, 2, e, acc)
-    acc = _plain_run(a, U, cd, 3, e, acc)
+    acc = _run_row(a, U, unsigned, cd, 0, e, acc)
+    acc = _run_row(a, U, unsigned, cd, 1, e, acc)
+    acc = _run_row(a, U, unsigned, cd, 2, e, acc)
+    acc = _run_row(a, U, unsigned, cd, 3, e, acc)
     return v.fma(s.f8_wide(s.f8_ld(R[8 + i], (e >> 5) * 4)), s.f8_wide(cm), acc)
-
-
-@njit(**_INL)
-def _plain_run(a, U, cd, r, e, acc):
-    """_run_row without signs."""
-    t = s.dp64_neg(v.izero(), U[r], np.int64(0), a, e + 64 * r)
-    return v.fma(v.to_f(t), s.f8_pair(cd, r), acc)
 
 
 @njit(**_INL)
